@@ -1,0 +1,180 @@
+//! The command-line surface of `robota-mcpctl`: flags, subcommands and their help.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+const TOP_EXAMPLES: &str = "\
+Examples:
+  robota-mcpctl status
+  robota-mcpctl bearer issue --label ci --ttl 30d --output ci.token
+  robota-mcpctl --json bearer list
+
+Exit codes: 0 ok, 1 the daemon refused the command, 2 bad usage, 3 robota-mcpd is not
+running, 4 permission denied, 5 protocol error.";
+
+/// Control a running robota-mcpd over its unix control socket.
+#[derive(Debug, Parser)]
+#[command(name = "robota-mcpctl", version, after_help = TOP_EXAMPLES)]
+pub struct Cli {
+    /// Control socket [default: $XDG_RUNTIME_DIR/robota-mcpd/control.sock if it exists,
+    /// else /run/robota-mcpd/control.sock]
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = robota_proto::SOCKET_ENV,
+        help_heading = "Global options"
+    )]
+    pub socket: Option<PathBuf>,
+
+    /// Print the daemon's reply as one JSON line on stdout, for scripts
+    #[arg(long, global = true, help_heading = "Global options")]
+    pub json: bool,
+
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CtlCommand {
+    /// Show version, state, carriers, bearers and refusals in the last hour
+    #[command(after_help = "\
+Example:
+  robota-mcpctl status
+  robota-mcpctl --json status | jq .uptime_secs")]
+    Status,
+
+    /// Issue, list, revoke or rotate bearers
+    #[command(subcommand)]
+    Bearer(BearerCommand),
+
+    /// Stop the daemon gracefully (in-flight requests get a bounded grace)
+    #[command(after_help = "\
+Example:
+  robota-mcpctl stop")]
+    Stop,
+
+    /// Fresh attach: new session, new bearers, readiness re-announced
+    #[command(after_help = "\
+Example:
+  robota-mcpctl restart
+
+Every bearer stops working; fetch the new host bearer with `robota-mcpctl bearer issue`.")]
+    Restart,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BearerCommand {
+    /// Print the host bearer, or mint an extra bearer with --label (shown once)
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl bearer issue > host.token
+  robota-mcpctl bearer issue --label ci --ttl 30d --output ci.token
+
+The secret is printed alone on stdout, or written to a new file created with mode 0600
+(an existing file is never overwritten).")]
+    Issue {
+        /// Mint an extra bearer with this label instead of returning the host bearer
+        #[arg(long, value_name = "L")]
+        label: Option<String>,
+
+        /// Lifetime of the extra bearer, e.g. 90s, 10m, 12h, 30d [default: no expiry]
+        #[arg(long, value_name = "D", requires = "label", value_parser = parse_ttl)]
+        ttl: Option<u64>,
+
+        /// Write the secret to this new file (mode 0600) instead of stdout
+        #[arg(long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+
+    /// List live bearers (never their secrets)
+    #[command(after_help = "\
+Example:
+  robota-mcpctl bearer list")]
+    List,
+
+    /// Revoke the bearer with this label; it stops working at once
+    #[command(after_help = "\
+Example:
+  robota-mcpctl bearer revoke ci")]
+    Revoke {
+        /// Label of the bearer to revoke
+        #[arg(value_name = "LABEL")]
+        label: String,
+    },
+
+    /// Replace the host bearer; the old one stops working at once
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl bearer rotate > host.token
+  robota-mcpctl bearer rotate --output /etc/myclient/host.token")]
+    Rotate {
+        /// Write the new secret to this new file (mode 0600) instead of stdout
+        #[arg(long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+}
+
+/// Parses `--ttl` into whole seconds (at least one).
+pub fn parse_ttl(text: &str) -> Result<u64, String> {
+    let hint = "expected a duration like 90s, 10m, 12h or 30d";
+    let duration: Duration =
+        humantime::parse_duration(text).map_err(|err| format!("{err}; {hint}"))?;
+    if duration.subsec_nanos() != 0 {
+        return Err(format!("must be whole seconds; {hint}"));
+    }
+    match duration.as_secs() {
+        0 => Err(format!("must be at least 1s; {hint}")),
+        secs => Ok(secs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn ttl_accepts_human_durations_in_whole_seconds() {
+        assert_eq!(parse_ttl("10m"), Ok(600));
+        assert_eq!(parse_ttl("90s"), Ok(90));
+        assert_eq!(parse_ttl("1h 30m"), Ok(5400));
+        assert_eq!(parse_ttl("30d"), Ok(30 * 86_400));
+        for bad in ["", "0s", "10", "1500ms", "soon", "-5m"] {
+            assert!(parse_ttl(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn every_command_has_an_example() {
+        let mut cli = Cli::command();
+        let mut missing = Vec::new();
+        let mut seen = 0;
+        for sub in cli.get_subcommands_mut() {
+            let leaves: Vec<_> = if sub.has_subcommands() {
+                sub.get_subcommands().cloned().collect()
+            } else {
+                vec![sub.clone()]
+            };
+            for leaf in leaves {
+                seen += 1;
+                let help = leaf.get_after_help().map(|h| h.to_string());
+                if !help.is_some_and(|h| h.contains("robota-mcpctl ")) {
+                    missing.push(leaf.get_name().to_owned());
+                }
+            }
+        }
+        assert!(seen >= 7, "expected the full command set, saw {seen}");
+        assert!(
+            missing.is_empty(),
+            "commands without an example: {missing:?}"
+        );
+    }
+}

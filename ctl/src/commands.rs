@@ -1,0 +1,150 @@
+//! One function per subcommand: build the request, check the reply's kind, print it.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use robota_proto::{Command, Reply, Request, Secret};
+
+use crate::cli::{BearerCommand, CtlCommand};
+use crate::client;
+use crate::error::CtlError;
+use crate::render;
+use crate::secret_file::SecretFile;
+
+/// What every command needs: where the daemon is, and how to print.
+#[derive(Debug)]
+pub struct Ctx {
+    pub socket: PathBuf,
+    pub json: bool,
+}
+
+pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
+    match command {
+        CtlCommand::Status => match call(ctx, Command::Status)? {
+            Reply::Status(status) if !ctx.json => print(&render::status(&status)),
+            reply @ Reply::Status(_) => print_json(&reply),
+            other => Err(unexpected("status", &other)),
+        },
+        CtlCommand::Bearer(BearerCommand::Issue { label, ttl, output }) => {
+            let command = Command::BearerIssue {
+                label: label.clone(),
+                ttl_secs: *ttl,
+            };
+            bearer_secret(ctx, command, output.as_deref())
+        }
+        CtlCommand::Bearer(BearerCommand::List) => match call(ctx, Command::BearerList)? {
+            Reply::Bearers { bearers } if !ctx.json => print(&render::bearers(&bearers)),
+            reply @ Reply::Bearers { .. } => print_json(&reply),
+            other => Err(unexpected("bearers", &other)),
+        },
+        CtlCommand::Bearer(BearerCommand::Revoke { label }) => {
+            let command = Command::BearerRevoke {
+                label: label.clone(),
+            };
+            match call(ctx, command)? {
+                Reply::Revoked { label } if !ctx.json => {
+                    print(&format!("revoked bearer {:?}\n", render::clean(&label)))
+                }
+                reply @ Reply::Revoked { .. } => print_json(&reply),
+                other => Err(unexpected("revoked", &other)),
+            }
+        }
+        CtlCommand::Bearer(BearerCommand::Rotate { output }) => {
+            bearer_secret(ctx, Command::BearerRotate, output.as_deref())
+        }
+        CtlCommand::Stop => match call(ctx, Command::Stop)? {
+            Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),
+            reply @ Reply::Stopping => print_json(&reply),
+            other => Err(unexpected("stopping", &other)),
+        },
+        CtlCommand::Restart => match call(ctx, Command::Restart)? {
+            Reply::Restarted { status } if !ctx.json => print(&format!(
+                "robota-mcpd restarted (generation {})\n\n{}",
+                status.generation,
+                render::status(&status)
+            )),
+            reply @ Reply::Restarted { .. } => print_json(&reply),
+            other => Err(unexpected("restarted", &other)),
+        },
+    }
+}
+
+/// `bearer issue` and `bearer rotate`: the secret goes alone to stdout, or to a new file.
+fn bearer_secret(ctx: &Ctx, command: Command, output: Option<&Path>) -> Result<(), CtlError> {
+    // Claim the file first: an existing file must refuse before anything is minted.
+    let file = output.map(SecretFile::create).transpose()?;
+    let reply = call(ctx, command)?;
+    let Reply::Bearer {
+        label,
+        secret,
+        expires_at,
+    } = &reply
+    else {
+        return Err(unexpected("bearer", &reply));
+    };
+    let Some(file) = file else {
+        return if ctx.json {
+            print_json(&reply)
+        } else {
+            print_secret(secret)
+        };
+    };
+    let path = file.path().to_owned();
+    file.write(secret)?;
+    if ctx.json {
+        let mut value = serde_json::to_value(&reply).map_err(json_error)?;
+        if let Some(object) = value.as_object_mut() {
+            object.remove("secret");
+        }
+        print(&format!("{value}\n"))?;
+    }
+    eprintln!(
+        "robota-mcpctl: wrote bearer {:?} to {} (mode 0600{})",
+        render::clean(label),
+        path.display(),
+        render::expiry_suffix(*expires_at)
+    );
+    Ok(())
+}
+
+fn call(ctx: &Ctx, command: Command) -> Result<Reply, CtlError> {
+    client::call(&ctx.socket, &Request::new(command))
+}
+
+/// A reply of the wrong kind for the command we sent.
+fn unexpected(wanted: &str, got: &Reply) -> CtlError {
+    let kind = match got {
+        Reply::Status(_) => "status",
+        Reply::Bearer { .. } => "bearer",
+        Reply::Bearers { .. } => "bearers",
+        Reply::Revoked { .. } => "revoked",
+        Reply::Stopping => "stopping",
+        Reply::Restarted { .. } => "restarted",
+    };
+    CtlError::Protocol(format!("expected a {wanted:?} reply, got {kind:?}"))
+}
+
+fn json_error(err: serde_json::Error) -> CtlError {
+    CtlError::Protocol(format!("cannot encode the reply: {err}"))
+}
+
+/// The reply object (the value inside `ok`) as one JSON line.
+fn print_json(reply: &Reply) -> Result<(), CtlError> {
+    let text = serde_json::to_string(reply).map_err(json_error)?;
+    print(&format!("{text}\n"))
+}
+
+fn print_secret(secret: &Secret) -> Result<(), CtlError> {
+    let mut out = io::stdout().lock();
+    out.write_all(secret.expose().as_bytes())
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush())
+        .map_err(CtlError::Stdout)
+}
+
+fn print(text: &str) -> Result<(), CtlError> {
+    let mut out = io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(CtlError::Stdout)
+}

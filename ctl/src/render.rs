@@ -1,0 +1,311 @@
+//! Human-readable output: the status block, tables, and RFC 3339 times from unix seconds.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use robota_proto::{BearerInfo, Status};
+
+/// Replaces control characters in daemon-supplied text so it cannot drive the terminal.
+pub fn clean(text: &str) -> Cow<'_, str> {
+    if text.chars().any(char::is_control) {
+        Cow::Owned(
+            text.chars()
+                .map(|c| if c.is_control() { '\u{fffd}' } else { c })
+                .collect(),
+        )
+    } else {
+        Cow::Borrowed(text)
+    }
+}
+
+/// Unix seconds as RFC 3339 UTC, e.g. `2023-11-14T22:13:20Z`.
+pub fn rfc3339(unix_secs: u64) -> String {
+    // u64 seconds fit i64 days many times over; the arithmetic below cannot overflow.
+    let days = i64::try_from(unix_secs / 86_400).unwrap_or(i64::MAX / 2);
+    let secs_of_day = unix_secs % 86_400;
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs_of_day / 3600,
+        secs_of_day / 60 % 60,
+        secs_of_day % 60
+    )
+}
+
+/// An optional time, `-` when absent.
+pub fn opt_time(unix_secs: Option<u64>) -> String {
+    unix_secs.map_or_else(|| "-".to_owned(), rfc3339)
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day); Howard Hinnant's
+/// `civil_from_days`.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // [0, 146096]
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
+    let mp = (5 * doy + 2) / 153; // [0, 11], March-based
+    let day = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
+    let month = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    // Both are in small ranges by construction.
+    (
+        year,
+        u32::try_from(month).unwrap_or(1),
+        u32::try_from(day).unwrap_or(1),
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Align {
+    Left,
+    Right,
+}
+
+/// Columns separated by two spaces, padded to the widest cell, no trailing blanks.
+pub fn table(columns: &[(&str, Align)], rows: &[Vec<String>]) -> String {
+    let header: Vec<String> = columns.iter().map(|(name, _)| (*name).to_owned()).collect();
+    let all: Vec<&Vec<String>> = std::iter::once(&header)
+        .filter(|h| h.iter().any(|cell| !cell.is_empty()))
+        .chain(rows)
+        .collect();
+    let widths: Vec<usize> = (0..columns.len())
+        .map(|i| {
+            all.iter()
+                .map(|row| row.get(i).map_or(0, |cell| cell.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in all {
+        let mut line = String::new();
+        for (i, (_, align)) in columns.iter().enumerate() {
+            let cell = row.get(i).map_or("", String::as_str);
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            if i > 0 {
+                line.push_str("  ");
+            }
+            match align {
+                Align::Left => {
+                    line.push_str(cell);
+                    line.extend(std::iter::repeat_n(' ', pad));
+                }
+                Align::Right => {
+                    line.extend(std::iter::repeat_n(' ', pad));
+                    line.push_str(cell);
+                }
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// The `status` block: key/values, the carriers table, refusals by reason.
+pub fn status(status: &Status) -> String {
+    let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
+    let facts = [
+        ("version", clean(&status.version).into_owned()),
+        ("pid", status.pid.to_string()),
+        ("state", clean(&status.state).into_owned()),
+        (
+            "uptime",
+            humantime::format_duration(Duration::from_secs(status.uptime_secs)).to_string(),
+        ),
+        ("generation", status.generation.to_string()),
+        ("catalog size", status.catalog_size.to_string()),
+        (
+            "submission tool",
+            clean(&status.submission_tool).into_owned(),
+        ),
+        ("active turn", yes_no(status.active_turn)),
+        ("bearers", status.bearer_count.to_string()),
+    ];
+    let rows: Vec<Vec<String>> = facts
+        .into_iter()
+        .map(|(key, value)| vec![format!("{key}:"), value])
+        .collect();
+    let mut out = table(&[("", Align::Left), ("", Align::Left)], &rows);
+
+    out.push('\n');
+    if status.carriers.is_empty() {
+        out.push_str("no carriers\n");
+    } else {
+        let rows: Vec<Vec<String>> = status
+            .carriers
+            .iter()
+            .map(|c| {
+                vec![
+                    clean(&c.name).into_owned(),
+                    clean(&c.address).into_owned(),
+                    c.public_url
+                        .as_deref()
+                        .map_or_else(|| "-".to_owned(), |url| clean(url).into_owned()),
+                    c.admitted.to_string(),
+                    c.refused.to_string(),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                ("CARRIER", Align::Left),
+                ("ADDRESS", Align::Left),
+                ("PUBLIC URL", Align::Left),
+                ("ADMITTED", Align::Right),
+                ("REFUSED", Align::Right),
+            ],
+            &rows,
+        ));
+    }
+
+    out.push('\n');
+    if status.refusals_last_hour.is_empty() {
+        out.push_str("no refusals in the last hour\n");
+    } else {
+        let rows: Vec<Vec<String>> = status
+            .refusals_last_hour
+            .iter()
+            .map(|(reason, count)| vec![clean(reason).into_owned(), count.to_string()])
+            .collect();
+        out.push_str(&table(
+            &[
+                ("REFUSED (LAST HOUR)", Align::Left),
+                ("COUNT", Align::Right),
+            ],
+            &rows,
+        ));
+    }
+    out
+}
+
+/// The `bearer list` table.
+pub fn bearers(bearers: &[BearerInfo]) -> String {
+    if bearers.is_empty() {
+        return "no live bearers\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = bearers
+        .iter()
+        .map(|b| {
+            vec![
+                clean(&b.label).into_owned(),
+                rfc3339(b.created_at),
+                opt_time(b.expires_at),
+                opt_time(b.last_used_at),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("LABEL", Align::Left),
+            ("CREATED", Align::Left),
+            ("EXPIRES", Align::Left),
+            ("LAST USED", Align::Left),
+        ],
+        &rows,
+    )
+}
+
+/// `, expires <time>` or nothing, for confirmation lines.
+pub fn expiry_suffix(expires_at: Option<u64>) -> String {
+    expires_at
+        .map(|at| format!(", expires {}", rfc3339(at)))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use robota_proto::CarrierStatus;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn rfc3339_matches_known_instants() {
+        let cases = [
+            (0, "1970-01-01T00:00:00Z"),
+            (59, "1970-01-01T00:00:59Z"),
+            (86_399, "1970-01-01T23:59:59Z"),
+            (951_782_400, "2000-02-29T00:00:00Z"),
+            (951_868_800, "2000-03-01T00:00:00Z"),
+            (1_700_000_000, "2023-11-14T22:13:20Z"),
+            (4_107_542_400, "2100-03-01T00:00:00Z"),
+            (253_402_300_799, "9999-12-31T23:59:59Z"),
+        ];
+        for (secs, want) in cases {
+            assert_eq!(rfc3339(secs), want, "{secs}");
+        }
+        // Absurd values format without panicking.
+        assert!(rfc3339(u64::MAX).ends_with('Z'));
+        assert_eq!(opt_time(None), "-");
+    }
+
+    #[test]
+    fn tables_align_and_trim() {
+        let text = table(
+            &[("NAME", Align::Left), ("N", Align::Right)],
+            &[
+                vec!["a".into(), "1".into()],
+                vec!["long-name".into(), "123".into()],
+            ],
+        );
+        assert_eq!(text, "NAME         N\na            1\nlong-name  123\n");
+    }
+
+    #[test]
+    fn status_shows_carriers_and_refusals() {
+        let status = Status {
+            version: "0.1.0".into(),
+            pid: 42,
+            uptime_secs: 3723,
+            state: "serving".into(),
+            generation: 1,
+            carriers: vec![CarrierStatus {
+                name: "remote".into(),
+                address: "0.0.0.0:8443".into(),
+                public_url: Some("https://mcp.example.com/mcp".into()),
+                admitted: 7,
+                refused: 3,
+            }],
+            catalog_size: 12,
+            submission_tool: "agent_submit".into(),
+            active_turn: false,
+            bearer_count: 2,
+            refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
+        };
+        let text = super::status(&status);
+        for needle in [
+            "pid:              42",
+            "uptime:           1h 2m 3s",
+            "active turn:      no",
+            "https://mcp.example.com/mcp",
+            "remote   0.0.0.0:8443  https://mcp.example.com/mcp         7        3",
+            "bad-token                3",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn bearer_table_uses_dashes_for_absent_times() {
+        let text = bearers(&[BearerInfo {
+            label: "ci".into(),
+            created_at: 0,
+            expires_at: None,
+            last_used_at: Some(1_700_000_000),
+        }]);
+        assert!(text.starts_with("LABEL"), "{text}");
+        assert!(
+            text.contains("ci     1970-01-01T00:00:00Z  -        2023-11-14T22:13:20Z"),
+            "{text}"
+        );
+        assert_eq!(bearers(&[]), "no live bearers\n");
+    }
+
+    #[test]
+    fn control_characters_are_neutralised() {
+        assert_eq!(clean("plain"), "plain");
+        assert_eq!(clean("a\x1b[2Jb\n"), "a\u{fffd}[2Jb\u{fffd}");
+    }
+}

@@ -1,0 +1,549 @@
+//! Black-box tests of the real `robota-mcpctl` binary against a stand-in daemon that speaks
+//! the real wire protocol on a unix socket in a temp dir.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command as Process, Output};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use robota_proto::{
+    BearerInfo, CarrierStatus, Command, ErrorCode, Reply, Request, Response, SOCKET_ENV, Secret,
+    Status, exit,
+};
+use tempfile::TempDir;
+
+const SECRET: &str = "rbt_test_5ecret_Zq9xT4";
+
+/// A one-shot stand-in daemon: accepts one connection, optionally reads one request line,
+/// answers one canned line, and hands back the decoded request.
+struct StandIn {
+    dir: TempDir,
+    socket: PathBuf,
+    handle: Option<JoinHandle<Result<Option<Command>, String>>>,
+}
+
+impl StandIn {
+    fn answering(response: &Response) -> Self {
+        let line = serde_json::to_string(response).expect("encode response");
+        Self::raw(line, true)
+    }
+
+    /// Answers `line` (a newline is appended); with `read_first == false` it answers and
+    /// closes without reading, as the daemon does for a refused peer.
+    fn raw(line: String, read_first: bool) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("control.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let handle = thread::spawn(move || serve_once(&listener, &line, read_first));
+        Self {
+            dir,
+            socket,
+            handle: Some(handle),
+        }
+    }
+
+    /// The request the CLI sent (None when the stand-in did not read it).
+    fn request(&mut self) -> Option<Command> {
+        let handle = self.handle.take().expect("request() is called once");
+        match handle.join() {
+            Ok(Ok(request)) => request,
+            Ok(Err(problem)) => panic!("stand-in daemon: {problem}"),
+            Err(_) => panic!("stand-in daemon panicked"),
+        }
+    }
+}
+
+fn serve_once(
+    listener: &UnixListener,
+    answer: &str,
+    read_first: bool,
+) -> Result<Option<Command>, String> {
+    // Poll accept with a deadline so a CLI that never connects fails the test, not hangs it.
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let stream = loop {
+        match listener.accept() {
+            Ok((stream, _)) => break stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    return Err("the CLI never connected".into());
+                }
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(format!("accept: {e}")),
+        }
+    };
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .map_err(|e| e.to_string())?;
+    let request = if read_first {
+        let mut line = String::new();
+        BufReader::new(&stream)
+            .read_line(&mut line)
+            .map_err(|e| format!("read request: {e}"))?;
+        let Some(frame) = line.strip_suffix('\n') else {
+            return Err(format!("request not newline-terminated: {line:?}"));
+        };
+        if frame.len() > robota_proto::MAX_REQUEST_BYTES {
+            return Err("request frame too large".into());
+        }
+        Some(decode_request(frame)?)
+    } else {
+        None
+    };
+    (&stream)
+        .write_all(format!("{answer}\n").as_bytes())
+        .map_err(|e| format!("write answer: {e}"))?;
+    Ok(request)
+}
+
+/// Decodes a request frame the way the daemon does and checks it is the canonical
+/// encoding, field for field.
+fn decode_request(frame: &str) -> Result<Command, String> {
+    let request =
+        Request::decode(frame.as_bytes()).map_err(|(code, e)| format!("{code}: {e}: {frame}"))?;
+    let canonical = serde_json::to_string(&request).map_err(|e| e.to_string())?;
+    let given: serde_json::Value = serde_json::from_str(frame).map_err(|e| e.to_string())?;
+    let canonical: serde_json::Value =
+        serde_json::from_str(&canonical).map_err(|e| e.to_string())?;
+    if canonical != given {
+        return Err(format!("request is not canonical: {frame}"));
+    }
+    Ok(request.command)
+}
+
+fn ctl(args: &[&str]) -> Output {
+    ctl_with(args, |_| {})
+}
+
+fn ctl_with(args: &[&str], tweak: impl FnOnce(&mut Process)) -> Output {
+    let mut process = Process::new(env!("CARGO_BIN_EXE_robota-mcpctl"));
+    process.args(args).env_remove(SOCKET_ENV);
+    tweak(&mut process);
+    process.output().expect("run robota-mcpctl")
+}
+
+fn socket_arg(path: &Path) -> &str {
+    path.to_str().expect("utf-8 temp path")
+}
+
+fn code(output: &Output) -> i32 {
+    output.status.code().expect("exited, not signalled")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).expect("utf-8 stdout")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).expect("utf-8 stderr")
+}
+
+fn sample_status() -> Status {
+    Status {
+        version: "0.1.0".into(),
+        pid: 4242,
+        uptime_secs: 3723,
+        state: "serving".into(),
+        generation: 0,
+        carriers: vec![
+            CarrierStatus {
+                name: "loopback".into(),
+                address: "127.0.0.1:8765".into(),
+                public_url: None,
+                admitted: 10,
+                refused: 1,
+            },
+            CarrierStatus {
+                name: "remote".into(),
+                address: "0.0.0.0:8443".into(),
+                public_url: Some("https://mcp.example.com/mcp".into()),
+                admitted: 5,
+                refused: 4,
+            },
+        ],
+        catalog_size: 12,
+        submission_tool: "agent_submit".into(),
+        active_turn: false,
+        bearer_count: 2,
+        refusals_last_hour: BTreeMap::from([("bad-token".into(), 4), ("no-token".into(), 1)]),
+    }
+}
+
+fn bearer_reply(label: &str) -> Response {
+    Response::ok(Reply::Bearer {
+        label: label.into(),
+        secret: Secret(SECRET.into()),
+        expires_at: None,
+    })
+}
+
+#[test]
+fn no_socket_means_not_running() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("absent.sock");
+    let out = ctl(&["--socket", socket_arg(&socket), "status"]);
+    assert_eq!(code(&out), exit::NOT_RUNNING, "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.starts_with("robota-mcpctl: "), "{err}");
+    assert!(err.contains("not running"), "{err}");
+    assert!(err.contains(socket_arg(&socket)), "{err}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn a_socket_nobody_listens_on_means_not_running() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("stale.sock");
+    drop(UnixListener::bind(&socket).expect("bind"));
+    assert!(socket.exists(), "the stale socket file stays behind");
+    let out = ctl(&["--socket", socket_arg(&socket), "status"]);
+    assert_eq!(code(&out), exit::NOT_RUNNING, "{}", stderr(&out));
+}
+
+#[test]
+fn a_permission_denied_refusal_exits_4() {
+    let refusal = Response::error(ErrorCode::PermissionDenied, "uid 1000 is not allowed");
+    let mut daemon = StandIn::raw(serde_json::to_string(&refusal).expect("encode"), false);
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "status"]);
+    daemon.request();
+    assert_eq!(code(&out), exit::PERMISSION_DENIED, "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out),
+        "robota-mcpctl: permission-denied: uid 1000 is not allowed\n"
+    );
+}
+
+#[test]
+fn bearer_issue_prints_the_secret_alone() {
+    let mut daemon = StandIn::answering(&bearer_reply("default"));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "bearer", "issue"]);
+    let request = daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    assert_eq!(stdout(&out), format!("{SECRET}\n"));
+    assert!(!stderr(&out).contains(SECRET));
+    assert_eq!(
+        request,
+        Some(Command::BearerIssue {
+            label: None,
+            ttl_secs: None
+        })
+    );
+}
+
+#[test]
+fn bearer_issue_sends_label_and_ttl_in_seconds() {
+    let mut daemon = StandIn::answering(&bearer_reply("ci"));
+    let out = ctl(&[
+        "--socket",
+        socket_arg(&daemon.socket),
+        "bearer",
+        "issue",
+        "--label",
+        "ci",
+        "--ttl",
+        "10m",
+    ]);
+    let request = daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    assert_eq!(
+        request,
+        Some(Command::BearerIssue {
+            label: Some("ci".into()),
+            ttl_secs: Some(600)
+        })
+    );
+}
+
+#[test]
+fn bearer_issue_output_writes_a_new_0600_file_and_never_overwrites() {
+    let mut daemon = StandIn::answering(&bearer_reply("ci"));
+    let socket = socket_arg(&daemon.socket).to_owned();
+    let target = daemon.dir.path().join("ci.token");
+    let args = [
+        "--socket",
+        &socket,
+        "bearer",
+        "issue",
+        "--label",
+        "ci",
+        "--output",
+        socket_arg(&target),
+    ];
+    let out = ctl(&args);
+    daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    assert!(!stdout(&out).contains(SECRET), "secret leaked to stdout");
+    let err = stderr(&out);
+    assert!(!err.contains(SECRET), "secret leaked to stderr");
+    assert!(err.contains("\"ci\""), "{err}");
+    assert!(err.contains(socket_arg(&target)), "{err}");
+    let mode = fs::metadata(&target)
+        .expect("metadata")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(
+        fs::read_to_string(&target).expect("read"),
+        format!("{SECRET}\n")
+    );
+
+    // Again: the file exists, so the CLI refuses before contacting the daemon (nobody
+    // listens any more, which would be exit 3 had it connected).
+    let before = fs::read(&target).expect("read");
+    let again = ctl(&args);
+    assert_eq!(code(&again), exit::FAILED, "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("refusing to overwrite"),
+        "{}",
+        stderr(&again)
+    );
+    assert!(!stderr(&again).contains(SECRET));
+    assert!(again.stdout.is_empty());
+    assert_eq!(fs::read(&target).expect("read"), before);
+}
+
+#[test]
+fn a_refused_issue_leaves_no_output_file() {
+    let mut daemon = StandIn::answering(&Response::error(ErrorCode::Conflict, "label ci exists"));
+    let target = daemon.dir.path().join("ci.token");
+    let out = ctl(&[
+        "--socket",
+        socket_arg(&daemon.socket),
+        "bearer",
+        "issue",
+        "--label",
+        "ci",
+        "--output",
+        socket_arg(&target),
+    ]);
+    daemon.request();
+    assert_eq!(code(&out), exit::FAILED, "{}", stderr(&out));
+    assert_eq!(stderr(&out), "robota-mcpctl: conflict: label ci exists\n");
+    assert!(!target.exists(), "the unused output file must be removed");
+}
+
+#[test]
+fn bearer_rotate_prints_the_new_secret_alone() {
+    let mut daemon = StandIn::answering(&bearer_reply("default"));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "bearer", "rotate"]);
+    assert_eq!(daemon.request(), Some(Command::BearerRotate));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    assert_eq!(stdout(&out), format!("{SECRET}\n"));
+}
+
+#[test]
+fn json_bearer_issue_prints_the_reply_with_its_secret() {
+    let mut daemon = StandIn::answering(&bearer_reply("default"));
+    let out = ctl(&[
+        "--socket",
+        socket_arg(&daemon.socket),
+        "--json",
+        "bearer",
+        "issue",
+    ]);
+    daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    let reply: Reply = serde_json::from_str(stdout(&out).trim_end()).expect("reply JSON");
+    assert_eq!(
+        reply,
+        Reply::Bearer {
+            label: "default".into(),
+            secret: Secret(SECRET.into()),
+            expires_at: None
+        }
+    );
+}
+
+#[test]
+fn json_status_prints_the_status_object_on_one_line() {
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Status(sample_status())));
+    let out = ctl(&["--json", "--socket", socket_arg(&daemon.socket), "status"]);
+    assert_eq!(daemon.request(), Some(Command::Status));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    let status: Status = serde_json::from_str(&text).expect("Status JSON");
+    assert_eq!(status, sample_status());
+    let value: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(value["kind"], "status");
+}
+
+#[test]
+fn human_status_shows_carriers_and_refusals() {
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Status(sample_status())));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "status"]);
+    daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    let text = stdout(&out);
+    for needle in [
+        "4242",
+        "serving",
+        "1h 2m 3s",
+        "agent_submit",
+        "127.0.0.1:8765",
+        "https://mcp.example.com/mcp",
+        "bad-token",
+        "no-token",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+    }
+}
+
+#[test]
+fn bearer_list_is_a_table_with_rfc3339_times() {
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Bearers {
+        bearers: vec![
+            BearerInfo {
+                label: "default".into(),
+                created_at: 1_700_000_000,
+                expires_at: None,
+                last_used_at: None,
+            },
+            BearerInfo {
+                label: "ci".into(),
+                created_at: 1_700_000_000,
+                expires_at: Some(1_700_086_400),
+                last_used_at: Some(1_700_000_060),
+            },
+        ],
+    }));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "bearer", "list"]);
+    assert_eq!(daemon.request(), Some(Command::BearerList));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[0].starts_with("LABEL"), "{text}");
+    assert!(
+        lines[1].starts_with("default  2023-11-14T22:13:20Z  -"),
+        "{text}"
+    );
+    assert!(lines[2].contains("2023-11-15T22:13:20Z"), "{text}");
+    assert!(lines[2].ends_with("2023-11-14T22:14:20Z"), "{text}");
+}
+
+#[test]
+fn bearer_revoke_of_an_unknown_label_exits_1() {
+    let mut daemon = StandIn::answering(&Response::error(ErrorCode::NotFound, "no bearer \"ci\""));
+    let out = ctl(&[
+        "--socket",
+        socket_arg(&daemon.socket),
+        "bearer",
+        "revoke",
+        "ci",
+    ]);
+    assert_eq!(
+        daemon.request(),
+        Some(Command::BearerRevoke { label: "ci".into() })
+    );
+    assert_eq!(code(&out), exit::FAILED, "{}", stderr(&out));
+    assert_eq!(stderr(&out), "robota-mcpctl: not-found: no bearer \"ci\"\n");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn stop_and_restart_send_their_commands() {
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Stopping));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "stop"]);
+    assert_eq!(daemon.request(), Some(Command::Stop));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+
+    let mut status = sample_status();
+    status.generation = 1;
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Restarted { status }));
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "restart"]);
+    assert_eq!(daemon.request(), Some(Command::Restart));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+    assert!(stdout(&out).contains("generation 1"), "{}", stdout(&out));
+}
+
+#[test]
+fn bad_usage_exits_2_without_contacting_anyone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("absent.sock");
+    let socket = socket_arg(&socket);
+    for args in [
+        &["--socket", socket, "frobnicate"][..],
+        &["--socket", socket, "bearer"],
+        &["--socket", socket, "bearer", "revoke"],
+        &[
+            "--socket", socket, "bearer", "issue", "--label", "ci", "--ttl", "soon",
+        ],
+        &["--socket", socket, "bearer", "issue", "--ttl", "10m"],
+        &["--socket", socket, "status", "--secret", "x"],
+    ] {
+        let out = ctl(args);
+        assert_eq!(code(&out), exit::USAGE, "{args:?}: {}", stderr(&out));
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn replies_we_do_not_understand_exit_5() {
+    for answer in [
+        r#"{"v":2,"ok":{"kind":"stopping"}}"#.to_owned(),
+        "hello".to_owned(),
+        // The wrong kind for the command.
+        serde_json::to_string(&Response::ok(Reply::Stopping)).expect("encode"),
+    ] {
+        let mut daemon = StandIn::raw(answer.clone(), true);
+        let out = ctl(&["--socket", socket_arg(&daemon.socket), "status"]);
+        daemon.request();
+        assert_eq!(code(&out), exit::PROTOCOL, "{answer}: {}", stderr(&out));
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn the_socket_comes_from_the_environment_or_the_runtime_dir() {
+    let mut daemon = StandIn::answering(&Response::ok(Reply::Stopping));
+    let socket = daemon.socket.clone();
+    let out = ctl_with(&["stop"], |p| {
+        p.env(SOCKET_ENV, &socket);
+    });
+    daemon.request();
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+
+    // $XDG_RUNTIME_DIR/robota-mcpd/control.sock when it exists.
+    let runtime = tempfile::tempdir().expect("tempdir");
+    fs::create_dir(runtime.path().join("robota-mcpd")).expect("mkdir");
+    let socket = runtime.path().join("robota-mcpd").join("control.sock");
+    let listener = UnixListener::bind(&socket).expect("bind");
+    let answer = serde_json::to_string(&Response::ok(Reply::Stopping)).expect("encode");
+    let server = thread::spawn(move || serve_once(&listener, &answer, true));
+    let out = ctl_with(&["stop"], |p| {
+        p.env("XDG_RUNTIME_DIR", runtime.path());
+    });
+    let request = server.join().expect("join").expect("stand-in");
+    assert_eq!(request, Some(Command::Stop));
+    assert_eq!(code(&out), exit::OK, "{}", stderr(&out));
+}
+
+#[test]
+fn every_command_has_help_with_an_example() {
+    let commands: [&[&str]; 8] = [
+        &[],
+        &["status"],
+        &["bearer", "issue"],
+        &["bearer", "list"],
+        &["bearer", "revoke"],
+        &["bearer", "rotate"],
+        &["stop"],
+        &["restart"],
+    ];
+    for command in commands {
+        let mut args = command.to_vec();
+        args.push("--help");
+        let out = ctl(&args);
+        assert_eq!(code(&out), exit::OK, "{args:?}");
+        let text = stdout(&out);
+        assert!(text.contains("Example"), "{args:?}:\n{text}");
+    }
+}

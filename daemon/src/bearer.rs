@@ -1,0 +1,317 @@
+//! Loopback bearers: 256 random bits, hex encoded, compared in constant time.
+//!
+//! The host bearer (label `default`) is minted at every attach and kept in memory so the
+//! trusted owner can fetch it over the control socket. Extra bearers are shown once at
+//! minting and then kept only as a SHA-256 digest. Nothing here logs, formats or returns
+//! a secret except [`BearerStore::host_secret`] and the minting calls.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// The host bearer's label.
+pub const HOST_LABEL: &str = "default";
+/// Most extra bearers alive at once.
+pub const MAX_BEARERS: usize = 256;
+/// Longest label.
+pub const MAX_LABEL_LEN: usize = 64;
+
+/// A bearer secret in memory. `Debug` is redacted; the bytes are wiped on drop.
+pub struct Secret(String);
+
+impl Secret {
+    fn mint() -> Self {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).expect("the OS random source is available");
+        let secret = Secret(hex::encode(bytes));
+        bytes.fill(0);
+        secret
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        // Overwrite in place; the String's length stays, its bytes become '0'.
+        let wiped = "0".repeat(self.0.len());
+        self.0.replace_range(.., &wiped);
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+struct Entry {
+    label: String,
+    digest: [u8; 32],
+    created: SystemTime,
+    expires: Option<SystemTime>,
+    last_used: Option<SystemTime>,
+}
+
+/// What `bearer list` shows: never the secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BearerMeta {
+    pub label: String,
+    pub created: SystemTime,
+    pub expires: Option<SystemTime>,
+    pub last_used: Option<SystemTime>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BearerError {
+    #[error("a bearer labelled {0:?} already exists; revoke it first")]
+    Exists(String),
+    #[error("no bearer labelled {0:?}")]
+    NotFound(String),
+    #[error("label {0:?} is invalid: use 1 to 64 characters of [A-Za-z0-9_.-]")]
+    BadLabel(String),
+    #[error("the label {HOST_LABEL:?} belongs to the host bearer; use `bearer rotate`")]
+    Reserved,
+    #[error("too many bearers ({MAX_BEARERS}); revoke some first")]
+    Full,
+}
+
+/// The live bearers of one attach.
+pub struct BearerStore {
+    host: Mutex<Secret>,
+    entries: Mutex<Vec<Entry>>,
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+fn check_label(label: &str) -> Result<(), BearerError> {
+    let ok = !label.is_empty()
+        && label.len() <= MAX_LABEL_LEN
+        && label
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(BearerError::BadLabel(label.to_owned()))
+    }
+}
+
+impl Default for BearerStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl BearerStore {
+    /// A store with a freshly minted host bearer.
+    pub fn new() -> Self {
+        let host = Secret::mint();
+        let entry = Entry {
+            label: HOST_LABEL.into(),
+            digest: digest(host.expose()),
+            created: SystemTime::now(),
+            expires: None,
+            last_used: None,
+        };
+        Self {
+            host: Mutex::new(host),
+            entries: Mutex::new(vec![entry]),
+        }
+    }
+
+    /// The host bearer, for the trusted owner on the control socket.
+    pub fn host_secret(&self) -> String {
+        self.host.lock().expose().to_owned()
+    }
+
+    /// Replace the host bearer; the old one stops working now.
+    pub fn rotate(&self) -> String {
+        let fresh = Secret::mint();
+        let out = fresh.expose().to_owned();
+        let mut entries = self.entries.lock();
+        if let Some(host) = entries.iter_mut().find(|e| e.label == HOST_LABEL) {
+            host.digest = digest(&out);
+            host.created = SystemTime::now();
+            host.last_used = None;
+        }
+        *self.host.lock() = fresh;
+        out
+    }
+
+    /// Mint an extra bearer; the secret is returned once and kept only as a digest.
+    pub fn issue(
+        &self,
+        label: &str,
+        ttl: Option<Duration>,
+    ) -> Result<(String, Option<SystemTime>), BearerError> {
+        check_label(label)?;
+        if label == HOST_LABEL {
+            return Err(BearerError::Reserved);
+        }
+        let now = SystemTime::now();
+        let mut entries = self.entries.lock();
+        entries.retain(|e| e.expires.is_none_or(|t| t > now));
+        if entries.iter().any(|e| e.label == label) {
+            return Err(BearerError::Exists(label.to_owned()));
+        }
+        if entries.len() > MAX_BEARERS {
+            return Err(BearerError::Full);
+        }
+        let secret = Secret::mint();
+        let expires = ttl.map(|ttl| now + ttl);
+        entries.push(Entry {
+            label: label.to_owned(),
+            digest: digest(secret.expose()),
+            created: now,
+            expires,
+            last_used: None,
+        });
+        Ok((secret.expose().to_owned(), expires))
+    }
+
+    pub fn revoke(&self, label: &str) -> Result<(), BearerError> {
+        if label == HOST_LABEL {
+            return Err(BearerError::Reserved);
+        }
+        let mut entries = self.entries.lock();
+        let before = entries.len();
+        entries.retain(|e| e.label != label);
+        if entries.len() == before {
+            return Err(BearerError::NotFound(label.to_owned()));
+        }
+        Ok(())
+    }
+
+    pub fn list(&self) -> Vec<BearerMeta> {
+        let now = SystemTime::now();
+        self.entries
+            .lock()
+            .iter()
+            .filter(|e| e.expires.is_none_or(|t| t > now))
+            .map(|e| BearerMeta {
+                label: e.label.clone(),
+                created: e.created,
+                expires: e.expires,
+                last_used: e.last_used,
+            })
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.list().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The label of the live bearer equal to `token`, compared in constant time against
+    /// every entry (the digest comparison does not stop at the first match).
+    pub fn check(&self, token: &str, now: SystemTime) -> Option<String> {
+        let presented = digest(token);
+        let mut entries = self.entries.lock();
+        let mut found = None;
+        for (i, e) in entries.iter().enumerate() {
+            let live = e.expires.is_none_or(|t| t > now);
+            if bool::from(e.digest.ct_eq(&presented)) && live {
+                found = Some(i);
+            }
+        }
+        let entry = &mut entries[found?];
+        entry.last_used = Some(now);
+        Some(entry.label.clone())
+    }
+}
+
+/// Unix seconds, for the wire.
+pub fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_256_bit_hex_and_unique() {
+        let a = BearerStore::new().host_secret();
+        let b = BearerStore::new().host_secret();
+        assert_eq!(a.len(), 64);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn host_bearer_checks_and_rotates() {
+        let store = BearerStore::new();
+        let old = store.host_secret();
+        let now = SystemTime::now();
+        assert_eq!(store.check(&old, now).as_deref(), Some(HOST_LABEL));
+        let new = store.rotate();
+        assert_eq!(store.check(&old, now), None);
+        assert_eq!(store.check(&new, now).as_deref(), Some(HOST_LABEL));
+        assert_eq!(store.host_secret(), new);
+    }
+
+    #[test]
+    fn extra_bearers_expire_and_revoke() {
+        let store = BearerStore::new();
+        let (ci, _) = store.issue("ci", None).unwrap();
+        let (short, expires) = store.issue("short", Some(Duration::from_secs(60))).unwrap();
+        let now = SystemTime::now();
+        assert_eq!(store.check(&ci, now).as_deref(), Some("ci"));
+        assert_eq!(store.check(&short, now).as_deref(), Some("short"));
+        assert_eq!(
+            store.check(&short, expires.unwrap() + Duration::from_secs(1)),
+            None
+        );
+        assert_eq!(
+            store.issue("ci", None).unwrap_err(),
+            BearerError::Exists("ci".into())
+        );
+        store.revoke("ci").unwrap();
+        assert_eq!(store.check(&ci, now), None);
+        assert_eq!(
+            store.revoke("ci").unwrap_err(),
+            BearerError::NotFound("ci".into())
+        );
+        assert_eq!(store.revoke(HOST_LABEL).unwrap_err(), BearerError::Reserved);
+        assert_eq!(
+            store.issue(HOST_LABEL, None).unwrap_err(),
+            BearerError::Reserved
+        );
+        assert!(matches!(
+            store.issue("a b", None),
+            Err(BearerError::BadLabel(_))
+        ));
+    }
+
+    #[test]
+    fn list_never_shows_secrets() {
+        let store = BearerStore::new();
+        let (ci, _) = store.issue("ci", None).unwrap();
+        let listed = format!("{:?}", store.list());
+        assert!(!listed.contains(&ci));
+        assert!(!listed.contains(&store.host_secret()));
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
+    fn wrong_tokens_are_refused() {
+        let store = BearerStore::new();
+        let now = SystemTime::now();
+        assert_eq!(store.check("", now), None);
+        assert_eq!(store.check(&"0".repeat(64), now), None);
+        let mut near = store.host_secret();
+        near.replace_range(63.., if near.ends_with('0') { "1" } else { "0" });
+        assert_eq!(store.check(&near, now), None);
+    }
+}

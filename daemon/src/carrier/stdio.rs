@@ -1,0 +1,58 @@
+//! The stdio carrier: the catalog on stdin/stdout for a client that launched us.
+//!
+//! No admission: whoever writes our stdin already runs as our user, so every request's
+//! caller is `local:<our uid>`. rmcp's own cancellation (`notifications/cancelled`)
+//! applies. Logs never go to stdout.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rmcp::ServiceExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::WireNameProfile;
+use crate::mcp::McpServer;
+use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::transport::Carrier;
+
+pub struct StdioCarrier {
+    pub wire_names: WireNameProfile,
+}
+
+impl Carrier for StdioCarrier {
+    type Bound = (tokio::io::Stdin, tokio::io::Stdout);
+
+    fn wire_names(&self) -> (WireNameProfile, BTreeMap<String, String>) {
+        (self.wire_names, BTreeMap::new())
+    }
+
+    async fn bind(&self) -> std::io::Result<Self::Bound> {
+        Ok((tokio::io::stdin(), tokio::io::stdout()))
+    }
+
+    fn fixed_caller(&self) -> Option<Caller> {
+        Some(Caller::Local(nix::unistd::geteuid().as_raw()))
+    }
+
+    fn address(_bound: &Self::Bound) -> String {
+        "stdio".into()
+    }
+
+    fn serve<S: RuntimeTools + TurnSubmission>(
+        self: Arc<Self>,
+        bound: Self::Bound,
+        server: McpServer<S>,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        async move {
+            match server.serve_with_ct(bound, shutdown).await {
+                Ok(running) => {
+                    if let Err(e) = running.waiting().await {
+                        tracing::warn!(error = %e, "stdio session ended abnormally");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "stdio session did not start"),
+            }
+        }
+    }
+}

@@ -1,0 +1,821 @@
+//! Configuration: TOML parsed into raw serde types, then validated into [`Config`].
+//!
+//! Parsing rejects unknown keys and reports the key path of a type error
+//! (`loopback.listen: invalid socket address syntax`). Validation then collects every
+//! semantic problem at once, each with its key path. Nothing here reads the process
+//! environment: the few environment-derived defaults arrive in an [`Environment`] value.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The configuration used when neither `--config` nor the system file exists.
+pub const EMBEDDED_DEFAULT: &str = include_str!("default-config.toml");
+
+/// Where the packaged daemon looks for its configuration.
+pub const SYSTEM_CONFIG_PATH: &str = "/etc/robota-mcpd/config.toml";
+
+/// Hard ceilings from SPEC §6; configured values above them are errors.
+pub const REQUEST_BODY_CEILING: u64 = 16 * 1024 * 1024;
+pub const TOOL_RESULT_CEILING: u64 = 64 * 1024 * 1024;
+
+/// Environment-derived inputs to defaults, captured once by `main`.
+#[derive(Debug, Clone, Default)]
+pub struct Environment {
+    /// `$RUNTIME_DIRECTORY` (set by systemd's `RuntimeDirectory=`).
+    pub runtime_directory: Option<PathBuf>,
+    /// `$STATE_DIRECTORY` (set by systemd's `StateDirectory=`).
+    pub state_directory: Option<PathBuf>,
+    /// `$XDG_RUNTIME_DIR`.
+    pub xdg_runtime_dir: Option<PathBuf>,
+    /// `$XDG_STATE_HOME`, else `$HOME/.local/state`, used only when not root.
+    pub xdg_state_home: Option<PathBuf>,
+    pub is_root: bool,
+}
+
+impl Environment {
+    pub fn from_process() -> Self {
+        let var = |name: &str| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        let xdg_state_home =
+            var("XDG_STATE_HOME").or_else(|| var("HOME").map(|h| h.join(".local/state")));
+        Self {
+            runtime_directory: var("RUNTIME_DIRECTORY"),
+            state_directory: var("STATE_DIRECTORY"),
+            xdg_runtime_dir: var("XDG_RUNTIME_DIR"),
+            xdg_state_home,
+            is_root: nix::unistd::geteuid().is_root(),
+        }
+    }
+
+    fn default_runtime_dir(&self) -> PathBuf {
+        // systemd may pass several colon-separated directories; the first is ours.
+        if let Some(dir) = &self.runtime_directory {
+            let first = dir
+                .to_string_lossy()
+                .split(':')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            return PathBuf::from(first);
+        }
+        if let Some(dir) = &self.xdg_runtime_dir {
+            return dir.join("robota-mcpd");
+        }
+        PathBuf::from("/run/robota-mcpd")
+    }
+
+    fn default_state_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.state_directory {
+            let first = dir
+                .to_string_lossy()
+                .split(':')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            return PathBuf::from(first);
+        }
+        match (&self.xdg_state_home, self.is_root) {
+            (Some(home), false) => home.join("robota-mcpd"),
+            _ => PathBuf::from("/var/lib/robota-mcpd"),
+        }
+    }
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub control: ControlConfig,
+    pub session: SessionConfig,
+    pub loopback: Option<LoopbackConfig>,
+    pub metrics: Option<SocketAddr>,
+    pub limits: Limits,
+    pub policy: Vec<PolicyRule>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub socket: PathBuf,
+    pub allow_uids: Vec<u32>,
+    pub allow_gids: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    pub submission_tool: String,
+    pub turn: Option<TurnConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TurnConfig {
+    pub argv: Vec<String>,
+    pub timeout: Duration,
+    pub working_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoopbackConfig {
+    pub listen: SocketAddr,
+    pub path: String,
+    pub wire_names: WireNameProfile,
+    /// Explicit wire names: canonical name → wire name.
+    pub aliases: BTreeMap<String, String>,
+    pub max_connections: usize,
+    pub max_in_flight: usize,
+    pub max_header_bytes: usize,
+    pub header_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireNameProfile {
+    /// Names as they are (`system.info`).
+    Canonical,
+    /// `.` replaced by `_` for clients that accept only `[A-Za-z0-9_-]{1,64}`.
+    Compat,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub request_body: u64,
+    pub tool_result: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyRule {
+    pub callers: Vec<String>,
+    pub tools: Vec<String>,
+    pub decision: Decision,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decision {
+    Allow,
+    Deny,
+    /// Needs an operator-approved grant (`interactive_permission_required` until then).
+    Grant,
+}
+
+/// One problem in a configuration, with the key path it concerns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigIssue {
+    pub path: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigIssue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.problem)
+    }
+}
+
+/// Why a configuration was refused: every problem found, each with its key path.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid configuration ({origin}):{}", render_issues(.issues))]
+    Invalid {
+        origin: String,
+        issues: Vec<ConfigIssue>,
+    },
+}
+
+fn render_issues(issues: &[ConfigIssue]) -> String {
+    issues.iter().map(|i| format!("\n  {i}")).collect()
+}
+
+impl ConfigError {
+    pub fn issues(&self) -> &[ConfigIssue] {
+        match self {
+            ConfigError::Invalid { issues, .. } => issues,
+            ConfigError::Read { .. } => &[],
+        }
+    }
+}
+
+/// Where a configuration came from, for messages.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Embedded,
+    File(PathBuf),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Embedded => f.write_str("embedded default"),
+            Source::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// Load from `--config PATH`, else the system file if it exists, else the embedded default.
+pub fn load(explicit: Option<&Path>, env: &Environment) -> Result<(Config, Source), ConfigError> {
+    let (text, source) = match explicit {
+        Some(path) => (read(path)?, Source::File(path.to_owned())),
+        None if Path::new(SYSTEM_CONFIG_PATH).exists() => {
+            let path = PathBuf::from(SYSTEM_CONFIG_PATH);
+            (read(&path)?, Source::File(path))
+        }
+        None => (EMBEDDED_DEFAULT.to_owned(), Source::Embedded),
+    };
+    let config = parse(&text, env).map_err(|issues| ConfigError::Invalid {
+        origin: source.to_string(),
+        issues,
+    })?;
+    Ok((config, source))
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Parse and validate configuration text.
+pub fn parse(text: &str, env: &Environment) -> Result<Config, Vec<ConfigIssue>> {
+    let raw = parse_raw(text)?;
+    validate(raw, env)
+}
+
+fn parse_raw(text: &str) -> Result<RawConfig, Vec<ConfigIssue>> {
+    let deserializer = toml::Deserializer::parse(text).map_err(|e| {
+        vec![ConfigIssue {
+            path: "<document>".into(),
+            problem: one_line(e.message()),
+        }]
+    })?;
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." {
+            "<document>".to_owned()
+        } else {
+            path
+        };
+        vec![ConfigIssue {
+            path,
+            problem: one_line(e.inner().message()),
+        }]
+    })
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `"60s"`, `"10m"`, `"1h 30m"`.
+#[derive(Debug, Clone, Copy)]
+struct DurationText(Duration);
+
+impl<'de> Deserialize<'de> for DurationText {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map(DurationText)
+            .map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "invalid duration {s:?} ({e}); write e.g. \"60s\" or \"10m\""
+                ))
+            })
+    }
+}
+
+/// `"1MiB"`, `"16 KiB"`, `"4096"`.
+#[derive(Debug, Clone, Copy)]
+struct SizeText(u64);
+
+impl<'de> Deserialize<'de> for SizeText {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        bytesize::ByteSize::from_str(s.trim())
+            .map(|b| SizeText(b.as_u64()))
+            .map_err(|e| {
+                serde::de::Error::custom(format!("invalid size {s:?} ({e}); write e.g. \"1MiB\""))
+            })
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    daemon: RawDaemon,
+    #[serde(default)]
+    control: RawControl,
+    #[serde(default)]
+    session: RawSession,
+    #[serde(default)]
+    loopback: RawLoopback,
+    #[serde(default)]
+    metrics: RawMetrics,
+    #[serde(default)]
+    limits: RawLimits,
+    #[serde(default)]
+    policy: Vec<RawPolicy>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDaemon {
+    state_dir: Option<PathBuf>,
+    runtime_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawControl {
+    socket: Option<PathBuf>,
+    #[serde(default)]
+    allow_uids: Vec<u32>,
+    #[serde(default)]
+    allow_gids: Vec<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSession {
+    submission_tool: Option<String>,
+    turn: Option<RawTurn>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTurn {
+    argv: Vec<String>,
+    timeout: Option<DurationText>,
+    working_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLoopback {
+    #[serde(default = "yes")]
+    enabled: bool,
+    listen: Option<String>,
+    path: Option<String>,
+    wire_names: Option<WireNameProfile>,
+    #[serde(default)]
+    aliases: BTreeMap<String, String>,
+    max_connections: Option<usize>,
+    max_in_flight: Option<usize>,
+    max_header_bytes: Option<SizeText>,
+    header_timeout: Option<DurationText>,
+}
+
+impl Default for RawLoopback {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: None,
+            path: None,
+            wire_names: None,
+            aliases: BTreeMap::new(),
+            max_connections: None,
+            max_in_flight: None,
+            max_header_bytes: None,
+            header_timeout: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    #[serde(default = "yes")]
+    enabled: bool,
+    listen: Option<String>,
+}
+
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    request_body: Option<SizeText>,
+    tool_result: Option<SizeText>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    callers: Vec<String>,
+    tools: Vec<String>,
+    decision: Decision,
+}
+
+/// Collects issues during validation.
+#[derive(Default)]
+struct Issues(Vec<ConfigIssue>);
+
+impl Issues {
+    fn add(&mut self, path: impl Into<String>, problem: impl Into<String>) {
+        self.0.push(ConfigIssue {
+            path: path.into(),
+            problem: problem.into(),
+        });
+    }
+}
+
+fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue>> {
+    let mut issues = Issues::default();
+
+    let runtime_dir = raw
+        .daemon
+        .runtime_dir
+        .unwrap_or_else(|| env.default_runtime_dir());
+    let state_dir = raw
+        .daemon
+        .state_dir
+        .unwrap_or_else(|| env.default_state_dir());
+    for (key, dir) in [
+        ("daemon.runtime_dir", &runtime_dir),
+        ("daemon.state_dir", &state_dir),
+    ] {
+        if !dir.is_absolute() {
+            issues.add(
+                key,
+                format!("must be an absolute path, got {}", dir.display()),
+            );
+        }
+    }
+
+    let socket = raw
+        .control
+        .socket
+        .unwrap_or_else(|| runtime_dir.join("control.sock"));
+    if !socket.is_absolute() {
+        issues.add(
+            "control.socket",
+            format!("must be an absolute path, got {}", socket.display()),
+        );
+    }
+    // sockaddr_un holds 108 bytes including the terminating NUL.
+    if socket.as_os_str().len() > 107 {
+        issues.add(
+            "control.socket",
+            "path is longer than a unix socket address allows (107 bytes)",
+        );
+    }
+
+    let submission_tool = raw
+        .session
+        .submission_tool
+        .unwrap_or_else(|| "agent_submit".to_owned());
+    if let Err(problem) = crate::session::catalog::check_name(&submission_tool) {
+        issues.add("session.submission_tool", problem);
+    }
+    let turn = raw.session.turn.and_then(|t| {
+        if t.argv.is_empty() || t.argv[0].is_empty() {
+            issues.add("session.turn.argv", "must name an executable");
+            return None;
+        }
+        if !Path::new(&t.argv[0]).is_absolute() {
+            issues.add(
+                "session.turn.argv",
+                format!(
+                    "the executable must be an absolute path, got {:?}",
+                    t.argv[0]
+                ),
+            );
+        }
+        let timeout = t.timeout.map_or(Duration::from_secs(600), |d| d.0);
+        if timeout.is_zero() {
+            issues.add("session.turn.timeout", "must be greater than zero");
+        }
+        Some(TurnConfig {
+            argv: t.argv,
+            timeout,
+            working_dir: t.working_dir,
+        })
+    });
+
+    let loopback = if raw.loopback.enabled {
+        let l = raw.loopback;
+        let listen_text = l.listen.unwrap_or_else(|| "127.0.0.1:8765".to_owned());
+        let listen = match listen_text.parse::<SocketAddr>() {
+            Ok(addr) if addr.ip() != std::net::Ipv4Addr::LOCALHOST => {
+                issues.add(
+                    "loopback.listen",
+                    format!("the loopback carrier binds 127.0.0.1 only, got {addr}"),
+                );
+                addr
+            }
+            Ok(addr) => addr,
+            Err(_) => {
+                issues.add(
+                    "loopback.listen",
+                    format!("not an address:port, got {listen_text:?}"),
+                );
+                SocketAddr::from(([127, 0, 0, 1], 0))
+            }
+        };
+        let path = l.path.unwrap_or_else(|| "/mcp".to_owned());
+        if !is_endpoint_path(&path) {
+            issues.add(
+                "loopback.path",
+                format!("must be an absolute path without query or fragment, got {path:?}"),
+            );
+        }
+        for (canonical, wire) in &l.aliases {
+            if let Err(problem) = crate::session::catalog::check_name(wire) {
+                issues.add(format!("loopback.aliases.{canonical}"), problem);
+            }
+        }
+        let bound =
+            |key: &str, value: Option<usize>, default: usize, max: usize, issues: &mut Issues| {
+                let v = value.unwrap_or(default);
+                if v == 0 || v > max {
+                    issues.add(
+                        format!("loopback.{key}"),
+                        format!("must be between 1 and {max}, got {v}"),
+                    );
+                }
+                v
+            };
+        let max_connections = bound(
+            "max_connections",
+            l.max_connections,
+            64,
+            65_536,
+            &mut issues,
+        );
+        let max_in_flight = bound("max_in_flight", l.max_in_flight, 32, 65_536, &mut issues);
+        let max_header_bytes = l.max_header_bytes.map_or(16 * 1024, |s| s.0);
+        if !(8 * 1024..=1024 * 1024).contains(&max_header_bytes) {
+            issues.add(
+                "loopback.max_header_bytes",
+                format!("must be between 8KiB and 1MiB, got {max_header_bytes} bytes"),
+            );
+        }
+        let header_timeout = l.header_timeout.map_or(Duration::from_secs(5), |d| d.0);
+        if header_timeout.is_zero() || header_timeout > Duration::from_secs(300) {
+            issues.add("loopback.header_timeout", "must be between 1ms and 300s");
+        }
+        Some(LoopbackConfig {
+            listen,
+            path,
+            wire_names: l.wire_names.unwrap_or(WireNameProfile::Canonical),
+            aliases: l.aliases,
+            max_connections,
+            max_in_flight,
+            max_header_bytes: max_header_bytes as usize,
+            header_timeout,
+        })
+    } else {
+        None
+    };
+
+    let metrics = if raw.metrics.enabled {
+        let text = raw
+            .metrics
+            .listen
+            .unwrap_or_else(|| "127.0.0.1:9464".to_owned());
+        match text.parse::<SocketAddr>() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                issues.add(
+                    "metrics.listen",
+                    format!("not an address:port, got {text:?}"),
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
+
+    let request_body = raw.limits.request_body.map_or(1024 * 1024, |s| s.0);
+    if request_body == 0 || request_body > REQUEST_BODY_CEILING {
+        issues.add(
+            "limits.request_body",
+            format!("must be between 1 byte and 16MiB, got {request_body} bytes"),
+        );
+    }
+    let tool_result = raw.limits.tool_result.map_or(8 * 1024 * 1024, |s| s.0);
+    if tool_result == 0 || tool_result > TOOL_RESULT_CEILING {
+        issues.add(
+            "limits.tool_result",
+            format!("must be between 1 byte and 64MiB, got {tool_result} bytes"),
+        );
+    }
+
+    let mut policy = Vec::with_capacity(raw.policy.len());
+    for (i, rule) in raw.policy.into_iter().enumerate() {
+        if rule.callers.is_empty() {
+            issues.add(
+                format!("policy[{i}].callers"),
+                "must list at least one caller pattern",
+            );
+        }
+        for (j, caller) in rule.callers.iter().enumerate() {
+            if let Err(problem) = crate::session::policy::check_caller_pattern(caller) {
+                issues.add(format!("policy[{i}].callers[{j}]"), problem);
+            }
+        }
+        if rule.tools.is_empty() {
+            issues.add(
+                format!("policy[{i}].tools"),
+                "must list at least one tool pattern",
+            );
+        }
+        for (j, tool) in rule.tools.iter().enumerate() {
+            if tool.is_empty()
+                || !tool
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
+            {
+                issues.add(
+                    format!("policy[{i}].tools[{j}]"),
+                    format!("not a tool name pattern: {tool:?}"),
+                );
+            }
+        }
+        policy.push(PolicyRule {
+            callers: rule.callers,
+            tools: rule.tools,
+            decision: rule.decision,
+        });
+    }
+
+    if !issues.0.is_empty() {
+        return Err(issues.0);
+    }
+    Ok(Config {
+        state_dir,
+        runtime_dir,
+        control: ControlConfig {
+            socket,
+            allow_uids: raw.control.allow_uids,
+            allow_gids: raw.control.allow_gids,
+        },
+        session: SessionConfig {
+            submission_tool,
+            turn,
+        },
+        loopback,
+        metrics,
+        limits: Limits {
+            request_body,
+            tool_result,
+        },
+        policy,
+    })
+}
+
+fn is_endpoint_path(path: &str) -> bool {
+    path.starts_with('/')
+        && !path.contains(['?', '#', ' '])
+        && path.parse::<http::uri::PathAndQuery>().is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> Environment {
+        Environment {
+            runtime_directory: Some("/run/robota-mcpd".into()),
+            state_directory: Some("/var/lib/robota-mcpd".into()),
+            ..Environment::default()
+        }
+    }
+
+    fn issues(text: &str) -> Vec<ConfigIssue> {
+        parse(text, &env()).expect_err("config should be refused")
+    }
+
+    #[test]
+    fn embedded_default_is_valid() {
+        let config = parse(EMBEDDED_DEFAULT, &env()).unwrap();
+        let loopback = config.loopback.unwrap();
+        assert_eq!(loopback.listen, "127.0.0.1:8765".parse().unwrap());
+        assert_eq!(loopback.path, "/mcp");
+        assert_eq!(config.metrics, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(
+            config.control.socket,
+            PathBuf::from("/run/robota-mcpd/control.sock")
+        );
+        assert_eq!(config.session.submission_tool, "agent_submit");
+        assert_eq!(config.limits.request_body, 1024 * 1024);
+        assert_eq!(config.limits.tool_result, 8 * 1024 * 1024);
+    }
+
+    #[test]
+    fn runtime_dir_falls_back_through_the_environment() {
+        let mut e = Environment::default();
+        assert_eq!(e.default_runtime_dir(), PathBuf::from("/run/robota-mcpd"));
+        e.xdg_runtime_dir = Some("/run/user/1000".into());
+        assert_eq!(
+            e.default_runtime_dir(),
+            PathBuf::from("/run/user/1000/robota-mcpd")
+        );
+        e.runtime_directory = Some("/run/a:/run/b".into());
+        assert_eq!(e.default_runtime_dir(), PathBuf::from("/run/a"));
+    }
+
+    #[test]
+    fn unknown_keys_name_their_path() {
+        let found = issues("[loopback]\nlisten = \"127.0.0.1:1\"\nlisten_all = true\n");
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].path, "loopback.listen_all");
+        assert!(found[0].problem.contains("unknown field"), "{found:?}");
+        let found = issues("[bogus]\nx = 1\n");
+        assert!(found[0].problem.contains("bogus"), "{found:?}");
+    }
+
+    #[test]
+    fn type_errors_name_their_path() {
+        let found = issues("[limits]\nrequest_body = \"lots\"\n");
+        assert_eq!(found[0].path, "limits.request_body");
+        let found = issues("[session.turn]\nargv = [\"/bin/true\"]\ntimeout = \"soon\"\n");
+        assert_eq!(found[0].path, "session.turn.timeout");
+        let found = issues("[loopback]\nwire_names = \"dotted\"\n");
+        assert_eq!(found[0].path, "loopback.wire_names");
+    }
+
+    #[test]
+    fn every_semantic_problem_is_reported_at_once() {
+        let found = issues(
+            "[loopback]\nlisten = \"0.0.0.0:8765\"\npath = \"mcp\"\nmax_in_flight = 0\n\
+             [limits]\nrequest_body = \"17MiB\"\ntool_result = \"65MiB\"\n\
+             [session]\nsubmission_tool = \"bad name\"\n\
+             [[policy]]\ncallers = [\"root\"]\ntools = []\ndecision = \"allow\"\n",
+        );
+        let paths: Vec<_> = found.iter().map(|i| i.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "session.submission_tool",
+                "loopback.listen",
+                "loopback.path",
+                "loopback.max_in_flight",
+                "limits.request_body",
+                "limits.tool_result",
+                "policy[0].callers[0]",
+                "policy[0].tools",
+            ]
+        );
+    }
+
+    #[test]
+    fn limits_accept_their_ceilings_exactly() {
+        let config = parse(
+            "[limits]\nrequest_body = \"16MiB\"\ntool_result = \"64MiB\"\n",
+            &env(),
+        )
+        .unwrap();
+        assert_eq!(config.limits.request_body, REQUEST_BODY_CEILING);
+        assert_eq!(config.limits.tool_result, TOOL_RESULT_CEILING);
+    }
+
+    #[test]
+    fn turn_backend_must_be_an_absolute_executable() {
+        let found = issues("[session.turn]\nargv = [\"host-agent\"]\n");
+        assert_eq!(found[0].path, "session.turn.argv");
+        let config = parse(
+            "[session.turn]\nargv = [\"/bin/cat\"]\ntimeout = \"2s\"\n",
+            &env(),
+        )
+        .unwrap();
+        assert_eq!(config.session.turn.unwrap().timeout, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn disabled_listeners_are_absent() {
+        let config = parse(
+            "[loopback]\nenabled = false\n[metrics]\nenabled = false\n",
+            &env(),
+        )
+        .unwrap();
+        assert!(config.loopback.is_none());
+        assert!(config.metrics.is_none());
+    }
+}

@@ -1,0 +1,414 @@
+//! The control socket: a unix stream socket speaking the `robota-proto` wire schema.
+//!
+//! Socket hygiene: the runtime directory is created if missing, a lock file next to the
+//! socket is held for the daemon's lifetime (a second daemon fails fast), a stale socket
+//! is removed only while holding that lock, and the socket is created under the daemon's
+//! 0077 umask and then opened to 0660. Every connection is checked with SO_PEERCRED.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use nix::fcntl::{Flock, FlockArg};
+use robota_proto::{Command, ErrorCode, MAX_REQUEST_BYTES, Request, Response};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::audit::{AddressClass, Audit, Carrier, Reason, Record};
+use crate::config::ControlConfig;
+use crate::metrics::Metrics;
+
+/// Most control connections served at once.
+const MAX_CONNECTIONS: usize = 16;
+/// How long shutdown waits for open control connections.
+const DRAIN_BOUND: Duration = Duration::from_secs(2);
+/// How long a connection may sit between requests.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Who is on the other end of a control connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: Option<i32>,
+}
+
+/// What the daemon does with an allowed command.
+pub trait ControlApi: Send + Sync + 'static {
+    fn handle(&self, command: Command, peer: Peer) -> impl Future<Output = Response> + Send;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot create the runtime directory {path}")]
+    RuntimeDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open the lock file {path}")]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("another robota-mcpd holds {path}; is the daemon already running?")]
+    Locked { path: PathBuf },
+    #[error("cannot bind the control socket {path}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A bound control socket and the lock that guards its path.
+pub struct ControlSocket {
+    listener: UnixListener,
+    path: PathBuf,
+    _lock: Flock<File>,
+}
+
+impl ControlSocket {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ControlSocket {
+    fn drop(&mut self) {
+        // Still holding the lock, so the path is ours to remove.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Create the directory, take the lock, clear a stale socket and bind.
+pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
+    let path = config.socket.clone();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| ControlError::RuntimeDir {
+            path: dir.to_owned(),
+            source,
+        })?;
+        // Peers need to traverse the directory to reach the 0660 socket.
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
+    }
+    let lock_path = path.with_extension("lock");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&lock_path)
+        .map_err(|source| ControlError::Lock {
+            path: lock_path.clone(),
+            source,
+        })?;
+    let lock =
+        Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| ControlError::Locked {
+            path: lock_path.clone(),
+        })?;
+    match std::fs::remove_file(&path) {
+        Ok(()) => tracing::info!(path = %path.display(), "removed a stale control socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ControlError::Bind { path, source }),
+    }
+    let listener = UnixListener::bind(&path).map_err(|source| ControlError::Bind {
+        path: path.clone(),
+        source,
+    })?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)).map_err(|source| {
+        ControlError::Bind {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    Ok(ControlSocket {
+        listener,
+        path,
+        _lock: lock,
+    })
+}
+
+/// The SO_PEERCRED rule: root, the daemon's own uid, or a configured uid or gid.
+pub fn peer_allowed(peer: Peer, own_uid: u32, config: &ControlConfig) -> bool {
+    peer.uid == 0
+        || peer.uid == own_uid
+        || config.allow_uids.contains(&peer.uid)
+        || config.allow_gids.contains(&peer.gid)
+}
+
+/// Serve control connections until `shutdown` fires.
+pub async fn serve<A: ControlApi>(
+    socket: ControlSocket,
+    config: ControlConfig,
+    api: Arc<A>,
+    audit: Arc<Audit>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    let own_uid = nix::unistd::geteuid().as_raw();
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let tracker = TaskTracker::new();
+    let config = Arc::new(config);
+    loop {
+        let stream = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            accepted = socket.listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "control accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            let mut stream = stream;
+            let _ = write_frame(
+                &mut stream,
+                &Response::error(ErrorCode::Unavailable, "too many control connections"),
+            )
+            .await;
+            continue;
+        };
+        let (api, audit, metrics, config) =
+            (api.clone(), audit.clone(), metrics.clone(), config.clone());
+        tracker.spawn(async move {
+            let _permit = permit;
+            connection(stream, own_uid, &config, api.as_ref(), &audit, &metrics).await;
+        });
+    }
+    tracker.close();
+    // Let a `stop` reply reach its client; idle connections are cut at the bound.
+    let _ = tokio::time::timeout(DRAIN_BOUND, tracker.wait()).await;
+    drop(socket);
+}
+
+async fn connection<A: ControlApi>(
+    mut stream: UnixStream,
+    own_uid: u32,
+    config: &ControlConfig,
+    api: &A,
+    audit: &Audit,
+    metrics: &Metrics,
+) {
+    let peer = match stream.peer_cred() {
+        Ok(cred) => Peer {
+            uid: cred.uid(),
+            gid: cred.gid(),
+            pid: cred.pid(),
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "SO_PEERCRED failed; dropping the control connection");
+            return;
+        }
+    };
+    if !peer_allowed(peer, own_uid, config) {
+        audit.record(Record {
+            time: SystemTime::now(),
+            carrier: Carrier::Control,
+            reason: Reason::PeerNotAllowed,
+            throttled: false,
+            address_class: AddressClass::Unknown,
+        });
+        metrics.refused(Carrier::Control, Reason::PeerNotAllowed);
+        tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
+        let reply = Response::error(
+            ErrorCode::PermissionDenied,
+            format!("uid {} is not allowed on the control socket", peer.uid),
+        );
+        let _ = write_frame(&mut stream, &reply).await;
+        return;
+    }
+    let (reader, mut writer) = stream.into_split();
+    let mut reader = BufReader::new(reader);
+    loop {
+        let mut line = Vec::new();
+        let mut limited = (&mut reader).take(MAX_REQUEST_BYTES as u64);
+        let read = limited.read_until(b'\n', &mut line);
+        match tokio::time::timeout(IDLE_TIMEOUT, read).await {
+            Ok(Ok(0)) | Err(_) => return,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "control read failed");
+                return;
+            }
+        }
+        if line.last() != Some(&b'\n') {
+            let reply = Response::error(
+                ErrorCode::TooLarge,
+                format!("a request is at most {MAX_REQUEST_BYTES} bytes"),
+            );
+            let _ = write_frame(&mut writer, &reply).await;
+            return;
+        }
+        let reply = match decode(&line) {
+            Ok(command) => api.handle(command, peer).await,
+            Err(reply) => reply,
+        };
+        if write_frame(&mut writer, &reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Parse one request line, or the error reply it deserves.
+pub fn decode(line: &[u8]) -> Result<Command, Response> {
+    Request::decode(line)
+        .map(|r| r.command)
+        .map_err(|(code, message)| Response::error(code, message))
+}
+
+async fn write_frame<W: AsyncWriteExt + Unpin>(
+    writer: &mut W,
+    response: &Response,
+) -> std::io::Result<()> {
+    let mut text = serde_json::to_vec(response).map_err(std::io::Error::other)?;
+    text.push(b'\n');
+    writer.write_all(&text).await?;
+    writer.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use robota_proto::Outcome;
+
+    use super::*;
+
+    fn config(uids: &[u32], gids: &[u32]) -> ControlConfig {
+        ControlConfig {
+            socket: "/tmp/x.sock".into(),
+            allow_uids: uids.to_vec(),
+            allow_gids: gids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn peer_rule() {
+        let peer = |uid, gid| Peer {
+            uid,
+            gid,
+            pid: None,
+        };
+        let c = config(&[1000], &[998]);
+        assert!(peer_allowed(peer(0, 0), 500, &c));
+        assert!(peer_allowed(peer(500, 500), 500, &c));
+        assert!(peer_allowed(peer(1000, 1000), 500, &c));
+        assert!(peer_allowed(peer(1001, 998), 500, &c));
+        assert!(!peer_allowed(peer(1001, 1001), 500, &c));
+        assert!(!peer_allowed(peer(65534, 65534), 500, &config(&[], &[])));
+    }
+
+    fn code(r: Result<Command, Response>) -> Option<ErrorCode> {
+        match r {
+            Err(Response {
+                outcome: Outcome::Error(e),
+                ..
+            }) => Some(e.code),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn decode_errors() {
+        assert_eq!(
+            decode(b"{\"v\":1,\"cmd\":\"status\"}\n").unwrap(),
+            Command::Status
+        );
+        assert_eq!(
+            code(decode(b"{\"v\":2,\"cmd\":\"status\"}\n")),
+            Some(ErrorCode::UnsupportedVersion)
+        );
+        assert_eq!(
+            code(decode(b"{\"v\":1,\"cmd\":\"reboot\"}\n")),
+            Some(ErrorCode::BadRequest)
+        );
+        assert_eq!(code(decode(b"not json\n")), Some(ErrorCode::BadRequest));
+        assert_eq!(
+            code(decode(b"{\"cmd\":\"status\"}\n")),
+            Some(ErrorCode::BadRequest)
+        );
+    }
+
+    struct Echo;
+    impl ControlApi for Echo {
+        async fn handle(&self, command: Command, peer: Peer) -> Response {
+            Response::error(
+                ErrorCode::Internal,
+                format!("{command:?} from {}", peer.uid),
+            )
+        }
+    }
+
+    async fn roundtrip(stream: &mut UnixStream, line: &[u8]) -> Response {
+        stream.write_all(line).await.unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut out = String::new();
+        reader.read_line(&mut out).await.unwrap();
+        serde_json::from_str(&out).unwrap()
+    }
+
+    #[tokio::test]
+    async fn socket_lock_mode_and_limits() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(&[], &[]);
+        c.socket = dir.path().join("run/control.sock");
+        let socket = bind(&c).unwrap();
+        let mode = std::fs::metadata(&c.socket).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660);
+        // A second daemon cannot take the same socket.
+        assert!(matches!(bind(&c), Err(ControlError::Locked { .. })));
+
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve(
+            socket,
+            c.clone(),
+            Arc::new(Echo),
+            Arc::new(Audit::new()),
+            Metrics::new(),
+            shutdown.clone(),
+        ));
+        let mut stream = UnixStream::connect(&c.socket).await.unwrap();
+        let reply = roundtrip(&mut stream, b"{\"v\":1,\"cmd\":\"status\"}\n").await;
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.message == "Status from 0"),
+            "{reply:?}"
+        );
+        // A second request on the same connection is served too.
+        let reply = roundtrip(&mut stream, b"{\"v\":1,\"cmd\":\"stop\"}\n").await;
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.message == "Stop from 0"),
+            "{reply:?}"
+        );
+
+        // One byte under the limit is read whole; at the limit without a newline it is refused.
+        let mut big = UnixStream::connect(&c.socket).await.unwrap();
+        let mut line = vec![b' '; MAX_REQUEST_BYTES];
+        *line.last_mut().unwrap() = b'\n';
+        let reply = roundtrip(&mut big, &line).await;
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.code == ErrorCode::BadRequest),
+            "{reply:?}"
+        );
+        let mut big = UnixStream::connect(&c.socket).await.unwrap();
+        let reply = roundtrip(&mut big, &vec![b' '; MAX_REQUEST_BYTES + 1]).await;
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.code == ErrorCode::TooLarge),
+            "{reply:?}"
+        );
+
+        shutdown.cancel();
+        server.await.unwrap();
+        assert!(!c.socket.exists(), "the socket is removed on shutdown");
+        // With the first daemon gone, the lock is free again.
+        drop(bind(&c).unwrap());
+    }
+}

@@ -1,0 +1,473 @@
+//! The daemon: owns the session and every listener, and runs the lifecycle.
+//!
+//! Start: bind the control socket and the metrics listener, attach a fresh session to the
+//! loopback transport and start it, then announce `READY=1`. Serve until SIGTERM/SIGINT
+//! or `stop` (drain, `STOPPING=1`), restarting on SIGHUP or `restart` (`RELOADING=1`,
+//! stop, fresh session + bearers, attach, start, `READY=1`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime};
+
+use parking_lot::RwLock;
+use robota_proto::{
+    BearerInfo, CarrierStatus, Command, ErrorCode, Reply, Response, Secret, Status,
+};
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::{Audit, Carrier as CarrierName};
+use crate::bearer::{BearerError, HOST_LABEL, unix_secs};
+use crate::carrier::http::Bounds;
+use crate::carrier::loopback::LoopbackCarrier;
+use crate::config::Config;
+use crate::control::{self, ControlApi, Peer};
+use crate::metrics::{self, Metrics};
+use crate::notify;
+use crate::session::catalog::CatalogError;
+use crate::session::{HostView, RuntimeTools, Session, TurnSubmission};
+use crate::transport::{LifecycleError, McpTransport};
+
+type Loopback = McpTransport<Session, LoopbackCarrier>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("the catalog is invalid")]
+    Catalog(#[source] CatalogError),
+    #[error("control socket")]
+    Control(#[source] control::ControlError),
+    #[error("cannot bind the metrics listener on {addr}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the loopback carrier on {addr} failed to start")]
+    Loopback {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: LifecycleError,
+    },
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+}
+
+impl DaemonError {
+    /// Configuration-class errors get the configuration exit code.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DaemonError::Catalog(_)
+            | DaemonError::Loopback {
+                source: LifecycleError::WireNames(_),
+                ..
+            } => crate::exit::CONFIG,
+            _ => crate::exit::RUNTIME,
+        }
+    }
+}
+
+/// What the main loop is asked to do by the control plane.
+enum Op {
+    Stop,
+    Restart(oneshot::Sender<Result<Status, String>>),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum State {
+    Starting,
+    Serving,
+    Restarting,
+    Stopping,
+}
+
+impl State {
+    fn as_str(self) -> &'static str {
+        match self {
+            State::Starting => "starting",
+            State::Serving => "serving",
+            State::Restarting => "restarting",
+            State::Stopping => "stopping",
+        }
+    }
+}
+
+/// Everything the control plane and `system.health` read.
+struct Core {
+    config: Config,
+    started: Instant,
+    audit: Arc<Audit>,
+    metrics: Metrics,
+    state: RwLock<State>,
+    generation: AtomicU64,
+    session: RwLock<Option<Arc<Session>>>,
+    loopback: Option<Loopback>,
+    metrics_addr: RwLock<Option<String>>,
+    control_path: String,
+    ops: mpsc::Sender<Op>,
+}
+
+/// The carriers `system.health` reports, without holding the daemon alive.
+struct Board(std::sync::Weak<Core>);
+
+impl HostView for Board {
+    fn carriers(&self) -> Vec<(String, String)> {
+        self.0
+            .upgrade()
+            .map(|core| core.carriers())
+            .unwrap_or_default()
+    }
+}
+
+impl Core {
+    fn carriers(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if let Some(addr) = self.loopback.as_ref().and_then(|l| l.address()) {
+            out.push((CarrierName::Loopback.as_str().to_owned(), addr));
+        }
+        if let Some(addr) = self.metrics_addr.read().clone() {
+            out.push(("metrics".to_owned(), addr));
+        }
+        out.push((
+            CarrierName::Control.as_str().to_owned(),
+            self.control_path.clone(),
+        ));
+        out
+    }
+
+    fn status(&self) -> Status {
+        let session = self.session.read().clone();
+        let carrier = |name: CarrierName, address: String| CarrierStatus {
+            name: name.as_str().to_owned(),
+            address,
+            public_url: None,
+            admitted: self.metrics.admitted_count(name),
+            refused: self.metrics.refused_count(name),
+        };
+        let mut carriers = Vec::new();
+        if let Some(addr) = self.loopback.as_ref().and_then(|l| l.address()) {
+            carriers.push(carrier(CarrierName::Loopback, addr));
+        }
+        if let Some(addr) = self.metrics_addr.read().clone() {
+            carriers.push(CarrierStatus {
+                name: "metrics".into(),
+                address: addr,
+                public_url: None,
+                admitted: 0,
+                refused: 0,
+            });
+        }
+        carriers.push(carrier(CarrierName::Control, self.control_path.clone()));
+        Status {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            pid: std::process::id(),
+            uptime_secs: self.started.elapsed().as_secs(),
+            state: self.state.read().as_str().to_owned(),
+            generation: self.generation.load(Ordering::Relaxed),
+            carriers,
+            catalog_size: session.as_ref().map_or(0, |s| s.catalog().len()),
+            submission_tool: session.as_ref().map_or_else(
+                || self.config.session.submission_tool.clone(),
+                |s| s.submission_tool().name.clone(),
+            ),
+            active_turn: session.as_ref().is_some_and(|s| s.turn_active()),
+            bearer_count: self
+                .loopback
+                .as_ref()
+                .map_or(0, |l| l.carrier().bearers().len()),
+            refusals_last_hour: self.audit.last_hour(SystemTime::now()),
+        }
+    }
+
+    fn ready_status(&self) -> String {
+        let carriers: Vec<String> = self
+            .carriers()
+            .into_iter()
+            .map(|(n, a)| format!("{n}={a}"))
+            .collect();
+        format!("serving {}", carriers.join(" "))
+    }
+
+    /// Fresh session attached to the loopback transport and started.
+    async fn attach_and_start(self: &Arc<Self>) -> Result<(), DaemonError> {
+        let session = Arc::new(
+            Session::new(
+                &self.config,
+                Arc::new(Board(Arc::downgrade(self))),
+                self.metrics.clone(),
+            )
+            .map_err(DaemonError::Catalog)?,
+        );
+        if let (Some(loopback), Some(config)) = (&self.loopback, &self.config.loopback) {
+            let failed = |source| DaemonError::Loopback {
+                addr: config.listen,
+                source,
+            };
+            loopback.attach(session.clone()).map_err(failed)?;
+            let addr = loopback.start().await.map_err(failed)?;
+            tracing::info!(address = %addr, path = %config.path, "loopback carrier serving");
+        }
+        *self.session.write() = Some(session);
+        Ok(())
+    }
+
+    async fn restart(self: &Arc<Self>) -> Result<(), DaemonError> {
+        *self.state.write() = State::Restarting;
+        notify::reloading();
+        tracing::info!("restarting: fresh attach, new bearers");
+        if let Some(loopback) = &self.loopback {
+            loopback.stop().await;
+        }
+        *self.session.write() = None;
+        self.attach_and_start().await?;
+        self.generation.fetch_add(1, Ordering::Relaxed);
+        *self.state.write() = State::Serving;
+        notify::ready(&self.ready_status());
+        Ok(())
+    }
+
+    fn bearer_reply(&self, command: Command) -> Response {
+        let Some(loopback) = &self.loopback else {
+            return Response::error(ErrorCode::Unavailable, "the loopback carrier is disabled");
+        };
+        let bearers = loopback.carrier().bearers();
+        let failed = |e: BearerError| {
+            let code = match e {
+                BearerError::Exists(_) => ErrorCode::Conflict,
+                BearerError::NotFound(_) => ErrorCode::NotFound,
+                BearerError::Full => ErrorCode::Unavailable,
+                BearerError::BadLabel(_) | BearerError::Reserved => ErrorCode::BadRequest,
+            };
+            Response::error(code, e.to_string())
+        };
+        match command {
+            Command::BearerIssue {
+                label: None,
+                ttl_secs: None,
+            } => Response::ok(Reply::Bearer {
+                label: HOST_LABEL.into(),
+                secret: Secret(bearers.host_secret()),
+                expires_at: None,
+            }),
+            Command::BearerIssue {
+                label: None,
+                ttl_secs: Some(_),
+            } => Response::error(
+                ErrorCode::BadRequest,
+                "the host bearer has no expiry; give --label to mint an extra bearer with a TTL",
+            ),
+            Command::BearerIssue {
+                label: Some(label),
+                ttl_secs,
+            } => match bearers.issue(&label, ttl_secs.map(std::time::Duration::from_secs)) {
+                Ok((secret, expires)) => {
+                    tracing::info!(label = %label, "bearer issued");
+                    Response::ok(Reply::Bearer {
+                        label,
+                        secret: Secret(secret),
+                        expires_at: expires.map(unix_secs),
+                    })
+                }
+                Err(e) => failed(e),
+            },
+            Command::BearerList => Response::ok(Reply::Bearers {
+                bearers: bearers
+                    .list()
+                    .into_iter()
+                    .map(|b| BearerInfo {
+                        label: b.label,
+                        created_at: unix_secs(b.created),
+                        expires_at: b.expires.map(unix_secs),
+                        last_used_at: b.last_used.map(unix_secs),
+                    })
+                    .collect(),
+            }),
+            Command::BearerRevoke { label } => match bearers.revoke(&label) {
+                Ok(()) => {
+                    tracing::info!(label = %label, "bearer revoked");
+                    Response::ok(Reply::Revoked { label })
+                }
+                Err(e) => failed(e),
+            },
+            Command::BearerRotate => {
+                let secret = bearers.rotate();
+                tracing::info!("host bearer rotated");
+                Response::ok(Reply::Bearer {
+                    label: HOST_LABEL.into(),
+                    secret: Secret(secret),
+                    expires_at: None,
+                })
+            }
+            Command::Status | Command::Stop | Command::Restart => {
+                Response::error(ErrorCode::Internal, "not a bearer command")
+            }
+        }
+    }
+}
+
+/// The control plane's view of the daemon.
+struct Api(Arc<Core>);
+
+impl ControlApi for Api {
+    async fn handle(&self, command: Command, peer: Peer) -> Response {
+        let core = &self.0;
+        tracing::debug!(uid = peer.uid, command = ?command, "control command");
+        match command {
+            Command::Status => Response::ok(Reply::Status(core.status())),
+            Command::Stop => {
+                tracing::info!(uid = peer.uid, "stop requested over the control socket");
+                match core.ops.send(Op::Stop).await {
+                    Ok(()) => Response::ok(Reply::Stopping),
+                    Err(_) => {
+                        Response::error(ErrorCode::Unavailable, "the daemon is already stopping")
+                    }
+                }
+            }
+            Command::Restart => {
+                tracing::info!(uid = peer.uid, "restart requested over the control socket");
+                let (tx, rx) = oneshot::channel();
+                if core.ops.send(Op::Restart(tx)).await.is_err() {
+                    return Response::error(ErrorCode::Unavailable, "the daemon is stopping");
+                }
+                match rx.await {
+                    Ok(Ok(status)) => Response::ok(Reply::Restarted { status }),
+                    Ok(Err(message)) => Response::error(ErrorCode::Internal, message),
+                    Err(_) => Response::error(
+                        ErrorCode::Unavailable,
+                        "the daemon stopped during the restart",
+                    ),
+                }
+            }
+            other => core.bearer_reply(other),
+        }
+    }
+}
+
+/// Run the daemon until a stop. `shutdown` is an extra stop trigger (tests, embedding).
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
+    notify::status("starting");
+    let audit = Arc::new(Audit::new());
+    let metrics = Metrics::new();
+
+    let control_socket = control::bind(&config.control).map_err(DaemonError::Control)?;
+    let metrics_listener = match config.metrics {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| DaemonError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
+    let loopback = config.loopback.clone().map(|l| {
+        McpTransport::new(Arc::new(LoopbackCarrier::new(
+            l,
+            config.limits,
+            audit.clone(),
+            metrics.clone(),
+        )))
+    });
+    let (ops_tx, mut ops) = mpsc::channel(4);
+    let core = Arc::new(Core {
+        control_path: control_socket.path().display().to_string(),
+        config,
+        started: Instant::now(),
+        audit: audit.clone(),
+        metrics: metrics.clone(),
+        state: RwLock::new(State::Starting),
+        generation: AtomicU64::new(0),
+        session: RwLock::new(None),
+        loopback,
+        metrics_addr: RwLock::new(None),
+        ops: ops_tx,
+    });
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
+
+    core.attach_and_start().await?;
+
+    let listeners = CancellationToken::new();
+    let mut tasks = Vec::new();
+    if let Some(listener) = metrics_listener {
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| "unknown".into(), |a| a.to_string());
+        tracing::info!(address = %addr, "metrics listener serving /metrics");
+        *core.metrics_addr.write() = Some(addr);
+        let bounds = Bounds {
+            max_connections: 8,
+            header_timeout: std::time::Duration::from_secs(5),
+            max_header_bytes: 16 * 1024,
+            max_streams: 8,
+        };
+        tasks.push(tokio::spawn(crate::carrier::http::serve(
+            listener,
+            bounds,
+            metrics::Endpoint(metrics.clone()),
+            listeners.clone(),
+        )));
+    }
+    tracing::info!(path = %core.control_path, "control socket listening");
+    tasks.push(tokio::spawn(control::serve(
+        control_socket,
+        core.config.control.clone(),
+        Arc::new(Api(core.clone())),
+        audit,
+        metrics,
+        listeners.clone(),
+    )));
+
+    *core.state.write() = State::Serving;
+    notify::ready(&core.ready_status());
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "ready");
+
+    let mut watchdog = notify::watchdog_interval().map(tokio::time::interval);
+    let result = loop {
+        let tick = async {
+            match watchdog.as_mut() {
+                Some(interval) => {
+                    interval.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break Ok(()); }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break Ok(()); }
+            () = shutdown.cancelled() => break Ok(()),
+            _ = sighup.recv() => {
+                if let Err(e) = core.restart().await {
+                    break Err(e);
+                }
+            }
+            op = ops.recv() => match op {
+                Some(Op::Stop) | None => break Ok(()),
+                Some(Op::Restart(reply)) => {
+                    let result = core.restart().await;
+                    let _ = reply.send(match &result {
+                        Ok(()) => Ok(core.status()),
+                        Err(e) => Err(crate::error_chain(e)),
+                    });
+                    if let Err(e) = result {
+                        break Err(e);
+                    }
+                }
+            },
+            () = tick => notify::watchdog(),
+        }
+    };
+
+    *core.state.write() = State::Stopping;
+    notify::stopping();
+    if let Some(loopback) = &core.loopback {
+        loopback.stop().await;
+    }
+    listeners.cancel();
+    for task in tasks {
+        let _ = task.await;
+    }
+    tracing::info!("stopped");
+    result
+}

@@ -1,0 +1,158 @@
+//! `robota-mcpd`: load the configuration, set up logging, then run the daemon (or the
+//! stdio carrier) and turn the outcome into an exit code.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use robota_mcpd::config::{self, Environment};
+use robota_mcpd::session::{HostView, Session};
+use robota_mcpd::transport::McpTransport;
+use robota_mcpd::{carrier, daemon, error_chain, exit, logging, metrics};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "robota-mcpd",
+    version,
+    about = "MCP host daemon: host tools for AI agents over stdio, loopback and remote HTTP"
+)]
+struct Args {
+    /// Configuration file (default: /etc/robota-mcpd/config.toml if present, else the embedded default).
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Serve the catalog on stdin/stdout for the client that launched us (logs go to stderr).
+    #[arg(long)]
+    stdio: bool,
+    #[command(subcommand)]
+    command: Option<Sub>,
+}
+
+#[derive(Subcommand)]
+enum Sub {
+    /// Validate the configuration (and the catalog it implies) and exit: 0 valid, 78 invalid.
+    CheckConfig,
+    /// Print the embedded default configuration.
+    DefaultConfig,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let env = Environment::from_process();
+    let journal =
+        !args.stdio && logging::stderr_is_journal(std::env::var("JOURNAL_STREAM").ok().as_deref());
+    logging::init(journal, std::env::var("RUST_LOG").ok().as_deref());
+
+    if let Some(Sub::DefaultConfig) = args.command {
+        print!("{}", config::EMBEDDED_DEFAULT);
+        return ExitCode::SUCCESS;
+    }
+    let (config, source) = match config::load(args.config.as_deref(), &env) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            eprintln!("robota-mcpd: {}", error_chain(&e));
+            return code(exit::CONFIG);
+        }
+    };
+    if let Some(Sub::CheckConfig) = args.command {
+        return match check(&config) {
+            Ok(()) => {
+                eprintln!("robota-mcpd: configuration OK ({source})");
+                ExitCode::SUCCESS
+            }
+            Err(message) => {
+                eprintln!("robota-mcpd: invalid configuration ({source}): {message}");
+                code(exit::CONFIG)
+            }
+        };
+    }
+    // Sockets and files we create are private unless we open them up on purpose.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("robota-mcpd: cannot start the async runtime: {e}");
+            return code(exit::RUNTIME);
+        }
+    };
+    let result = if args.stdio {
+        runtime.block_on(stdio(config))
+    } else {
+        tracing::info!(config = %source, "starting");
+        runtime
+            .block_on(daemon::run(config, CancellationToken::new()))
+            .map_err(|e| (e.exit_code(), error_chain(&e)))
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err((status, message)) => {
+            tracing::error!("{message}");
+            if journal {
+                // Also on plain stderr, so `systemctl status` shows it whatever the log level.
+                eprintln!("robota-mcpd: {message}");
+            }
+            code(status)
+        }
+    }
+}
+
+fn code(status: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(status).unwrap_or(1))
+}
+
+struct NoCarriers;
+impl HostView for NoCarriers {
+    fn carriers(&self) -> Vec<(String, String)> {
+        vec![("stdio".into(), "stdio".into())]
+    }
+}
+
+/// Everything start-up would validate, without binding anything.
+fn check(config: &config::Config) -> Result<(), String> {
+    use robota_mcpd::session::{RuntimeTools, TurnSubmission};
+    let session = Session::new(config, Arc::new(NoCarriers), metrics::Metrics::new())
+        .map_err(|e| e.to_string())?;
+    if let Some(loopback) = &config.loopback {
+        robota_mcpd::mcp::WireNames::build(
+            session.catalog(),
+            session.submission_tool(),
+            loopback.wire_names,
+            &loopback.aliases,
+        )
+        .map_err(|e| format!("loopback.aliases: {e}"))?;
+    }
+    Ok(())
+}
+
+/// The stdio carrier alone: no control socket, no HTTP.
+async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
+    let session = Session::new(&config, Arc::new(NoCarriers), metrics::Metrics::new())
+        .map_err(|e| (exit::CONFIG, error_chain(&e)))?;
+    let wire_names = config
+        .loopback
+        .as_ref()
+        .map_or(config::WireNameProfile::Canonical, |l| l.wire_names);
+    let transport = McpTransport::new(Arc::new(carrier::stdio::StdioCarrier { wire_names }));
+    transport
+        .attach(Arc::new(session))
+        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
+    transport
+        .start()
+        .await
+        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
+    let ended = transport.ended().unwrap_or_default();
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| (exit::RUNTIME, e.to_string()))?;
+    tokio::select! {
+        () = ended.cancelled() => {}
+        _ = sigterm.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    transport.stop().await;
+    Ok(())
+}

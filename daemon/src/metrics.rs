@@ -1,0 +1,237 @@
+//! Prometheus metrics: one registry, label values only from closed sets.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::audit::{Carrier, Reason};
+use crate::session::ToolErrorCode;
+
+/// Metric handles; cheap to clone.
+#[derive(Clone)]
+pub struct Metrics(Arc<Inner>);
+
+struct Inner {
+    registry: Registry,
+    refusals: IntCounterVec,
+    admitted: IntCounterVec,
+    tool_calls: IntCounterVec,
+    tool_duration: HistogramVec,
+    policy_denials: IntCounterVec,
+    active_turns: IntGauge,
+}
+
+/// Decrements the active-turns gauge when dropped.
+pub struct ActiveTurn(IntGauge);
+
+impl Drop for ActiveTurn {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry =
+            Registry::new_custom(Some("robota_mcpd".into()), None).expect("valid registry prefix");
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique counter");
+            c
+        };
+        let refusals = counter(
+            "refusals_total",
+            "Requests refused at admission, by carrier and reason.",
+            &["carrier", "reason"],
+        );
+        let admitted = counter(
+            "admitted_requests_total",
+            "Requests admitted, by carrier.",
+            &["carrier"],
+        );
+        let tool_calls = counter(
+            "tool_calls_total",
+            "Tool calls by canonical tool and outcome (ok or a tool error code).",
+            &["tool", "outcome"],
+        );
+        let policy_denials = counter(
+            "policy_denials_total",
+            "Calls the permission wrapper refused, by canonical tool and code.",
+            &["tool", "code"],
+        );
+        let tool_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "tool_call_duration_seconds",
+                "Tool call duration by canonical tool.",
+            )
+            .buckets(vec![0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 60.0, 600.0]),
+            &["tool"],
+        )
+        .expect("valid histogram");
+        registry
+            .register(Box::new(tool_duration.clone()))
+            .expect("unique histogram");
+        let active_turns =
+            IntGauge::new("active_turns", "Turns running now (0 or 1).").expect("valid gauge");
+        registry
+            .register(Box::new(active_turns.clone()))
+            .expect("unique gauge");
+        let build = IntCounterVec::new(
+            Opts::new("build_info", "Build information; always 1."),
+            &["version"],
+        )
+        .expect("valid gauge");
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).inc();
+        registry
+            .register(Box::new(build))
+            .expect("unique build_info");
+        #[cfg(target_os = "linux")]
+        {
+            let process = prometheus::process_collector::ProcessCollector::for_self();
+            // The process collector adds its own `process_` names without our prefix.
+            let _ = prometheus::default_registry().register(Box::new(process));
+        }
+        Self(Arc::new(Inner {
+            registry,
+            refusals,
+            admitted,
+            tool_calls,
+            tool_duration,
+            policy_denials,
+            active_turns,
+        }))
+    }
+
+    pub fn refused(&self, carrier: Carrier, reason: Reason) {
+        self.0
+            .refusals
+            .with_label_values(&[carrier.as_str(), reason.as_str()])
+            .inc();
+    }
+
+    pub fn admitted(&self, carrier: Carrier) {
+        self.0.admitted.with_label_values(&[carrier.as_str()]).inc();
+    }
+
+    pub fn admitted_count(&self, carrier: Carrier) -> u64 {
+        self.0.admitted.with_label_values(&[carrier.as_str()]).get()
+    }
+
+    pub fn refused_count(&self, carrier: Carrier) -> u64 {
+        Reason::ALL
+            .iter()
+            .map(|r| {
+                self.0
+                    .refusals
+                    .with_label_values(&[carrier.as_str(), r.as_str()])
+                    .get()
+            })
+            .sum()
+    }
+
+    /// `tool` must be a canonical catalog name (a closed set), never caller text.
+    pub fn tool_call(&self, tool: &str, error: Option<ToolErrorCode>, took: Duration) {
+        let outcome = error.map_or("ok", ToolErrorCode::as_str);
+        self.0.tool_calls.with_label_values(&[tool, outcome]).inc();
+        let h: Histogram = self.0.tool_duration.with_label_values(&[tool]);
+        h.observe(took.as_secs_f64());
+    }
+
+    pub fn policy_denial(&self, tool: &str, code: ToolErrorCode) {
+        self.0
+            .policy_denials
+            .with_label_values(&[tool, code.as_str()])
+            .inc();
+    }
+
+    pub fn turn_started(&self) -> ActiveTurn {
+        self.0.active_turns.inc();
+        ActiveTurn(self.0.active_turns.clone())
+    }
+
+    /// The text exposition of every metric, ours and the process collector's.
+    pub fn render(&self) -> String {
+        let mut families = self.0.registry.gather();
+        families.extend(prometheus::default_registry().gather());
+        let mut out = Vec::new();
+        // Encoding into a Vec cannot fail for well-formed families.
+        let _ = TextEncoder::new().encode(&families, &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// The `/metrics` listener's request handler.
+#[derive(Clone)]
+pub struct Endpoint(pub Metrics);
+
+impl crate::carrier::http::Handler for Endpoint {
+    async fn handle(
+        &self,
+        req: hyper::Request<hyper::body::Incoming>,
+        _peer: std::net::SocketAddr,
+    ) -> hyper::Response<crate::carrier::http::Body> {
+        use http_body_util::BodyExt;
+        if req.uri().path() != "/metrics" {
+            return crate::carrier::http::empty(http::StatusCode::NOT_FOUND);
+        }
+        if req.method() != http::Method::GET && req.method() != http::Method::HEAD {
+            let mut response = crate::carrier::http::empty(http::StatusCode::METHOD_NOT_ALLOWED);
+            response.headers_mut().insert(
+                http::header::ALLOW,
+                http::HeaderValue::from_static("GET, HEAD"),
+            );
+            return response;
+        }
+        let mut response = hyper::Response::new(
+            http_body_util::Full::new(bytes::Bytes::from(self.0.render())).boxed(),
+        );
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_render_with_closed_set_labels() {
+        let m = Metrics::new();
+        m.refused(Carrier::Loopback, Reason::BadBearer);
+        m.admitted(Carrier::Loopback);
+        m.tool_call("system.info", None, Duration::from_millis(3));
+        m.tool_call(
+            "agent_submit",
+            Some(ToolErrorCode::Busy),
+            Duration::from_millis(1),
+        );
+        let text = m.render();
+        assert!(
+            text.contains(
+                r#"robota_mcpd_refusals_total{carrier="loopback",reason="bad-bearer"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(r#"robota_mcpd_admitted_requests_total{carrier="loopback"} 1"#));
+        assert!(
+            text.contains(r#"robota_mcpd_tool_calls_total{outcome="busy",tool="agent_submit"} 1"#)
+        );
+        assert!(text.contains("robota_mcpd_build_info{version="));
+        assert_eq!(m.refused_count(Carrier::Loopback), 1);
+    }
+}

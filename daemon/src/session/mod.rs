@@ -1,0 +1,433 @@
+//! The runtime session: the canonical tool catalog and the turn-submission entry point.
+//!
+//! Architecture invariant: the session knows nothing about HTTP, stdio, OAuth or MCP
+//! wire names. Carriers reach it only through the two role traits below, with a
+//! [`Caller`] they have already admitted and a cancellation token.
+
+pub mod catalog;
+pub mod policy;
+pub mod turn;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+pub use catalog::{Annotations, Catalog, CatalogError, ToolSpec};
+pub use policy::Policy;
+pub use turn::TurnBackend;
+
+/// Tool arguments: always a JSON object.
+pub type Args = Map<String, Value>;
+
+/// The admitted identity behind a request. Policy, audit and cancellation key on it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Caller {
+    /// stdio and `robota-mcpctl stdio`: the peer's uid.
+    Local(u32),
+    /// Loopback carrier: the bearer's label (`default` for the host bearer).
+    Bearer(String),
+    /// Remote carrier: OAuth client id and subject.
+    OAuth { client_id: String, subject: String },
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Caller::Local(uid) => write!(f, "local:{uid}"),
+            Caller::Bearer(label) => write!(f, "bearer:{label}"),
+            Caller::OAuth { client_id, subject } => write!(f, "oauth:{client_id}/{subject}"),
+        }
+    }
+}
+
+/// The closed set of visible tool errors (SPEC §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ToolErrorCode {
+    UnknownTool,
+    InvalidArguments,
+    PermissionDenied,
+    InteractivePermissionRequired,
+    Busy,
+    Cancelled,
+    TimedOut,
+    ResultTooLarge,
+    Unavailable,
+    Internal,
+}
+
+impl ToolErrorCode {
+    pub const ALL: [ToolErrorCode; 10] = [
+        ToolErrorCode::UnknownTool,
+        ToolErrorCode::InvalidArguments,
+        ToolErrorCode::PermissionDenied,
+        ToolErrorCode::InteractivePermissionRequired,
+        ToolErrorCode::Busy,
+        ToolErrorCode::Cancelled,
+        ToolErrorCode::TimedOut,
+        ToolErrorCode::ResultTooLarge,
+        ToolErrorCode::Unavailable,
+        ToolErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolErrorCode::UnknownTool => "unknown_tool",
+            ToolErrorCode::InvalidArguments => "invalid_arguments",
+            ToolErrorCode::PermissionDenied => "permission_denied",
+            ToolErrorCode::InteractivePermissionRequired => "interactive_permission_required",
+            ToolErrorCode::Busy => "busy",
+            ToolErrorCode::Cancelled => "cancelled",
+            ToolErrorCode::TimedOut => "timed_out",
+            ToolErrorCode::ResultTooLarge => "result_too_large",
+            ToolErrorCode::Unavailable => "unavailable",
+            ToolErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// A visible tool error: a closed-set code and a short message for the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolError {
+    pub code: ToolErrorCode,
+    pub message: String,
+}
+
+impl ToolError {
+    pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ToolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code.as_str(), self.message)
+    }
+}
+
+/// A successful tool result: structured data, rendered as text for clients that show text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolOutput {
+    Structured(Value),
+    Text(String),
+}
+
+/// Runtime tools role: the catalog and invocation.
+pub trait RuntimeTools: Send + Sync + 'static {
+    fn catalog(&self) -> &Catalog;
+
+    fn invoke_runtime_tool(
+        &self,
+        caller: &Caller,
+        name: &str,
+        args: Args,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<ToolOutput, ToolError>> + Send;
+}
+
+/// Turn submission role: the submission extension tool.
+pub trait TurnSubmission: Send + Sync + 'static {
+    /// The submission tool's identity and schema.
+    fn submission_tool(&self) -> &ToolSpec;
+
+    fn submit_turn(
+        &self,
+        caller: &Caller,
+        prompt: String,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<ToolOutput, ToolError>> + Send;
+}
+
+/// Read-only facts about the daemon that tools may report (`system.health`).
+pub trait HostView: Send + Sync + 'static {
+    /// Carrier name → bound address, for the carriers currently serving.
+    fn carriers(&self) -> Vec<(String, String)>;
+}
+
+/// What a tool implementation gets besides its arguments.
+pub struct ToolContext<'a> {
+    pub caller: &'a Caller,
+    pub cancel: CancellationToken,
+    pub host: &'a dyn HostView,
+}
+
+/// The daemon's session: first-party tools behind the permission wrapper, plus turns.
+pub struct Session {
+    catalog: Catalog,
+    submission: ToolSpec,
+    policy: Policy,
+    turns: TurnBackend,
+    host: Arc<dyn HostView>,
+    metrics: Metrics,
+    result_limit: u64,
+}
+
+impl Session {
+    /// Build and validate the session. Fails on an invalid catalog or a submission-tool
+    /// name that collides with a runtime tool.
+    pub fn new(
+        config: &Config,
+        host: Arc<dyn HostView>,
+        metrics: Metrics,
+    ) -> Result<Self, CatalogError> {
+        let catalog = Catalog::new(crate::tools::first_party())?;
+        let submission = catalog::submission_spec(&config.session.submission_tool);
+        catalog.check_submission(&submission)?;
+        Ok(Self {
+            catalog,
+            submission,
+            policy: Policy::new(config.policy.clone()),
+            turns: TurnBackend::new(config.session.turn.clone(), config.limits.tool_result),
+            host,
+            metrics,
+            result_limit: config.limits.tool_result,
+        })
+    }
+
+    pub fn turn_active(&self) -> bool {
+        self.turns.active()
+    }
+
+    fn check_size(&self, output: ToolOutput) -> Result<ToolOutput, ToolError> {
+        let size = match &output {
+            ToolOutput::Structured(v) => {
+                serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX)
+            }
+            ToolOutput::Text(t) => t.len(),
+        };
+        if size as u64 > self.result_limit {
+            return Err(ToolError::new(
+                ToolErrorCode::ResultTooLarge,
+                format!(
+                    "the result is {size} bytes, over the {} byte limit",
+                    self.result_limit
+                ),
+            ));
+        }
+        Ok(output)
+    }
+
+    fn permit(&self, caller: &Caller, spec: &ToolSpec) -> Result<(), ToolError> {
+        let verdict = self
+            .policy
+            .decide(caller, &spec.name, spec.annotations.read_only);
+        if let Err(err) = &verdict {
+            self.metrics.policy_denial(&spec.name, err.code);
+        }
+        verdict
+    }
+
+    fn finish(
+        &self,
+        tool: &str,
+        started: Instant,
+        result: Result<ToolOutput, ToolError>,
+    ) -> Result<ToolOutput, ToolError> {
+        let result = result.and_then(|out| self.check_size(out));
+        self.metrics.tool_call(
+            tool,
+            result.as_ref().err().map(|e| e.code),
+            started.elapsed(),
+        );
+        result
+    }
+}
+
+impl RuntimeTools for Session {
+    fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    async fn invoke_runtime_tool(
+        &self,
+        caller: &Caller,
+        name: &str,
+        args: Args,
+        cancel: CancellationToken,
+    ) -> Result<ToolOutput, ToolError> {
+        let started = Instant::now();
+        let Some(entry) = self.catalog.get(name) else {
+            return Err(ToolError::new(
+                ToolErrorCode::UnknownTool,
+                format!("no tool named {name:?}"),
+            ));
+        };
+        let spec = entry.spec();
+        let result = async {
+            catalog::validate_args(entry, &args)?;
+            self.permit(caller, spec)?;
+            let ctx = ToolContext {
+                caller,
+                cancel: cancel.clone(),
+                host: self.host.as_ref(),
+            };
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
+                result = entry.call(&ctx, args.clone()) => result,
+            }
+        }
+        .await;
+        self.finish(&spec.name, started, result)
+    }
+}
+
+impl TurnSubmission for Session {
+    fn submission_tool(&self) -> &ToolSpec {
+        &self.submission
+    }
+
+    async fn submit_turn(
+        &self,
+        caller: &Caller,
+        prompt: String,
+        cancel: CancellationToken,
+    ) -> Result<ToolOutput, ToolError> {
+        let started = Instant::now();
+        let result = async {
+            self.permit(caller, &self.submission)?;
+            let _active = self.metrics.turn_started();
+            self.turns.run(caller, prompt, cancel).await
+        }
+        .await;
+        self.finish(&self.submission.name, started, result)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::{Environment, parse};
+
+    pub(crate) struct NoCarriers;
+    impl HostView for NoCarriers {
+        fn carriers(&self) -> Vec<(String, String)> {
+            Vec::new()
+        }
+    }
+
+    pub(crate) fn session(extra_config: &str) -> Session {
+        let env = Environment {
+            runtime_directory: Some("/run/robota-mcpd".into()),
+            state_directory: Some("/var/lib/robota-mcpd".into()),
+            ..Environment::default()
+        };
+        let config = parse(extra_config, &env).expect("test config");
+        Session::new(&config, Arc::new(NoCarriers), Metrics::new()).expect("session")
+    }
+
+    fn args(v: Value) -> Args {
+        v.as_object().cloned().unwrap()
+    }
+
+    #[tokio::test]
+    async fn read_only_tools_are_allowed_by_default() {
+        let s = session("");
+        let out = s
+            .invoke_runtime_tool(
+                &Caller::Bearer("default".into()),
+                "system.info",
+                Args::new(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap();
+        let ToolOutput::Structured(v) = out else {
+            panic!("structured expected")
+        };
+        assert!(v["hostname"].as_str().is_some_and(|h| !h.is_empty()));
+        assert_eq!(v["daemon_version"], env!("CARGO_PKG_VERSION"));
+    }
+
+    #[tokio::test]
+    async fn unknown_tools_and_bad_arguments_are_visible_errors() {
+        let s = session("");
+        let caller = Caller::Local(0);
+        let err = s
+            .invoke_runtime_tool(
+                &caller,
+                "system.nope",
+                Args::new(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::UnknownTool);
+        let err = s
+            .invoke_runtime_tool(
+                &caller,
+                "system.info",
+                args(serde_json::json!({"x": 1})),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+    }
+
+    #[tokio::test]
+    async fn submission_is_denied_by_default_and_unavailable_without_backend() {
+        let s = session("");
+        let caller = Caller::Bearer("default".into());
+        let err = s
+            .submit_turn(&caller, "hi".into(), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::PermissionDenied);
+        let s = session(
+            "[[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"agent_submit\"]\ndecision = \"allow\"\n",
+        );
+        let err = s
+            .submit_turn(&caller, "hi".into(), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn results_over_the_limit_are_refused_not_truncated() {
+        let s = session(
+            "[limits]\ntool_result = \"10\"\n[[policy]]\ncallers = [\"*\"]\ntools = [\"agent_submit\"]\ndecision = \"allow\"\n\
+             [session.turn]\nargv = [\"/bin/cat\"]\n",
+        );
+        let ok = s
+            .submit_turn(
+                &Caller::Local(0),
+                "0123456789".into(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(ok, ToolOutput::Text("0123456789".into()));
+        let err = s
+            .submit_turn(
+                &Caller::Local(0),
+                "0123456789A".into(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::ResultTooLarge);
+    }
+
+    #[test]
+    fn caller_identities_render_as_the_spec_writes_them() {
+        assert_eq!(Caller::Local(1000).to_string(), "local:1000");
+        assert_eq!(
+            Caller::Bearer("default".into()).to_string(),
+            "bearer:default"
+        );
+        let c = Caller::OAuth {
+            client_id: "client-a".into(),
+            subject: "alice".into(),
+        };
+        assert_eq!(c.to_string(), "oauth:client-a/alice");
+    }
+}

@@ -1,0 +1,370 @@
+//! Control-plane wire types shared by `robota-mcpd` and `robota-mcpctl`.
+//!
+//! The control protocol is newline-delimited JSON over a unix stream socket: the client
+//! writes one [`Request`] per line and reads one [`Response`] per line. Every frame carries
+//! the protocol version `v`; a peer that sees another version answers
+//! [`ErrorCode::UnsupportedVersion`]. `docs/control-protocol.md` documents the schema and a
+//! test keeps it in sync with the closed sets below.
+//!
+//! This crate depends on serde only, so the CLI links neither hyper nor rmcp.
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The control protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest request frame (one line, newline included) the daemon reads.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// Environment variable naming the control socket (the CLI's `--socket` wins over it).
+pub const SOCKET_ENV: &str = "ROBOTA_MCPD_SOCKET";
+
+/// One request frame. Decode untrusted frames with [`Request::decode`], which also refuses
+/// unknown fields (serde's `deny_unknown_fields` does not combine with `flatten`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub v: u32,
+    #[serde(flatten)]
+    pub command: Command,
+}
+
+impl Request {
+    pub fn new(command: Command) -> Self {
+        Self {
+            v: PROTOCOL_VERSION,
+            command,
+        }
+    }
+
+    /// Strictly decode one frame: a JSON object whose `v` is [`PROTOCOL_VERSION`], a known
+    /// `cmd`, and no field the command does not define.
+    pub fn decode(frame: &[u8]) -> Result<Request, (ErrorCode, String)> {
+        let value: serde_json::Value = serde_json::from_slice(frame)
+            .map_err(|e| (ErrorCode::BadRequest, format!("not JSON: {e}")))?;
+        let Some(v) = value.get("v").and_then(serde_json::Value::as_u64) else {
+            return Err((
+                ErrorCode::BadRequest,
+                "expected a JSON object with a numeric `v`".into(),
+            ));
+        };
+        if v != u64::from(PROTOCOL_VERSION) {
+            return Err((
+                ErrorCode::UnsupportedVersion,
+                format!("this daemon speaks control protocol v{PROTOCOL_VERSION}, not v{v}"),
+            ));
+        }
+        let request: Request = serde_json::from_value(value.clone())
+            .map_err(|e| (ErrorCode::BadRequest, format!("bad request: {e}")))?;
+        // Round-trip: any field the typed request dropped was unknown.
+        let known = serde_json::to_value(&request).unwrap_or_default();
+        if let (Some(given), Some(known)) = (value.as_object(), known.as_object())
+            && let Some(extra) = given
+                .keys()
+                .find(|k| !known.contains_key(*k) && given[*k] != serde_json::Value::Null)
+        {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("bad request: unknown field `{extra}`"),
+            ));
+        }
+        Ok(request)
+    }
+}
+
+/// What the client asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum Command {
+    /// Daemon status.
+    Status,
+    /// With no label: return the host bearer (label `default`). With a label: mint an extra
+    /// bearer, shown once.
+    BearerIssue {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        label: Option<String>,
+        /// Lifetime in seconds; absent means no expiry.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ttl_secs: Option<u64>,
+    },
+    BearerList,
+    BearerRevoke {
+        label: String,
+    },
+    /// Replace the host bearer; the old one stops working at once.
+    BearerRotate,
+    /// Graceful stop of the whole daemon.
+    Stop,
+    /// Fresh attach: a new session, new bearers, readiness re-announced.
+    Restart,
+}
+
+/// One response frame: `{"v":1,"ok":{…}}` or `{"v":1,"error":{…}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Response {
+    pub v: u32,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+impl Response {
+    pub fn ok(reply: Reply) -> Self {
+        Self {
+            v: PROTOCOL_VERSION,
+            outcome: Outcome::Ok(reply),
+        }
+    }
+
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            v: PROTOCOL_VERSION,
+            outcome: Outcome::Error(ErrorReply {
+                code,
+                message: message.into(),
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Ok(Reply),
+    Error(ErrorReply),
+}
+
+/// A successful answer, tagged by `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Reply {
+    Status(Status),
+    /// A bearer secret, shown once.
+    Bearer {
+        label: String,
+        secret: Secret,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_at: Option<u64>,
+    },
+    Bearers {
+        bearers: Vec<BearerInfo>,
+    },
+    Revoked {
+        label: String,
+    },
+    Stopping,
+    Restarted {
+        status: Status,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// The closed set of control-plane error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorCode {
+    /// The peer's uid is not allowed on the control socket.
+    PermissionDenied,
+    /// The frame did not parse or named an unknown command.
+    BadRequest,
+    /// The frame's `v` is not [`PROTOCOL_VERSION`].
+    UnsupportedVersion,
+    /// The frame exceeded [`MAX_REQUEST_BYTES`].
+    TooLarge,
+    /// A named object (e.g. a bearer label) does not exist.
+    NotFound,
+    /// A named object already exists.
+    Conflict,
+    /// The daemon cannot do this now (e.g. it is stopping).
+    Unavailable,
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 8] = [
+        ErrorCode::PermissionDenied,
+        ErrorCode::BadRequest,
+        ErrorCode::UnsupportedVersion,
+        ErrorCode::TooLarge,
+        ErrorCode::NotFound,
+        ErrorCode::Conflict,
+        ErrorCode::Unavailable,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::PermissionDenied => "permission-denied",
+            ErrorCode::BadRequest => "bad-request",
+            ErrorCode::UnsupportedVersion => "unsupported-version",
+            ErrorCode::TooLarge => "too-large",
+            ErrorCode::NotFound => "not-found",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A bearer secret on the wire. Its `Debug` never shows the value.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// Metadata of one live bearer; never the secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BearerInfo {
+    pub label: String,
+    /// Unix seconds.
+    pub created_at: u64,
+    pub expires_at: Option<u64>,
+    pub last_used_at: Option<u64>,
+}
+
+/// Daemon status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub version: String,
+    pub pid: u32,
+    pub uptime_secs: u64,
+    /// `starting`, `serving`, `restarting` or `stopping`.
+    pub state: String,
+    /// Restarts (fresh attaches) since the process started.
+    pub generation: u64,
+    pub carriers: Vec<CarrierStatus>,
+    pub catalog_size: usize,
+    pub submission_tool: String,
+    pub active_turn: bool,
+    pub bearer_count: usize,
+    /// Refusals in the last hour, by audit reason.
+    pub refusals_last_hour: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarrierStatus {
+    /// `loopback`, `remote`, `metrics` or `control`.
+    pub name: String,
+    /// The bound address (`127.0.0.1:8765`, or a socket path).
+    pub address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_url: Option<String>,
+    pub admitted: u64,
+    pub refused: u64,
+}
+
+/// Exit codes of `robota-mcpctl`, distinct per failure class.
+pub mod exit {
+    /// The command succeeded.
+    pub const OK: i32 = 0;
+    /// The daemon answered with an error (not found, conflict, unavailable, …).
+    pub const FAILED: i32 = 1;
+    /// Bad usage: unknown command, bad flag value (also clap's own code).
+    pub const USAGE: i32 = 2;
+    /// The daemon is not running: no socket, or nobody listening on it.
+    pub const NOT_RUNNING: i32 = 3;
+    /// The daemon refused us (SO_PEERCRED check) or the socket's mode did.
+    pub const PERMISSION_DENIED: i32 = 4;
+    /// The daemon spoke something we do not understand.
+    pub const PROTOCOL: i32 = 5;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_frames_are_flat_and_versioned() {
+        let req = Request::new(Command::BearerIssue {
+            label: Some("ci".into()),
+            ttl_secs: Some(60),
+        });
+        let text = serde_json::to_string(&req).unwrap();
+        assert_eq!(
+            text,
+            r#"{"v":1,"cmd":"bearer-issue","label":"ci","ttl_secs":60}"#
+        );
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), req);
+        let bare: Request = serde_json::from_str(r#"{"v":1,"cmd":"status"}"#).unwrap();
+        assert_eq!(bare.command, Command::Status);
+    }
+
+    #[test]
+    fn unknown_commands_and_fields_are_refused() {
+        let code = |frame: &str| Request::decode(frame.as_bytes()).map_err(|(code, _)| code);
+        assert_eq!(
+            code(r#"{"v":1,"cmd":"status"}"#),
+            Ok(Request::new(Command::Status))
+        );
+        assert_eq!(
+            code(r#"{"v":1,"cmd":"format-disk"}"#),
+            Err(ErrorCode::BadRequest)
+        );
+        assert_eq!(
+            code(r#"{"v":1,"cmd":"status","x":1}"#),
+            Err(ErrorCode::BadRequest)
+        );
+        assert_eq!(
+            code(r#"{"v":1,"cmd":"bearer-revoke"}"#),
+            Err(ErrorCode::BadRequest)
+        );
+        assert_eq!(
+            code(r#"{"v":2,"cmd":"status"}"#),
+            Err(ErrorCode::UnsupportedVersion)
+        );
+        assert_eq!(code(r#"{"cmd":"status"}"#), Err(ErrorCode::BadRequest));
+        assert_eq!(code("[1]"), Err(ErrorCode::BadRequest));
+        assert_eq!(code("not json"), Err(ErrorCode::BadRequest));
+    }
+
+    #[test]
+    fn responses_round_trip_and_errors_use_kebab_codes() {
+        let err = Response::error(ErrorCode::PermissionDenied, "uid 1000 is not allowed");
+        let text = serde_json::to_string(&err).unwrap();
+        assert_eq!(
+            text,
+            r#"{"v":1,"error":{"code":"permission-denied","message":"uid 1000 is not allowed"}}"#
+        );
+        assert_eq!(serde_json::from_str::<Response>(&text).unwrap(), err);
+        for code in ErrorCode::ALL {
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(json, format!("\"{}\"", code.as_str()));
+        }
+    }
+
+    #[test]
+    fn secret_debug_is_redacted() {
+        let reply = Reply::Bearer {
+            label: "default".into(),
+            secret: Secret("deadbeef".into()),
+            expires_at: None,
+        };
+        assert!(!format!("{reply:?}").contains("deadbeef"));
+        assert!(serde_json::to_string(&reply).unwrap().contains("deadbeef"));
+    }
+}
