@@ -97,6 +97,7 @@ pub struct Config {
     pub runtime_dir: PathBuf,
     pub control: ControlConfig,
     pub session: SessionConfig,
+    pub stdio: StdioConfig,
     pub loopback: Option<LoopbackConfig>,
     pub metrics: Option<SocketAddr>,
     pub limits: Limits,
@@ -121,6 +122,14 @@ pub struct TurnConfig {
     pub argv: Vec<String>,
     pub timeout: Duration,
     pub working_dir: Option<PathBuf>,
+}
+
+/// The stdio carrier (`robota-mcpd --stdio`).
+#[derive(Debug, Clone)]
+pub struct StdioConfig {
+    pub wire_names: WireNameProfile,
+    /// Explicit wire names: canonical name → wire name.
+    pub aliases: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone)]
@@ -322,6 +331,8 @@ struct RawConfig {
     #[serde(default)]
     session: RawSession,
     #[serde(default)]
+    stdio: RawStdio,
+    #[serde(default)]
     loopback: RawLoopback,
     #[serde(default)]
     metrics: RawMetrics,
@@ -361,6 +372,14 @@ struct RawTurn {
     argv: Vec<String>,
     timeout: Option<DurationText>,
     working_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStdio {
+    wire_names: Option<WireNameProfile>,
+    #[serde(default)]
+    aliases: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -516,6 +535,16 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             working_dir: t.working_dir,
         })
     });
+
+    for (canonical, wire) in &raw.stdio.aliases {
+        if let Err(problem) = crate::session::catalog::check_name(wire) {
+            issues.add(format!("stdio.aliases.{canonical}"), problem);
+        }
+    }
+    let stdio = StdioConfig {
+        wire_names: raw.stdio.wire_names.unwrap_or(WireNameProfile::Canonical),
+        aliases: raw.stdio.aliases,
+    };
 
     let loopback = if raw.loopback.enabled {
         let l = raw.loopback;
@@ -680,6 +709,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             submission_tool,
             turn,
         },
+        stdio,
         loopback,
         metrics,
         limits: Limits {

@@ -250,21 +250,14 @@ async fn connection<A: ControlApi>(
             let _ = write_frame(&mut writer, &reply).await;
             return;
         }
-        let reply = match decode(&line) {
-            Ok(command) => api.handle(command, peer).await,
-            Err(reply) => reply,
+        let reply = match Request::decode(&line) {
+            Ok(request) => api.handle(request.command, peer).await,
+            Err((code, message)) => Response::error(code, message),
         };
         if write_frame(&mut writer, &reply).await.is_err() {
             return;
         }
     }
-}
-
-/// Parse one request line, or the error reply it deserves.
-pub fn decode(line: &[u8]) -> Result<Command, Response> {
-    Request::decode(line)
-        .map(|r| r.command)
-        .map_err(|(code, message)| Response::error(code, message))
 }
 
 async fn write_frame<W: AsyncWriteExt + Unpin>(
@@ -305,37 +298,6 @@ mod tests {
         assert!(peer_allowed(peer(1001, 998), 500, &c));
         assert!(!peer_allowed(peer(1001, 1001), 500, &c));
         assert!(!peer_allowed(peer(65534, 65534), 500, &config(&[], &[])));
-    }
-
-    fn code(r: Result<Command, Response>) -> Option<ErrorCode> {
-        match r {
-            Err(Response {
-                outcome: Outcome::Error(e),
-                ..
-            }) => Some(e.code),
-            _ => None,
-        }
-    }
-
-    #[test]
-    fn decode_errors() {
-        assert_eq!(
-            decode(b"{\"v\":1,\"cmd\":\"status\"}\n").unwrap(),
-            Command::Status
-        );
-        assert_eq!(
-            code(decode(b"{\"v\":2,\"cmd\":\"status\"}\n")),
-            Some(ErrorCode::UnsupportedVersion)
-        );
-        assert_eq!(
-            code(decode(b"{\"v\":1,\"cmd\":\"reboot\"}\n")),
-            Some(ErrorCode::BadRequest)
-        );
-        assert_eq!(code(decode(b"not json\n")), Some(ErrorCode::BadRequest));
-        assert_eq!(
-            code(decode(b"{\"cmd\":\"status\"}\n")),
-            Some(ErrorCode::BadRequest)
-        );
     }
 
     struct Echo;

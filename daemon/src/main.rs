@@ -45,8 +45,11 @@ fn main() -> ExitCode {
     logging::init(journal, std::env::var("RUST_LOG").ok().as_deref());
 
     if let Some(Sub::DefaultConfig) = args.command {
-        print!("{}", config::EMBEDDED_DEFAULT);
-        return ExitCode::SUCCESS;
+        use std::io::Write;
+        return match std::io::stdout().write_all(config::EMBEDDED_DEFAULT.as_bytes()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(_) => code(exit::RUNTIME),
+        };
     }
     let (config, source) = match config::load(args.config.as_deref(), &env) {
         Ok(loaded) => loaded,
@@ -117,14 +120,19 @@ fn check(config: &config::Config) -> Result<(), String> {
     use robota_mcpd::session::{RuntimeTools, TurnSubmission};
     let session = Session::new(config, Arc::new(NoCarriers), metrics::Metrics::new())
         .map_err(|e| e.to_string())?;
-    if let Some(loopback) = &config.loopback {
+    let build = |profile, aliases| {
         robota_mcpd::mcp::WireNames::build(
             session.catalog(),
             session.submission_tool(),
-            loopback.wire_names,
-            &loopback.aliases,
+            profile,
+            aliases,
         )
-        .map_err(|e| format!("loopback.aliases: {e}"))?;
+    };
+    build(config.stdio.wire_names, &config.stdio.aliases)
+        .map_err(|e| format!("stdio.aliases: {e}"))?;
+    if let Some(loopback) = &config.loopback {
+        build(loopback.wire_names, &loopback.aliases)
+            .map_err(|e| format!("loopback.aliases: {e}"))?;
     }
     Ok(())
 }
@@ -133,11 +141,9 @@ fn check(config: &config::Config) -> Result<(), String> {
 async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
     let session = Session::new(&config, Arc::new(NoCarriers), metrics::Metrics::new())
         .map_err(|e| (exit::CONFIG, error_chain(&e)))?;
-    let wire_names = config
-        .loopback
-        .as_ref()
-        .map_or(config::WireNameProfile::Canonical, |l| l.wire_names);
-    let transport = McpTransport::new(Arc::new(carrier::stdio::StdioCarrier { wire_names }));
+    let transport = McpTransport::new(Arc::new(carrier::stdio::StdioCarrier {
+        config: config.stdio.clone(),
+    }));
     transport
         .attach(Arc::new(session))
         .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;

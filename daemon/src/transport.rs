@@ -287,16 +287,14 @@ mod tests {
             "gate".into()
         }
 
-        fn serve<S: RuntimeTools + TurnSubmission>(
+        async fn serve<S: RuntimeTools + TurnSubmission>(
             self: Arc<Self>,
             _bound: Self::Bound,
             _server: McpServer<S>,
             shutdown: CancellationToken,
-        ) -> impl Future<Output = ()> + Send + 'static {
-            async move {
-                shutdown.cancelled().await;
-                self.released.fetch_add(1, Ordering::SeqCst);
-            }
+        ) {
+            shutdown.cancelled().await;
+            self.released.fetch_add(1, Ordering::SeqCst);
         }
     }
 

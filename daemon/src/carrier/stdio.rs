@@ -10,20 +10,20 @@ use std::sync::Arc;
 use rmcp::ServiceExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::WireNameProfile;
+use crate::config::{StdioConfig, WireNameProfile};
 use crate::mcp::McpServer;
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
 
 pub struct StdioCarrier {
-    pub wire_names: WireNameProfile,
+    pub config: StdioConfig,
 }
 
 impl Carrier for StdioCarrier {
     type Bound = (tokio::io::Stdin, tokio::io::Stdout);
 
     fn wire_names(&self) -> (WireNameProfile, BTreeMap<String, String>) {
-        (self.wire_names, BTreeMap::new())
+        (self.config.wire_names, self.config.aliases.clone())
     }
 
     async fn bind(&self) -> std::io::Result<Self::Bound> {
@@ -38,21 +38,19 @@ impl Carrier for StdioCarrier {
         "stdio".into()
     }
 
-    fn serve<S: RuntimeTools + TurnSubmission>(
+    async fn serve<S: RuntimeTools + TurnSubmission>(
         self: Arc<Self>,
         bound: Self::Bound,
         server: McpServer<S>,
         shutdown: CancellationToken,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        async move {
-            match server.serve_with_ct(bound, shutdown).await {
-                Ok(running) => {
-                    if let Err(e) = running.waiting().await {
-                        tracing::warn!(error = %e, "stdio session ended abnormally");
-                    }
+    ) {
+        match server.serve_with_ct(bound, shutdown).await {
+            Ok(running) => {
+                if let Err(e) = running.waiting().await {
+                    tracing::warn!(error = %e, "stdio session ended abnormally");
                 }
-                Err(e) => tracing::warn!(error = %e, "stdio session did not start"),
             }
+            Err(e) => tracing::warn!(error = %e, "stdio session did not start"),
         }
     }
 }

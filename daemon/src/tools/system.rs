@@ -1,9 +1,7 @@
 //! `system.info` and `system.health`: what host this is and how it is doing.
 
-use std::collections::HashSet;
-use std::time::Duration;
-
 use serde_json::{Value, json};
+use std::collections::HashSet;
 
 use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
 use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
@@ -182,7 +180,7 @@ fn health(ctx: &ToolContext<'_>) -> Result<Value, ToolError> {
         },
         "disks": disks,
         "carriers": carriers,
-        "uptime_secs": Duration::from(sys.uptime()).as_secs(),
+        "uptime_secs": sys.uptime().as_secs(),
     }))
 }
 

@@ -99,52 +99,50 @@ impl Carrier for LoopbackCarrier {
             .map_or_else(|_| "unknown".into(), |a| a.to_string())
     }
 
-    fn serve<S: RuntimeTools + TurnSubmission>(
+    async fn serve<S: RuntimeTools + TurnSubmission>(
         self: Arc<Self>,
         listener: TcpListener,
         server: McpServer<S>,
         shutdown: CancellationToken,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        async move {
-            let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
-            let bounds = Bounds {
-                max_connections: self.config.max_connections,
-                header_timeout: self.config.header_timeout,
-                max_header_bytes: self.config.max_header_bytes,
-                max_streams: u32::try_from(self.config.max_in_flight).unwrap_or(u32::MAX),
-            };
-            let authority = format!("127.0.0.1:{port}");
-            let rmcp_config = StreamableHttpServerConfig::default()
-                .with_legacy_session_mode(false)
-                .with_json_response(true)
-                .with_sse_keep_alive(None)
-                .with_allowed_hosts([authority.clone()])
-                .with_allowed_origins([format!("http://{authority}")])
-                .enforce_origin_validation()
-                .with_max_request_body_bytes(
-                    usize::try_from(self.limits.request_body).unwrap_or(usize::MAX),
-                )
-                .with_cancellation_token(shutdown.child_token());
-            let inflight = server.inflight().clone();
-            let service = StreamableHttpService::new(
-                move || Ok(server.clone()),
-                Arc::new(NeverSessionManager::default()),
-                rmcp_config,
-            );
-            let handler = Loopback {
-                shared: Arc::new(Shared {
-                    expected: Expected::new(&self.config.path, port),
-                    bearers: self.bearers(),
-                    slots: Semaphore::new(self.config.max_in_flight),
-                    body_limit: self.limits.request_body,
-                    audit: self.audit.clone(),
-                    metrics: self.metrics.clone(),
-                    inflight,
-                    service,
-                }),
-            };
-            server::serve(listener, bounds, handler, shutdown).await;
-        }
+    ) {
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+        let bounds = Bounds {
+            max_connections: self.config.max_connections,
+            header_timeout: self.config.header_timeout,
+            max_header_bytes: self.config.max_header_bytes,
+            max_streams: u32::try_from(self.config.max_in_flight).unwrap_or(u32::MAX),
+        };
+        let authority = format!("127.0.0.1:{port}");
+        let rmcp_config = StreamableHttpServerConfig::default()
+            .with_legacy_session_mode(false)
+            .with_json_response(true)
+            .with_sse_keep_alive(None)
+            .with_allowed_hosts([authority.clone()])
+            .with_allowed_origins([format!("http://{authority}")])
+            .enforce_origin_validation()
+            .with_max_request_body_bytes(
+                usize::try_from(self.limits.request_body).unwrap_or(usize::MAX),
+            )
+            .with_cancellation_token(shutdown.child_token());
+        let inflight = server.inflight().clone();
+        let service = StreamableHttpService::new(
+            move || Ok(server.clone()),
+            Arc::new(NeverSessionManager::default()),
+            rmcp_config,
+        );
+        let handler = Loopback {
+            shared: Arc::new(Shared {
+                expected: Expected::new(&self.config.path, port),
+                bearers: self.bearers(),
+                slots: Semaphore::new(self.config.max_in_flight),
+                body_limit: self.limits.request_body,
+                audit: self.audit.clone(),
+                metrics: self.metrics.clone(),
+                inflight,
+                service,
+            }),
+        };
+        server::serve(listener, bounds, handler, shutdown).await;
     }
 }
 
@@ -192,9 +190,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
                 .insert(header::ALLOW, HeaderValue::from_static("POST"));
             return response;
         }
-        if let Some(version) = parts.headers.get(PROTOCOL_VERSION_HEADER)
-            && !version.to_str().is_ok_and(is_supported_version)
-        {
+        if !protocol_version_ok(&parts.headers) {
             return unsupported_version();
         }
         let declared = parts
@@ -272,6 +268,17 @@ fn closing(mut response: Response<Body>, version: http::Version) -> Response<Bod
     response
 }
 
+/// At most one `MCP-Protocol-Version`, and a supported one. Absent is allowed (a
+/// 2025-11-25 `initialize` carries its version in the body).
+fn protocol_version_ok(headers: &http::HeaderMap) -> bool {
+    let mut values = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
+    match (values.next(), values.next()) {
+        (None, _) => true,
+        (Some(v), None) => v.to_str().is_ok_and(is_supported_version),
+        (Some(_), Some(_)) => false,
+    }
+}
+
 /// 400 with a JSON-RPC error in rmcp's shape (code -32022, as rmcp uses for an
 /// unsupported protocol version); the request id is unknown because the body is unread.
 fn unsupported_version() -> Response<Body> {
@@ -320,6 +327,26 @@ fn cancelled_request_id(body: &[u8]) -> Option<RequestId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn protocol_versions() {
+        let headers = |values: &[&'static str]| {
+            let mut h = http::HeaderMap::new();
+            for v in values {
+                h.append(PROTOCOL_VERSION_HEADER, HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert!(protocol_version_ok(&headers(&[])));
+        assert!(protocol_version_ok(&headers(&["2025-11-25"])));
+        assert!(protocol_version_ok(&headers(&["2026-07-28"])));
+        assert!(!protocol_version_ok(&headers(&["2025-06-18"])));
+        assert!(!protocol_version_ok(&headers(&["2025-03-26"])));
+        assert!(!protocol_version_ok(&headers(&[
+            "2025-11-25",
+            "2025-11-25"
+        ])));
+    }
 
     #[test]
     fn cancellation_bodies_are_recognised() {

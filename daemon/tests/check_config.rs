@@ -1,0 +1,83 @@
+//! `robota-mcpd check-config` and `default-config` on the real binary: exit codes and
+//! key paths in messages.
+
+use std::process::{Command, Output};
+
+fn mcpd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_robota-mcpd"))
+        .args(args)
+        .env_clear()
+        .env("RUNTIME_DIRECTORY", "/run/robota-mcpd-test")
+        .env("STATE_DIRECTORY", "/var/lib/robota-mcpd-test")
+        .output()
+        .expect("run robota-mcpd")
+}
+
+fn check(text: &str) -> (i32, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = mcpd(&["check-config", "--config", path.to_str().unwrap()]);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_embedded_default_prints_and_checks() {
+    let printed = mcpd(&["default-config"]);
+    assert!(printed.status.success());
+    let text = String::from_utf8(printed.stdout).unwrap();
+    assert!(text.contains("[loopback]"));
+    let (code, err) = check(&text);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("configuration OK"), "{err}");
+}
+
+#[test]
+fn errors_name_their_key_and_exit_78() {
+    let cases = [
+        ("[loopback]\nlisten = \"0.0.0.0:8765\"\n", "loopback.listen"),
+        (
+            "[loopback]\nlisten = \"127.0.0.1:1\"\nlisten_everywhere = true\n",
+            "loopback.listen_everywhere",
+        ),
+        (
+            "[limits]\nrequest_body = \"17MiB\"\n",
+            "limits.request_body",
+        ),
+        (
+            "[session.turn]\nargv = [\"/bin/true\"]\ntimeout = \"a while\"\n",
+            "session.turn.timeout",
+        ),
+        (
+            "[[policy]]\ncallers = [\"root\"]\ntools = [\"x\"]\ndecision = \"allow\"\n",
+            "policy[0].callers[0]",
+        ),
+        (
+            "[loopback]\nwire_names = \"compat\"\n[session]\nsubmission_tool = \"system_info\"\n",
+            "loopback.aliases",
+        ),
+        (
+            "[session]\nsubmission_tool = \"system.info\"\n",
+            "collides with the runtime tool \"system.info\"",
+        ),
+        ("this is not toml", "<document>"),
+    ];
+    for (text, needle) in cases {
+        let (code, err) = check(text);
+        assert_eq!(code, 78, "{text:?} → {err}");
+        assert!(
+            err.contains(needle),
+            "{text:?}: expected {needle:?} in {err:?}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_file_is_a_configuration_error() {
+    let out = mcpd(&["check-config", "--config", "/nonexistent/robota-mcpd.toml"]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/robota-mcpd.toml"));
+}
