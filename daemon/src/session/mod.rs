@@ -293,8 +293,9 @@ impl TurnSubmission for Session {
         let started = Instant::now();
         let result = async {
             self.permit(caller, &self.submission)?;
-            let _active = self.metrics.turn_started();
-            self.turns.run(caller, prompt, cancel).await
+            self.turns
+                .run(caller, prompt, cancel, || self.metrics.turn_started())
+                .await
         }
         .await;
         self.finish(&self.submission.name, started, result)

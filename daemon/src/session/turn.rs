@@ -65,11 +65,14 @@ impl TurnBackend {
         self.active.load(Ordering::Acquire)
     }
 
-    pub async fn run(
+    /// Run one turn. `started` is called once the turn holds the single slot; what it
+    /// returns is dropped when the turn ends (the active-turns gauge).
+    pub async fn run<G>(
         &self,
         caller: &Caller,
         prompt: String,
         cancel: CancellationToken,
+        started: impl FnOnce() -> G,
     ) -> Result<ToolOutput, ToolError> {
         let Some(config) = &self.config else {
             return Err(ToolError::new(
@@ -88,6 +91,7 @@ impl TurnBackend {
             ));
         }
         let _active = ActiveGuard(&self.active);
+        let _started = started();
 
         let mut command = Command::new(&config.argv[0]);
         command
@@ -225,7 +229,12 @@ mod tests {
             Duration::from_secs(10),
         );
         let out = b
-            .run(&Caller::Local(7), "hello".into(), CancellationToken::new())
+            .run(
+                &Caller::Local(7),
+                "hello".into(),
+                CancellationToken::new(),
+                || (),
+            )
             .await
             .unwrap();
         assert_eq!(out, ToolOutput::Text("HELLO by local:7\n".into()));
@@ -236,7 +245,12 @@ mod tests {
     async fn failing_backend_is_a_visible_error() {
         let b = backend("exit 3", Duration::from_secs(10));
         let err = b
-            .run(&Caller::Local(0), "x".into(), CancellationToken::new())
+            .run(
+                &Caller::Local(0),
+                "x".into(),
+                CancellationToken::new(),
+                || (),
+            )
             .await
             .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::Internal);
@@ -252,7 +266,10 @@ mod tests {
         let cancel = CancellationToken::new();
         let first = tokio::spawn({
             let (b, cancel) = (b.clone(), cancel.clone());
-            async move { b.run(&Caller::Bearer("a".into()), "x".into(), cancel).await }
+            async move {
+                b.run(&Caller::Bearer("a".into()), "x".into(), cancel, || ())
+                    .await
+            }
         });
         let text = wait_for_file(&pids).await;
         let pids: Vec<i32> = text
@@ -266,6 +283,7 @@ mod tests {
                 &Caller::Bearer("b".into()),
                 "y".into(),
                 CancellationToken::new(),
+                || (),
             )
             .await
             .unwrap_err();
@@ -292,7 +310,12 @@ mod tests {
     async fn time_limit_applies() {
         let b = backend("exec sleep 30", Duration::from_millis(200));
         let err = b
-            .run(&Caller::Local(0), "x".into(), CancellationToken::new())
+            .run(
+                &Caller::Local(0),
+                "x".into(),
+                CancellationToken::new(),
+                || (),
+            )
             .await
             .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::TimedOut);
