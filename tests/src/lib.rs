@@ -69,16 +69,7 @@ pub async fn within<F: Future>(limit: Duration, what: &str, fut: F) -> F::Output
 
 /// Polls `cond` every `every` until it holds or `limit` passes; returns whether it held.
 pub async fn poll_until<F: FnMut() -> bool>(limit: Duration, every: Duration, mut cond: F) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(every).await;
-    }
+    poll_until_async(limit, every, || std::future::ready(cond())).await
 }
 
 /// [`poll_until`] with an async condition.

@@ -33,12 +33,9 @@ impl Lifecycle {
         }
     }
 
-    async fn connect<T, E, A>(self, transport: T) -> Client
-    where
-        T: rmcp::transport::IntoTransport<RoleClient, E, A>,
-        E: std::error::Error + Send + Sync + 'static,
-    {
-        let (config, mode) = match self {
+    /// The client configuration and lifecycle mode that negotiate this revision.
+    fn client_config(self) -> (ClientConfig, ClientLifecycleMode) {
+        match self {
             Lifecycle::Initialize => (
                 ClientConfig::default().with_protocol_version(ProtocolVersion::V_2025_11_25),
                 ClientLifecycleMode::Initialize,
@@ -49,7 +46,15 @@ impl Lifecycle {
                     preferred_versions: vec![ProtocolVersion::V_2026_07_28],
                 },
             ),
-        };
+        }
+    }
+
+    async fn connect<T, E, A>(self, transport: T) -> Client
+    where
+        T: rmcp::transport::IntoTransport<RoleClient, E, A>,
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        let (config, mode) = self.client_config();
         let client = within(
             LIMIT,
             "client lifecycle start",
@@ -286,18 +291,7 @@ async fn loopback_rmcp_client_without_or_with_wrong_bearer_cannot_start() {
     let real = d.bearer();
     for bearer in [None, Some("0".repeat(64))] {
         for lifecycle in [Lifecycle::Initialize, Lifecycle::Discover] {
-            let (config, mode) = match lifecycle {
-                Lifecycle::Initialize => (
-                    ClientConfig::default().with_protocol_version(ProtocolVersion::V_2025_11_25),
-                    ClientLifecycleMode::Initialize,
-                ),
-                Lifecycle::Discover => (
-                    ClientConfig::default(),
-                    ClientLifecycleMode::Discover {
-                        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-                    },
-                ),
-            };
+            let (config, mode) = lifecycle.client_config();
             let started = within(
                 LIMIT,
                 "unauthenticated lifecycle start",
