@@ -50,6 +50,27 @@ Example:
     #[command(subcommand)]
     Bearer(BearerCommand),
 
+    /// Refusal audit records (never token text or client addresses)
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl audit --since 1h
+  robota-mcpctl audit --reason bad-bearer --json
+  robota-mcpctl audit --follow
+
+--json prints one JSON record per line:
+  {\"seq\":7,\"time\":1796000000,\"carrier\":\"remote\",\"reason\":\"expired\",\"throttled\":false,\"address_class\":\"public\"}")]
+    Audit {
+        /// Only records newer than a duration ago (90s, 10m, 24h) or since a unix time
+        #[arg(long, value_name = "T", value_parser = parse_since)]
+        since: Option<Since>,
+        /// Only records with this reason (e.g. bad-bearer, expired, wrong-host)
+        #[arg(long, value_name = "R")]
+        reason: Option<String>,
+        /// Keep printing new records as they arrive, until interrupted
+        #[arg(long)]
+        follow: bool,
+    },
+
     /// Stop the daemon gracefully (in-flight requests get a bounded grace)
     #[command(after_help = "\
 Example:
@@ -117,6 +138,32 @@ Examples:
     },
 }
 
+/// `--since`: a duration back from now, or an absolute unix time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Since {
+    Ago(u64),
+    Unix(u64),
+}
+
+impl Since {
+    /// The unix time this names, given the current one.
+    pub fn resolve(self, now: u64) -> u64 {
+        match self {
+            Since::Ago(secs) => now.saturating_sub(secs),
+            Since::Unix(t) => t,
+        }
+    }
+}
+
+pub fn parse_since(text: &str) -> Result<Since, String> {
+    if let Ok(unix) = text.parse::<u64>() {
+        return Ok(Since::Unix(unix));
+    }
+    humantime::parse_duration(text)
+        .map(|d| Since::Ago(d.as_secs()))
+        .map_err(|err| format!("{err}; expected a duration like 10m or 24h, or a unix time"))
+}
+
 /// Parses `--ttl` into whole seconds (at least one).
 pub fn parse_ttl(text: &str) -> Result<u64, String> {
     let hint = "expected a duration like 90s, 10m, 12h or 30d";
@@ -139,6 +186,15 @@ mod tests {
     #[test]
     fn clap_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn since_is_a_duration_or_a_unix_time() {
+        assert_eq!(parse_since("10m"), Ok(Since::Ago(600)));
+        assert_eq!(parse_since("1796000000"), Ok(Since::Unix(1_796_000_000)));
+        assert!(parse_since("yesterday").is_err());
+        assert_eq!(Since::Ago(600).resolve(1000), 400);
+        assert_eq!(Since::Ago(6000).resolve(1000), 0);
     }
 
     #[test]

@@ -52,6 +52,11 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
         CtlCommand::Bearer(BearerCommand::Rotate { output }) => {
             bearer_secret(ctx, Command::BearerRotate, output.as_deref())
         }
+        CtlCommand::Audit {
+            since,
+            reason,
+            follow,
+        } => audit(ctx, *since, reason.clone(), *follow),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {
             Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),
             reply @ Reply::Stopping => print_json(&reply),
@@ -66,6 +71,53 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reply @ Reply::Restarted { .. } => print_json(&reply),
             other => Err(unexpected("restarted", &other)),
         },
+    }
+}
+
+/// How often `audit --follow` asks for new records.
+const FOLLOW_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `audit`: print matching records; with `--follow`, keep polling for newer ones.
+fn audit(
+    ctx: &Ctx,
+    since: Option<crate::cli::Since>,
+    reason: Option<String>,
+    follow: bool,
+) -> Result<(), CtlError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut after_seq = None;
+    let mut first = true;
+    loop {
+        let command = Command::Audit {
+            since: since.map(|s| s.resolve(now)),
+            reason: reason.clone(),
+            after_seq,
+            limit: None,
+        };
+        let (records, last_seq) = match call(ctx, command)? {
+            Reply::Audit { records, last_seq } => (records, last_seq),
+            other => return Err(unexpected("audit", &other)),
+        };
+        let text = if ctx.json {
+            records
+                .iter()
+                .map(|r| serde_json::to_string(r).map(|line| line + "\n"))
+                .collect::<Result<String, _>>()
+                .map_err(json_error)?
+        } else if first && records.is_empty() && !follow {
+            "no matching refusals\n".to_owned()
+        } else {
+            render::audit(&records)
+        };
+        print(&text)?;
+        if !follow {
+            return Ok(());
+        }
+        first = false;
+        after_seq = Some(last_seq);
+        std::thread::sleep(FOLLOW_EVERY);
     }
 }
 
@@ -118,6 +170,7 @@ fn unexpected(wanted: &str, got: &Reply) -> CtlError {
         Reply::Bearer { .. } => "bearer",
         Reply::Bearers { .. } => "bearers",
         Reply::Revoked { .. } => "revoked",
+        Reply::Audit { .. } => "audit",
         Reply::Stopping => "stopping",
         Reply::Restarted { .. } => "restarted",
     };

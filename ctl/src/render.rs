@@ -124,6 +124,10 @@ pub fn status(status: &Status) -> String {
         ("active turn", yes_no(status.active_turn)),
         ("bearers", status.bearer_count.to_string()),
     ];
+    let mut facts = facts.to_vec();
+    if let Some(key_set) = &status.key_set {
+        facts.push(("key set", clean(key_set).into_owned()));
+    }
     let rows: Vec<Vec<String>> = facts
         .into_iter()
         .map(|(key, value)| vec![format!("{key}:"), value])
@@ -179,6 +183,24 @@ pub fn status(status: &Status) -> String {
         ));
     }
     out
+}
+
+/// Audit records, one line each (no header, so `--follow` output reads as one stream).
+pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
+    records
+        .iter()
+        .map(|r| {
+            format!(
+                "{}  #{:<6} {:<9} {:<22} {:<8} {}\n",
+                rfc3339(r.time),
+                r.seq,
+                clean(&r.carrier),
+                clean(&r.reason),
+                clean(&r.address_class),
+                if r.throttled { "throttled" } else { "" }
+            )
+        })
+        .collect()
 }
 
 /// The `bearer list` table.
@@ -273,6 +295,7 @@ mod tests {
             active_turn: false,
             bearer_count: 2,
             refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
+            key_set: None,
         };
         let text = super::status(&status);
         for needle in [

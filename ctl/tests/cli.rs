@@ -173,6 +173,7 @@ fn sample_status() -> Status {
         active_turn: false,
         bearer_count: 2,
         refusals_last_hour: BTreeMap::from([("bad-token".into(), 4), ("no-token".into(), 1)]),
+        key_set: None,
     }
 }
 

@@ -3,19 +3,26 @@
 //!
 //! A record carries a time, a carrier, a reason, the `throttled` flag and an address
 //! class — never token text, never the address itself. Records go to the log (journald
-//! fields when logging to the journal) and to a one-hour in-memory window that `status`
-//! summarises. The persisted, queryable store arrives with the remote carrier.
+//! fields when logging to the journal), to a bounded in-memory ring that `status` and
+//! `robota-mcpctl audit` read, and to `<state dir>/audit.jsonl`, appended by a writer
+//! thread off the request path, compacted to the newest [`KEEP`] records, read back at
+//! start so the history survives restarts.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::net::IpAddr;
-use std::time::{Duration, SystemTime};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
+use robota_proto::AuditRecord;
 
-/// How long refusals are kept for `status`.
+/// The span `status` summarises.
 const WINDOW: Duration = Duration::from_secs(3600);
-/// Most records kept in the window; older ones are folded into nothing.
-const WINDOW_CAP: usize = 65_536;
 
 /// A place requests arrive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -195,15 +202,130 @@ pub struct Record {
     pub address_class: AddressClass,
 }
 
-/// The audit sink shared by every carrier.
-#[derive(Default)]
+impl Record {
+    fn wire(&self, seq: u64) -> AuditRecord {
+        AuditRecord {
+            seq,
+            time: self
+                .time
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            carrier: self.carrier.as_str().to_owned(),
+            reason: self.reason.as_str().to_owned(),
+            throttled: self.throttled,
+            address_class: self.address_class.as_str().to_owned(),
+        }
+    }
+}
+
+/// Records kept in memory (and the most the file is compacted down to).
+pub const KEEP: usize = 10_000;
+/// Records queued for the writer before new ones are kept in memory only.
+const QUEUE: usize = 4096;
+/// The audit file under the state directory.
+pub const FILE_NAME: &str = "audit.jsonl";
+
+/// Why the audit store could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the audit store {path}")]
+pub struct OpenError {
+    path: PathBuf,
+    #[source]
+    source: std::io::Error,
+}
+
+/// Filters for [`Audit::query`].
+#[derive(Debug, Clone, Default)]
+pub struct Query {
+    pub since: Option<u64>,
+    pub reason: Option<String>,
+    pub after_seq: Option<u64>,
+    pub limit: usize,
+}
+
+struct Ring {
+    records: VecDeque<AuditRecord>,
+    next_seq: u64,
+}
+
+/// The audit sink shared by every carrier: log line, in-memory ring, and (when opened on
+/// a state directory) an append-only JSON-lines file written by its own thread.
 pub struct Audit {
-    recent: Mutex<VecDeque<(SystemTime, Reason)>>,
+    ring: Mutex<Ring>,
+    writer: Mutex<Option<(SyncSender<AuditRecord>, JoinHandle<()>)>>,
+    dropped: AtomicU64,
+}
+
+impl Default for Audit {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Audit {
+    /// An in-memory store (stdio mode, tests).
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            ring: Mutex::new(Ring {
+                records: VecDeque::new(),
+                next_seq: 1,
+            }),
+            writer: Mutex::new(None),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// The persisted store in `state_dir`: earlier records are loaded (a torn last line
+    /// from a crash is skipped), new ones appended.
+    pub fn open(state_dir: &Path) -> Result<Self, OpenError> {
+        let path = state_dir.join(FILE_NAME);
+        let fail = |source| OpenError {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(state_dir).map_err(fail)?;
+        let mut records = VecDeque::new();
+        let mut lines = 0usize;
+        match std::fs::File::open(&path) {
+            Ok(file) => {
+                for line in BufReader::new(file).lines() {
+                    let line = line.map_err(fail)?;
+                    lines += 1;
+                    if let Ok(record) = serde_json::from_str::<AuditRecord>(&line) {
+                        if records.len() == KEEP {
+                            records.pop_front();
+                        }
+                        records.push_back(record);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(fail(e)),
+        }
+        let next_seq = records.back().map_or(1, |r: &AuditRecord| r.seq + 1);
+        if lines > records.len() {
+            // Compact: drop what we no longer keep and any torn line.
+            write_atomically(&path, &records).map_err(fail)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(fail)?;
+        let kept = records.len();
+        let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let thread = std::thread::Builder::new()
+            .name("audit-writer".into())
+            .spawn({
+                let path = path.clone();
+                move || writer(path, file, rx, kept)
+            })
+            .map_err(fail)?;
+        let audit = Self::new();
+        *audit.ring.lock() = Ring { records, next_seq };
+        *audit.writer.lock() = Some((tx, thread));
+        Ok(audit)
     }
 
     pub fn record(&self, record: Record) {
@@ -215,26 +337,125 @@ impl Audit {
             address_class = record.address_class.as_str(),
             "request refused"
         );
-        let mut recent = self.recent.lock();
-        if recent.len() == WINDOW_CAP {
-            recent.pop_front();
+        let wire = {
+            let mut ring = self.ring.lock();
+            let wire = record.wire(ring.next_seq);
+            ring.next_seq += 1;
+            if ring.records.len() == KEEP {
+                ring.records.pop_front();
+            }
+            ring.records.push_back(wire.clone());
+            wire
+        };
+        if let Some((tx, _)) = self.writer.lock().as_ref()
+            && tx.try_send(wire).is_err()
+            && self.dropped.fetch_add(1, Ordering::Relaxed) == 0
+        {
+            tracing::error!(
+                "the audit writer is behind; records are kept in memory only until it catches up"
+            );
         }
-        recent.push_back((record.time, record.reason));
+    }
+
+    /// Records written to memory only because the writer queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Matching records, oldest first (the newest `limit` of them), and the last seq.
+    pub fn query(&self, q: &Query) -> (Vec<AuditRecord>, u64) {
+        let ring = self.ring.lock();
+        let matching: Vec<&AuditRecord> = ring
+            .records
+            .iter()
+            .filter(|r| q.since.is_none_or(|t| r.time >= t))
+            .filter(|r| q.reason.as_deref().is_none_or(|reason| r.reason == reason))
+            .filter(|r| q.after_seq.is_none_or(|s| r.seq > s))
+            .collect();
+        let skip = matching.len().saturating_sub(q.limit);
+        let out = matching.into_iter().skip(skip).cloned().collect();
+        (out, ring.next_seq - 1)
     }
 
     /// Refusals within the last hour of `now`, by reason.
     pub fn last_hour(&self, now: SystemTime) -> BTreeMap<String, u64> {
-        let mut recent = self.recent.lock();
-        let cutoff = now.checked_sub(WINDOW).unwrap_or(SystemTime::UNIX_EPOCH);
-        while recent.front().is_some_and(|(t, _)| *t < cutoff) {
-            recent.pop_front();
-        }
+        let cutoff = now
+            .checked_sub(WINDOW)
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs());
+        let ring = self.ring.lock();
         let mut out = BTreeMap::new();
-        for (_, reason) in recent.iter() {
-            *out.entry(reason.as_str().to_owned()).or_insert(0) += 1;
+        for r in ring.records.iter().rev().take_while(|r| r.time >= cutoff) {
+            *out.entry(r.reason.clone()).or_insert(0) += 1;
         }
         out
     }
+
+    /// Flush and stop the writer; later records stay in memory only.
+    pub fn close(&self) {
+        let writer = self.writer.lock().take();
+        if let Some((tx, thread)) = writer {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The writer thread: append lines, flush per batch, compact past twice [`KEEP`].
+fn writer(path: PathBuf, file: std::fs::File, rx: Receiver<AuditRecord>, mut lines: usize) {
+    let mut out = BufWriter::new(file);
+    let mut tail: VecDeque<AuditRecord> = VecDeque::new();
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        batch.extend(rx.try_iter());
+        for record in batch {
+            if let Ok(line) = serde_json::to_string(&record) {
+                let _ = writeln!(out, "{line}");
+                lines += 1;
+            }
+            if tail.len() == KEEP {
+                tail.pop_front();
+            }
+            tail.push_back(record);
+        }
+        if let Err(e) = out.flush() {
+            tracing::error!(error = %e, path = %path.display(), "cannot write the audit store");
+        }
+        if lines > 2 * KEEP && tail.len() == KEEP && write_atomically(&path, &tail).is_ok() {
+            match std::fs::OpenOptions::new().append(true).open(&path) {
+                Ok(file) => {
+                    out = BufWriter::new(file);
+                    lines = KEEP;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot reopen the audit store after compaction")
+                }
+            }
+        }
+    }
+    let _ = out.flush();
+}
+
+/// Replace `path` with `records`: temp file, fsync, rename, fsync the directory.
+fn write_atomically(path: &Path, records: &VecDeque<AuditRecord>) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = path.with_extension("jsonl.tmp");
+    {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        let mut out = BufWriter::new(file);
+        for r in records {
+            serde_json::to_writer(&mut out, r)?;
+            out.write_all(b"\n")?;
+        }
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]
@@ -274,22 +495,111 @@ mod tests {
         assert_eq!(carriers.len(), Carrier::ALL.len());
     }
 
-    #[test]
-    fn last_hour_drops_old_records() {
-        let audit = Audit::new();
-        let now = SystemTime::now();
-        let rec = |time, reason| Record {
+    fn rec(time: SystemTime, reason: Reason) -> Record {
+        Record {
             time,
             carrier: Carrier::Loopback,
             reason,
             throttled: false,
             address_class: AddressClass::Loopback,
-        };
+        }
+    }
+
+    #[test]
+    fn last_hour_counts_recent_records() {
+        let audit = Audit::new();
+        let now = SystemTime::now();
         audit.record(rec(now - Duration::from_secs(7200), Reason::BadBearer));
         audit.record(rec(now - Duration::from_secs(10), Reason::BadBearer));
         audit.record(rec(now, Reason::WrongHost));
         let counts = audit.last_hour(now);
         assert_eq!(counts.get("bad-bearer"), Some(&1));
         assert_eq!(counts.get("wrong-host"), Some(&1));
+    }
+
+    #[test]
+    fn queries_filter_and_limit() {
+        let audit = Audit::new();
+        let now = SystemTime::now();
+        for i in 0..5 {
+            audit.record(rec(now - Duration::from_secs(100 - i), Reason::BadBearer));
+        }
+        audit.record(rec(now, Reason::WrongHost));
+        let all = |q: Query| audit.query(&Query { limit: 1000, ..q });
+        let (records, last) = all(Query::default());
+        assert_eq!((records.len(), last), (6, 6));
+        assert_eq!(
+            records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+            [1, 2, 3, 4, 5, 6]
+        );
+        let (records, _) = all(Query {
+            reason: Some("wrong-host".into()),
+            ..Query::default()
+        });
+        assert_eq!(records.len(), 1);
+        let (records, _) = all(Query {
+            after_seq: Some(4),
+            ..Query::default()
+        });
+        assert_eq!(records.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6]);
+        let since = now.duration_since(UNIX_EPOCH).unwrap().as_secs() - 97;
+        let (records, _) = all(Query {
+            since: Some(since),
+            ..Query::default()
+        });
+        assert_eq!(records.first().map(|r| r.seq), Some(4));
+        let (records, _) = audit.query(&Query {
+            limit: 2,
+            ..Query::default()
+        });
+        assert_eq!(
+            records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+            [5, 6],
+            "the newest ones"
+        );
+    }
+
+    #[test]
+    fn the_store_survives_reopening_and_torn_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let audit = Audit::open(dir.path()).unwrap();
+        audit.record(rec(SystemTime::now(), Reason::Expired));
+        audit.record(rec(SystemTime::now(), Reason::WrongOrigin));
+        audit.close();
+        let path = dir.path().join(FILE_NAME);
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&path).unwrap().permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600);
+        // A crash mid-append leaves a torn last line.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(b"{\"seq\":3,\"ti")
+            .unwrap();
+
+        let reopened = Audit::open(dir.path()).unwrap();
+        let (records, last) = reopened.query(&Query {
+            limit: 100,
+            ..Query::default()
+        });
+        assert_eq!(
+            records
+                .iter()
+                .map(|r| r.reason.as_str())
+                .collect::<Vec<_>>(),
+            ["expired", "wrong-origin"]
+        );
+        assert_eq!(last, 2);
+        reopened.record(rec(SystemTime::now(), Reason::BadBearer));
+        reopened.close();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(text.lines().last().unwrap().contains("\"seq\":3"));
+        assert!(
+            text.lines()
+                .all(|l| serde_json::from_str::<AuditRecord>(l).is_ok())
+        );
     }
 }

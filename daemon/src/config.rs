@@ -99,6 +99,7 @@ pub struct Config {
     pub session: SessionConfig,
     pub stdio: StdioConfig,
     pub loopback: Option<LoopbackConfig>,
+    pub remote: Option<RemoteConfig>,
     pub metrics: Option<SocketAddr>,
     pub limits: Limits,
     pub policy: Vec<PolicyRule>,
@@ -139,11 +140,58 @@ pub struct LoopbackConfig {
     pub wire_names: WireNameProfile,
     /// Explicit wire names: canonical name → wire name.
     pub aliases: BTreeMap<String, String>,
+    pub bounds: HttpLimits,
+}
+
+/// Connection and request bounds of an HTTP carrier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
     pub max_connections: usize,
     pub max_in_flight: usize,
     pub max_header_bytes: usize,
     pub header_timeout: Duration,
 }
+
+/// The remote carrier: an OAuth 2 resource server (SPEC §5).
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    pub listen: SocketAddr,
+    pub public_url: PublicUrl,
+    pub issuer: String,
+    pub keys: KeySource,
+    pub ca_file: Option<PathBuf>,
+    pub audiences: Vec<String>,
+    pub scopes: Vec<String>,
+    pub allowed_subjects: Vec<String>,
+    pub allowed_clients: Vec<String>,
+    pub algorithms: Vec<jsonwebtoken::Algorithm>,
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    pub start_without_keys: bool,
+    pub throttle: ThrottleConfig,
+    pub tls: Option<TlsFiles>,
+    pub wire_names: WireNameProfile,
+    pub aliases: BTreeMap<String, String>,
+    pub bounds: HttpLimits,
+}
+
+pub use crate::oauth::jwks::KeySource;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThrottleConfig {
+    /// Failures per window before an address is answered 429.
+    pub failures: u32,
+    pub window: Duration,
+    pub max_addresses: usize,
+}
+
+/// PEM certificate chain and private key for TLS termination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+pub use crate::carrier::remote::admission::PublicUrl;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -334,6 +382,7 @@ struct RawConfig {
     stdio: RawStdio,
     #[serde(default)]
     loopback: RawLoopback,
+    remote: Option<RawRemote>,
     #[serde(default)]
     metrics: RawMetrics,
     #[serde(default)]
@@ -412,6 +461,56 @@ impl Default for RawLoopback {
             header_timeout: None,
         }
     }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRemote {
+    #[serde(default = "yes")]
+    enabled: bool,
+    listen: Option<String>,
+    public_url: Option<String>,
+    issuer: Option<String>,
+    jwks_uri: Option<String>,
+    jwks_file: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    audiences: Option<Vec<String>>,
+    #[serde(default)]
+    scopes: Vec<String>,
+    #[serde(default)]
+    allowed_subjects: Vec<String>,
+    #[serde(default)]
+    allowed_clients: Vec<String>,
+    algorithms: Option<Vec<String>>,
+    #[serde(default)]
+    trusted_proxies: Vec<String>,
+    #[serde(default)]
+    start_without_keys: bool,
+    #[serde(default)]
+    throttle: RawThrottle,
+    tls: Option<RawTls>,
+    wire_names: Option<WireNameProfile>,
+    #[serde(default)]
+    aliases: BTreeMap<String, String>,
+    max_connections: Option<usize>,
+    max_in_flight: Option<usize>,
+    max_header_bytes: Option<SizeText>,
+    header_timeout: Option<DurationText>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawThrottle {
+    failures: Option<u32>,
+    window: Option<DurationText>,
+    max_addresses: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    cert: PathBuf,
+    key: PathBuf,
 }
 
 #[derive(Debug, Deserialize)]
@@ -578,48 +677,27 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
                 issues.add(format!("loopback.aliases.{canonical}"), problem);
             }
         }
-        let bound =
-            |key: &str, value: Option<usize>, default: usize, max: usize, issues: &mut Issues| {
-                let v = value.unwrap_or(default);
-                if v == 0 || v > max {
-                    issues.add(
-                        format!("loopback.{key}"),
-                        format!("must be between 1 and {max}, got {v}"),
-                    );
-                }
-                v
-            };
-        let max_connections = bound(
-            "max_connections",
-            l.max_connections,
-            64,
-            65_536,
+        let bounds = validate_bounds(
+            "loopback",
+            [l.max_connections, l.max_in_flight],
+            l.max_header_bytes,
+            l.header_timeout,
             &mut issues,
         );
-        let max_in_flight = bound("max_in_flight", l.max_in_flight, 32, 65_536, &mut issues);
-        let max_header_bytes = l.max_header_bytes.map_or(16 * 1024, |s| s.0);
-        if !(8 * 1024..=1024 * 1024).contains(&max_header_bytes) {
-            issues.add(
-                "loopback.max_header_bytes",
-                format!("must be between 8KiB and 1MiB, got {max_header_bytes} bytes"),
-            );
-        }
-        let header_timeout = l.header_timeout.map_or(Duration::from_secs(5), |d| d.0);
-        if header_timeout.is_zero() || header_timeout > Duration::from_secs(300) {
-            issues.add("loopback.header_timeout", "must be between 1ms and 300s");
-        }
         Some(LoopbackConfig {
             listen,
             path,
             wire_names: l.wire_names.unwrap_or(WireNameProfile::Canonical),
             aliases: l.aliases,
-            max_connections,
-            max_in_flight,
-            max_header_bytes: max_header_bytes as usize,
-            header_timeout,
+            bounds,
         })
     } else {
         None
+    };
+
+    let remote = match raw.remote {
+        Some(r) if r.enabled => validate_remote(r, &mut issues),
+        _ => None,
     };
 
     let metrics = if raw.metrics.enabled {
@@ -711,12 +789,222 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         },
         stdio,
         loopback,
+        remote,
         metrics,
         limits: Limits {
             request_body,
             tool_result,
         },
         policy,
+    })
+}
+
+/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, header bytes
+/// and the head deadline, each checked against its range.
+fn validate_bounds(
+    section: &str,
+    counts: [Option<usize>; 2],
+    max_header_bytes: Option<SizeText>,
+    header_timeout: Option<DurationText>,
+    issues: &mut Issues,
+) -> HttpLimits {
+    let mut count = |key: &str, value: Option<usize>, default: usize| {
+        let v = value.unwrap_or(default);
+        if v == 0 || v > 65_536 {
+            issues.add(
+                format!("{section}.{key}"),
+                format!("must be between 1 and 65536, got {v}"),
+            );
+        }
+        v
+    };
+    let max_connections = count("max_connections", counts[0], 64);
+    let max_in_flight = count("max_in_flight", counts[1], 32);
+    let max_header_bytes = max_header_bytes.map_or(16 * 1024, |s| s.0);
+    if !(8 * 1024..=1024 * 1024).contains(&max_header_bytes) {
+        issues.add(
+            format!("{section}.max_header_bytes"),
+            format!("must be between 8KiB and 1MiB, got {max_header_bytes} bytes"),
+        );
+    }
+    let header_timeout = header_timeout.map_or(Duration::from_secs(5), |d| d.0);
+    if header_timeout.is_zero() || header_timeout > Duration::from_secs(300) {
+        issues.add(
+            format!("{section}.header_timeout"),
+            "must be between 1ms and 300s",
+        );
+    }
+    HttpLimits {
+        max_connections,
+        max_in_flight,
+        max_header_bytes: usize::try_from(max_header_bytes).unwrap_or(usize::MAX),
+        header_timeout,
+    }
+}
+
+fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
+    let listen_text = r.listen.unwrap_or_else(|| "0.0.0.0:8443".to_owned());
+    let listen = listen_text.parse::<SocketAddr>().unwrap_or_else(|_| {
+        issues.add(
+            "remote.listen",
+            format!("not an address:port, got {listen_text:?}"),
+        );
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    });
+    let public_url = match r.public_url.as_deref().map(PublicUrl::parse) {
+        Some(Ok(url)) => Some(url),
+        Some(Err(problem)) => {
+            issues.add("remote.public_url", problem);
+            None
+        }
+        None => {
+            issues.add(
+                "remote.public_url",
+                "required: the https URL clients use to reach this carrier",
+            );
+            None
+        }
+    };
+    let https = |key: &str, value: &str, issues: &mut Issues| match value.parse::<http::Uri>() {
+        Ok(uri) if uri.scheme_str() == Some("https") && uri.host().is_some() => {}
+        _ => issues.add(key, format!("must be an https URL, got {value:?}")),
+    };
+    let issuer = r.issuer.unwrap_or_default();
+    if issuer.is_empty() {
+        issues.add(
+            "remote.issuer",
+            "required: the authorization server's issuer identifier",
+        );
+    } else {
+        https("remote.issuer", &issuer, issues);
+    }
+    let keys = match (r.jwks_uri, r.jwks_file) {
+        (Some(_), Some(_)) => {
+            issues.add("remote.jwks_uri", "give jwks_uri or jwks_file, not both");
+            KeySource::Discovery
+        }
+        (Some(uri), None) => {
+            https("remote.jwks_uri", &uri, issues);
+            KeySource::JwksUri(uri)
+        }
+        (None, Some(file)) => KeySource::JwksFile(file),
+        (None, None) => KeySource::Discovery,
+    };
+    if r.allowed_subjects.is_empty() && r.allowed_clients.is_empty() {
+        issues.add(
+            "remote.allowed_subjects",
+            "the remote carrier needs a principal allow-list: allowed_subjects and/or allowed_clients",
+        );
+    }
+    let algorithms = match r.algorithms {
+        None => vec![
+            jsonwebtoken::Algorithm::RS256,
+            jsonwebtoken::Algorithm::ES256,
+            jsonwebtoken::Algorithm::EdDSA,
+        ],
+        Some(names) => {
+            let mut out = Vec::new();
+            for (i, name) in names.iter().enumerate() {
+                match name.as_str() {
+                    "RS256" => out.push(jsonwebtoken::Algorithm::RS256),
+                    "ES256" => out.push(jsonwebtoken::Algorithm::ES256),
+                    "EdDSA" => out.push(jsonwebtoken::Algorithm::EdDSA),
+                    other => issues.add(
+                        format!("remote.algorithms[{i}]"),
+                        format!("{other:?} is not allowed; use RS256, ES256 or EdDSA"),
+                    ),
+                }
+            }
+            if names.is_empty() {
+                issues.add("remote.algorithms", "must list at least one algorithm");
+            }
+            out
+        }
+    };
+    let mut trusted_proxies = Vec::new();
+    for (i, text) in r.trusted_proxies.iter().enumerate() {
+        match crate::carrier::remote::forwarded::parse_net(text) {
+            Some(net) => trusted_proxies.push(net),
+            None => issues.add(
+                format!("remote.trusted_proxies[{i}]"),
+                format!("not an IP or CIDR: {text:?}"),
+            ),
+        }
+    }
+    for (i, scope) in r.scopes.iter().enumerate() {
+        let ok = !scope.is_empty()
+            && scope
+                .chars()
+                .all(|c| c.is_ascii_graphic() && c != '"' && c != '\\');
+        if !ok {
+            issues.add(
+                format!("remote.scopes[{i}]"),
+                format!("not a scope token: {scope:?}"),
+            );
+        }
+    }
+    for (canonical, wire) in &r.aliases {
+        if let Err(problem) = crate::session::catalog::check_name(wire) {
+            issues.add(format!("remote.aliases.{canonical}"), problem);
+        }
+    }
+    let failures = r.throttle.failures.unwrap_or(20);
+    if failures == 0 {
+        issues.add("remote.throttle.failures", "must be at least 1");
+    }
+    let window = r.throttle.window.map_or(Duration::from_secs(60), |d| d.0);
+    if window < Duration::from_secs(1) || window > Duration::from_secs(86_400) {
+        issues.add("remote.throttle.window", "must be between 1s and 24h");
+    }
+    let max_addresses = r.throttle.max_addresses.unwrap_or(4096);
+    if max_addresses == 0 || max_addresses > 1_048_576 {
+        issues.add(
+            "remote.throttle.max_addresses",
+            "must be between 1 and 1048576",
+        );
+    }
+    let bounds = validate_bounds(
+        "remote",
+        [r.max_connections, r.max_in_flight],
+        r.max_header_bytes,
+        r.header_timeout,
+        issues,
+    );
+    let public_url = public_url?;
+    let audiences = r
+        .audiences
+        .unwrap_or_else(|| vec![public_url.as_str().to_owned()]);
+    if audiences.is_empty() {
+        issues.add(
+            "remote.audiences",
+            "must list at least one audience (default: the public URL)",
+        );
+    }
+    Some(RemoteConfig {
+        listen,
+        issuer,
+        keys,
+        ca_file: r.ca_file,
+        audiences,
+        scopes: r.scopes,
+        allowed_subjects: r.allowed_subjects,
+        allowed_clients: r.allowed_clients,
+        algorithms,
+        trusted_proxies,
+        start_without_keys: r.start_without_keys,
+        throttle: ThrottleConfig {
+            failures,
+            window,
+            max_addresses,
+        },
+        tls: r.tls.map(|t| TlsFiles {
+            cert: t.cert,
+            key: t.key,
+        }),
+        wire_names: r.wire_names.unwrap_or(WireNameProfile::Canonical),
+        aliases: r.aliases,
+        bounds,
+        public_url,
     })
 }
 
@@ -847,5 +1135,50 @@ mod tests {
         .unwrap();
         assert!(config.loopback.is_none());
         assert!(config.metrics.is_none());
+    }
+
+    const REMOTE: &str = "[remote]\nlisten = \"127.0.0.1:0\"\npublic_url = \"https://mcp.example.com/mcp\"\n\
+                          issuer = \"https://auth.example.com\"\nallowed_subjects = [\"alice\"]\n";
+
+    #[test]
+    fn remote_defaults() {
+        let config = parse(REMOTE, &env()).unwrap();
+        let r = config.remote.unwrap();
+        assert_eq!(r.audiences, ["https://mcp.example.com/mcp"]);
+        assert_eq!(r.keys, KeySource::Discovery);
+        assert_eq!(r.algorithms.len(), 3);
+        assert_eq!(r.throttle.failures, 20);
+        assert_eq!(r.throttle.window, Duration::from_secs(60));
+        assert_eq!(r.throttle.max_addresses, 4096);
+        assert!(r.tls.is_none() && r.trusted_proxies.is_empty() && !r.start_without_keys);
+        assert!(
+            parse("", &env()).unwrap().remote.is_none(),
+            "off unless configured"
+        );
+    }
+
+    #[test]
+    fn remote_refuses_unsafe_settings() {
+        let found = issues(
+            "[remote]\npublic_url = \"http://mcp.example.com/mcp\"\nissuer = \"http://auth\"\n\
+             jwks_uri = \"https://a/jwks\"\njwks_file = \"/x\"\nalgorithms = [\"HS256\"]\n\
+             trusted_proxies = [\"10.0.0.0/33\"]\n[remote.throttle]\nfailures = 0\n",
+        );
+        let paths: Vec<_> = found.iter().map(|i| i.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "remote.public_url",
+                "remote.issuer",
+                "remote.jwks_uri",
+                "remote.allowed_subjects",
+                "remote.algorithms[0]",
+                "remote.trusted_proxies[0]",
+                "remote.throttle.failures",
+            ]
+        );
+        let found = issues("[remote]\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n");
+        assert_eq!(found[0].path, "remote.public_url");
+        assert!(found[0].problem.contains("required"));
     }
 }

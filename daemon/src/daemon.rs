@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit::{Audit, Carrier as CarrierName};
 use crate::bearer::{BearerError, HOST_LABEL, unix_secs};
-use crate::carrier::http::Bounds;
 use crate::carrier::loopback::LoopbackCarrier;
+use crate::carrier::remote::RemoteCarrier;
 use crate::config::Config;
 use crate::control::{self, ControlApi, Peer};
 use crate::metrics::{self, Metrics};
@@ -31,6 +31,7 @@ use crate::session::{HostView, RuntimeTools, Session, TurnSubmission};
 use crate::transport::{LifecycleError, McpTransport};
 
 type Loopback = McpTransport<Session, LoopbackCarrier>;
+type Remote = McpTransport<Session, RemoteCarrier>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -50,6 +51,18 @@ pub enum DaemonError {
         #[source]
         source: LifecycleError,
     },
+    #[error("the remote carrier on {addr} failed to start")]
+    Remote {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: LifecycleError,
+    },
+    #[error("the remote carrier's verifier is misconfigured")]
+    VerifierConfig(#[source] crate::oauth::jwt::BuildError),
+    #[error("the remote carrier's verifier has no keys")]
+    VerifierKeys(#[source] crate::oauth::jwt::LoadError),
+    #[error("the audit store")]
+    Audit(#[source] crate::audit::OpenError),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
 }
@@ -62,7 +75,12 @@ impl DaemonError {
             | DaemonError::Loopback {
                 source: LifecycleError::WireNames(_),
                 ..
+            }
+            | DaemonError::Remote {
+                source: LifecycleError::WireNames(_),
+                ..
             } => crate::exit::CONFIG,
+            DaemonError::VerifierConfig(_) => crate::exit::CONFIG,
             _ => crate::exit::RUNTIME,
         }
     }
@@ -103,6 +121,7 @@ struct Core {
     generation: AtomicU64,
     session: RwLock<Option<Arc<Session>>>,
     loopback: Option<Loopback>,
+    remote: Option<Remote>,
     metrics_addr: RwLock<Option<String>>,
     control_path: String,
     ops: mpsc::Sender<Op>,
@@ -126,6 +145,9 @@ impl Core {
         if let Some(addr) = self.loopback.as_ref().and_then(|l| l.address()) {
             out.push((CarrierName::Loopback.as_str().to_owned(), addr));
         }
+        if let Some(addr) = self.remote.as_ref().and_then(|r| r.address()) {
+            out.push((CarrierName::Remote.as_str().to_owned(), addr));
+        }
         if let Some(addr) = self.metrics_addr.read().clone() {
             out.push(("metrics".to_owned(), addr));
         }
@@ -148,6 +170,14 @@ impl Core {
         let mut carriers = Vec::new();
         if let Some(addr) = self.loopback.as_ref().and_then(|l| l.address()) {
             carriers.push(carrier(CarrierName::Loopback, addr));
+        }
+        if let Some(remote) = &self.remote
+            && let Some(addr) = remote.address()
+        {
+            carriers.push(CarrierStatus {
+                public_url: Some(remote.carrier().public_url().to_owned()),
+                ..carrier(CarrierName::Remote, addr)
+            });
         }
         if let Some(addr) = self.metrics_addr.read().clone() {
             carriers.push(CarrierStatus {
@@ -177,6 +207,7 @@ impl Core {
                 .as_ref()
                 .map_or(0, |l| l.carrier().bearers().len()),
             refusals_last_hour: self.audit.last_hour(SystemTime::now()),
+            key_set: self.remote.as_ref().map(|r| r.carrier().key_set_state()),
         }
     }
 
@@ -208,6 +239,15 @@ impl Core {
             let addr = loopback.start().await.map_err(failed)?;
             tracing::info!(address = %addr, path = %config.path, "loopback carrier serving");
         }
+        if let (Some(remote), Some(config)) = (&self.remote, &self.config.remote) {
+            let failed = |source| DaemonError::Remote {
+                addr: config.listen,
+                source,
+            };
+            remote.attach(session.clone()).map_err(failed)?;
+            let addr = remote.start().await.map_err(failed)?;
+            tracing::info!(address = %addr, public_url = %config.public_url.as_str(), "remote carrier serving");
+        }
         *self.session.write() = Some(session);
         Ok(())
     }
@@ -216,15 +256,45 @@ impl Core {
         *self.state.write() = State::Restarting;
         notify::reloading();
         tracing::info!("restarting: fresh attach, new bearers");
-        if let Some(loopback) = &self.loopback {
-            loopback.stop().await;
-        }
+        self.stop_carriers().await;
         *self.session.write() = None;
         self.attach_and_start().await?;
         self.generation.fetch_add(1, Ordering::Relaxed);
         *self.state.write() = State::Serving;
         notify::ready(&self.ready_status());
         Ok(())
+    }
+
+    async fn stop_carriers(&self) {
+        let loopback = async {
+            if let Some(l) = &self.loopback {
+                l.stop().await;
+            }
+        };
+        let remote = async {
+            if let Some(r) = &self.remote {
+                r.stop().await;
+            }
+        };
+        tokio::join!(loopback, remote);
+    }
+
+    fn audit_reply(
+        &self,
+        since: Option<u64>,
+        reason: Option<String>,
+        after_seq: Option<u64>,
+        limit: Option<u32>,
+    ) -> Response {
+        const CEILING: u32 = 1000;
+        let query = crate::audit::Query {
+            since,
+            reason,
+            after_seq,
+            limit: limit.unwrap_or(CEILING).min(CEILING) as usize,
+        };
+        let (records, last_seq) = self.audit.query(&query);
+        Response::ok(Reply::Audit { records, last_seq })
     }
 
     fn bearer_reply(&self, command: Command) -> Response {
@@ -299,7 +369,7 @@ impl Core {
                     expires_at: None,
                 })
             }
-            Command::Status | Command::Stop | Command::Restart => {
+            Command::Status | Command::Stop | Command::Restart | Command::Audit { .. } => {
                 Response::error(ErrorCode::Internal, "not a bearer command")
             }
         }
@@ -339,15 +409,46 @@ impl ControlApi for Api {
                     ),
                 }
             }
+            Command::Audit {
+                since,
+                reason,
+                after_seq,
+                limit,
+            } => core.audit_reply(since, reason, after_seq, limit),
             other => core.bearer_reply(other),
         }
     }
 }
 
+/// The shipped JWT/JWKS verifier for `[remote]`, with its keys loaded (or the cache, or
+/// nothing when `start_without_keys`).
+async fn build_verifier(
+    remote: &crate::config::RemoteConfig,
+    state_dir: &std::path::Path,
+    metrics: Metrics,
+) -> Result<Arc<dyn crate::oauth::Verifier>, DaemonError> {
+    use crate::oauth::jwt::{JwtConfig, JwtVerifier};
+    let config = JwtConfig {
+        issuer: remote.issuer.clone(),
+        audiences: remote.audiences.clone(),
+        algorithms: remote.algorithms.clone(),
+        required_scopes: remote.scopes.clone(),
+        allowed_subjects: remote.allowed_subjects.clone(),
+        allowed_clients: remote.allowed_clients.clone(),
+        keys: remote.keys.clone(),
+        ca_file: remote.ca_file.clone(),
+        cache_path: state_dir.join("jwks-cache.json"),
+        start_without_keys: remote.start_without_keys,
+    };
+    let verifier = JwtVerifier::build(config, metrics).map_err(DaemonError::VerifierConfig)?;
+    verifier.load().await.map_err(DaemonError::VerifierKeys)?;
+    Ok(Arc::new(verifier))
+}
+
 /// Run the daemon until a stop. `shutdown` is an extra stop trigger (tests, embedding).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DaemonError> {
     notify::status("starting");
-    let audit = Arc::new(Audit::new());
+    let audit = Arc::new(Audit::open(&config.state_dir).map_err(DaemonError::Audit)?);
     let metrics = Metrics::new();
 
     let control_socket = control::bind(&config.control).map_err(DaemonError::Control)?;
@@ -367,6 +468,20 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
             metrics.clone(),
         )))
     });
+    let remote = match &config.remote {
+        Some(r) => {
+            let verifier = build_verifier(r, &config.state_dir, metrics.clone()).await?;
+            tracing::info!(issuer = %r.issuer, keys = %verifier.key_set_state(), "remote verifier ready");
+            Some(McpTransport::new(Arc::new(RemoteCarrier::new(
+                r.clone(),
+                config.limits,
+                verifier,
+                audit.clone(),
+                metrics.clone(),
+            ))))
+        }
+        None => None,
+    };
     let (ops_tx, mut ops) = mpsc::channel(4);
     let core = Arc::new(Core {
         control_path: control_socket.path().display().to_string(),
@@ -378,6 +493,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
         generation: AtomicU64::new(0),
         session: RwLock::new(None),
         loopback,
+        remote,
         metrics_addr: RwLock::new(None),
         ops: ops_tx,
     });
@@ -396,15 +512,16 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
             .map_or_else(|_| "unknown".into(), |a| a.to_string());
         tracing::info!(address = %addr, "metrics listener serving /metrics");
         *core.metrics_addr.write() = Some(addr);
-        let bounds = Bounds {
+        let bounds = crate::config::HttpLimits {
             max_connections: 8,
-            header_timeout: std::time::Duration::from_secs(5),
+            max_in_flight: 8,
             max_header_bytes: 16 * 1024,
-            max_streams: 8,
+            header_timeout: std::time::Duration::from_secs(5),
         };
         tasks.push(tokio::spawn(crate::carrier::http::serve(
             listener,
             bounds,
+            None,
             metrics::Endpoint(metrics.clone()),
             listeners.clone(),
         )));
@@ -461,13 +578,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
 
     *core.state.write() = State::Stopping;
     notify::stopping();
-    if let Some(loopback) = &core.loopback {
-        loopback.stop().await;
-    }
+    core.stop_carriers().await;
     listeners.cancel();
     for task in tasks {
         let _ = task.await;
     }
+    core.audit.close();
     tracing::info!("stopped");
     result
 }

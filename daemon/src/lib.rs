@@ -12,6 +12,7 @@ pub mod logging;
 pub mod mcp;
 pub mod metrics;
 pub mod notify;
+pub mod oauth;
 pub mod session;
 pub mod tools;
 pub mod transport;

@@ -11,6 +11,33 @@ use prometheus::{
 use crate::audit::{Carrier, Reason};
 use crate::session::ToolErrorCode;
 
+/// Outcome of one JWKS (or discovery) fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchOutcome {
+    /// Fetched and accepted.
+    Ok,
+    /// Network, TLS, HTTP status, timeout or redirect failure.
+    Error,
+    /// Fetched but refused: over 64 KiB, over 32 keys, not a key set.
+    Rejected,
+}
+
+impl FetchOutcome {
+    pub const ALL: [FetchOutcome; 3] = [
+        FetchOutcome::Ok,
+        FetchOutcome::Error,
+        FetchOutcome::Rejected,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FetchOutcome::Ok => "ok",
+            FetchOutcome::Error => "error",
+            FetchOutcome::Rejected => "rejected",
+        }
+    }
+}
+
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
 pub struct Metrics(Arc<Inner>);
@@ -23,6 +50,8 @@ struct Inner {
     tool_duration: HistogramVec,
     policy_denials: IntCounterVec,
     active_turns: IntGauge,
+    throttled: IntCounterVec,
+    jwks_fetches: IntCounterVec,
 }
 
 /// Decrements the active-turns gauge when dropped.
@@ -71,6 +100,16 @@ impl Metrics {
             "Calls the permission wrapper refused, by canonical tool and code.",
             &["tool", "code"],
         );
+        let throttled = counter(
+            "throttled_total",
+            "Refusals answered 429 because the client address failed too often, by carrier.",
+            &["carrier"],
+        );
+        let jwks_fetches = counter(
+            "jwks_fetches_total",
+            "Key-set and discovery fetches by outcome (ok, error, rejected).",
+            &["outcome"],
+        );
         let tool_duration = HistogramVec::new(
             HistogramOpts::new(
                 "tool_call_duration_seconds",
@@ -111,6 +150,8 @@ impl Metrics {
             tool_duration,
             policy_denials,
             active_turns,
+            throttled,
+            jwks_fetches,
         }))
     }
 
@@ -118,6 +159,20 @@ impl Metrics {
         self.0
             .refusals
             .with_label_values(&[carrier.as_str(), reason.as_str()])
+            .inc();
+    }
+
+    pub fn throttled(&self, carrier: Carrier) {
+        self.0
+            .throttled
+            .with_label_values(&[carrier.as_str()])
+            .inc();
+    }
+
+    pub fn jwks_fetch(&self, outcome: FetchOutcome) {
+        self.0
+            .jwks_fetches
+            .with_label_values(&[outcome.as_str()])
             .inc();
     }
 
@@ -233,5 +288,72 @@ mod tests {
         );
         assert!(text.contains("robota_mcpd_build_info{version="));
         assert_eq!(m.refused_count(Carrier::Loopback), 1);
+    }
+
+    /// docs/metrics.md lists every metric the code registers, and every closed-set value
+    /// a label can take; no documented metric is missing from the code.
+    #[test]
+    fn docs_list_every_metric_and_label_value() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
+                .unwrap();
+        let m = Metrics::new();
+        // Touch every vector so it appears in the exposition.
+        m.refused(Carrier::Remote, Reason::Expired);
+        m.admitted(Carrier::Remote);
+        m.throttled(Carrier::Remote);
+        m.tool_call("system.info", None, Duration::from_millis(1));
+        m.policy_denial("system.info", ToolErrorCode::PermissionDenied);
+        m.jwks_fetch(FetchOutcome::Ok);
+        let families = m.0.registry.gather();
+        assert!(families.len() >= 9);
+        for family in &families {
+            assert!(
+                doc.contains(&format!("`{}`", family.name())),
+                "{} is not documented",
+                family.name()
+            );
+        }
+        let documented: Vec<&str> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `robota_mcpd_"))
+            .filter_map(|l| l.split('`').next())
+            .collect();
+        assert!(!documented.is_empty());
+        for name in documented {
+            let full = format!("robota_mcpd_{name}");
+            assert!(
+                families.iter().any(|f| f.name() == full),
+                "{full} is documented but not registered"
+            );
+        }
+        for carrier in Carrier::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", carrier.as_str())),
+                "carrier {}",
+                carrier.as_str()
+            );
+        }
+        for reason in Reason::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", reason.as_str())),
+                "reason {}",
+                reason.as_str()
+            );
+        }
+        for code in ToolErrorCode::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", code.as_str())),
+                "tool error {}",
+                code.as_str()
+            );
+        }
+        for outcome in FetchOutcome::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", outcome.as_str())),
+                "fetch outcome {}",
+                outcome.as_str()
+            );
+        }
     }
 }

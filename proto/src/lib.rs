@@ -97,6 +97,21 @@ pub enum Command {
     },
     /// Replace the host bearer; the old one stops working at once.
     BearerRotate,
+    /// Refusal audit records, oldest first.
+    Audit {
+        /// Only records at or after this unix time.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since: Option<u64>,
+        /// Only records with this reason (e.g. `bad-bearer`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        /// Only records with a larger `seq` (for following).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after_seq: Option<u64>,
+        /// At most this many records (the newest ones); default and ceiling 1000.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<u32>,
+    },
     /// Graceful stop of the whole daemon.
     Stop,
     /// Fresh attach: a new session, new bearers, readiness re-announced.
@@ -155,10 +170,32 @@ pub enum Reply {
     Revoked {
         label: String,
     },
+    Audit {
+        records: Vec<AuditRecord>,
+        /// The highest `seq` the daemon has assigned (pass it as `after_seq` to follow).
+        last_seq: u64,
+    },
     Stopping,
     Restarted {
         status: Status,
     },
+}
+
+/// One refusal: never token text, never the client address.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    /// Increasing across restarts of the daemon with the same state directory.
+    pub seq: u64,
+    /// Unix seconds.
+    pub time: u64,
+    /// `loopback`, `remote`, `control` or `stdio`.
+    pub carrier: String,
+    /// The closed-set refusal reason (`wrong-host`, `bad-bearer`, `expired`, …).
+    pub reason: String,
+    /// Answered 429 because the client address failed too often.
+    pub throttled: bool,
+    /// `loopback`, `private`, `public` or `unknown`.
+    pub address_class: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -264,6 +301,9 @@ pub struct Status {
     pub bearer_count: usize,
     /// Refusals in the last hour, by audit reason.
     pub refusals_last_hour: BTreeMap<String, u64>,
+    /// The remote carrier's key set, when it is enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_set: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

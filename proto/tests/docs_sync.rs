@@ -27,7 +27,13 @@ fn all_commands() -> Vec<Command> {
             Command::BearerIssue { .. } => Some(Command::BearerList),
             Command::BearerList => Some(Command::BearerRevoke { label: "ci".into() }),
             Command::BearerRevoke { .. } => Some(Command::BearerRotate),
-            Command::BearerRotate => Some(Command::Stop),
+            Command::BearerRotate => Some(Command::Audit {
+                since: Some(1),
+                reason: Some("expired".into()),
+                after_seq: Some(3),
+                limit: Some(10),
+            }),
+            Command::Audit { .. } => Some(Command::Stop),
             Command::Stop => Some(Command::Restart),
             Command::Restart => None,
         }
@@ -53,7 +59,11 @@ fn all_replies() -> Vec<Reply> {
                 }],
             }),
             Reply::Bearers { .. } => Some(Reply::Revoked { label: "ci".into() }),
-            Reply::Revoked { .. } => Some(Reply::Stopping),
+            Reply::Revoked { .. } => Some(Reply::Audit {
+                records: Vec::new(),
+                last_seq: 0,
+            }),
+            Reply::Audit { .. } => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
             Reply::Restarted { .. } => None,
         }
@@ -83,6 +93,7 @@ fn status() -> Status {
         active_turn: false,
         bearer_count: 1,
         refusals_last_hour: Default::default(),
+        key_set: None,
     }
 }
 
@@ -158,6 +169,11 @@ fn classify(values: &[Value]) -> Examples {
                     seen.error_codes.insert(error.code.as_str().to_owned());
                 }
             }
+        } else if value.get("seq").is_some() && value.get("reason").is_some() {
+            // `robota-mcpctl --json audit` output: one bare record per line.
+            serde_json::from_value::<robota_proto::AuditRecord>(value.clone()).unwrap_or_else(
+                |err| panic!("audit record example does not decode: {err}: {value}"),
+            );
         } else if value.get("kind").is_some() {
             // `robota-mcpctl --json` output: a bare reply object. With `--output` the bearer
             // reply is printed without its secret; put one back to decode the rest.
@@ -189,7 +205,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 7, "the command chain lost a link");
+    assert_eq!(commands.len(), 8, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -203,7 +219,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 6, "the reply chain lost a link");
+    assert_eq!(replies.len(), 7, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

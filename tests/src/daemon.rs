@@ -115,6 +115,7 @@ pub struct DaemonBuilder {
     extra: String,
     env: Vec<(String, String)>,
     watchdog_usec: Option<u64>,
+    state_dir: Option<PathBuf>,
 }
 
 impl Default for DaemonBuilder {
@@ -126,6 +127,7 @@ impl Default for DaemonBuilder {
             extra: String::new(),
             env: Vec::new(),
             watchdog_usec: None,
+            state_dir: None,
         }
     }
 }
@@ -168,11 +170,24 @@ impl DaemonBuilder {
         self
     }
 
+    /// Use `path` as the state directory (created 0700 if missing) instead of one inside
+    /// the daemon's temp directory, so that a later daemon can run on the same state.
+    pub fn state_dir(mut self, path: &Path) -> Self {
+        self.state_dir = Some(path.to_path_buf());
+        self
+    }
+
+    /// The state directory of a daemon living in `dir`.
+    fn state_path(&self, dir: &Path) -> PathBuf {
+        self.state_dir.clone().unwrap_or_else(|| dir.join("state"))
+    }
+
     /// The config text for a daemon living in `dir`.
     pub fn config_text(&self, dir: &Path) -> String {
         let d = dir.display().to_string();
+        let state = self.state_path(dir).display().to_string();
         let mut text = format!(
-            "[daemon]\nstate_dir = \"{d}/state\"\nruntime_dir = \"{d}/run\"\n\n[loopback]\nlisten = \"{}\"\n",
+            "[daemon]\nstate_dir = \"{state}\"\nruntime_dir = \"{d}/run\"\n\n[loopback]\nlisten = \"{}\"\n",
             self.loopback_listen
         );
         for line in &self.loopback_lines {
@@ -194,10 +209,12 @@ impl DaemonBuilder {
             .tempdir()
             .expect("tempdir");
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
-        let state = dir.path().join("state");
+        let state = self.state_path(dir.path());
         let run = dir.path().join("run");
-        fs::create_dir(&state).expect("mkdir state");
-        fs::set_permissions(&state, fs::Permissions::from_mode(0o700)).expect("chmod state");
+        if !state.is_dir() {
+            fs::create_dir_all(&state).expect("mkdir state");
+            fs::set_permissions(&state, fs::Permissions::from_mode(0o700)).expect("chmod state");
+        }
         fs::create_dir(&run).expect("mkdir run");
         fs::set_permissions(&run, fs::Permissions::from_mode(0o755)).expect("chmod run");
 
@@ -238,6 +255,7 @@ impl DaemonBuilder {
             .unwrap_or_default();
         Daemon {
             socket: run.join("control.sock"),
+            state_dir: state,
             dir,
             child: Mutex::new(child),
             exit: Mutex::new(None),
@@ -269,6 +287,7 @@ pub struct Daemon {
     notify: NotifyListener,
     config_path: PathBuf,
     socket: PathBuf,
+    state_dir: PathBuf,
     cmdline: String,
     loopback: Mutex<Option<SocketAddr>>,
     metrics: Mutex<Option<SocketAddr>>,
@@ -304,6 +323,11 @@ impl Daemon {
 
     pub fn runtime_dir(&self) -> PathBuf {
         self.dir().join("run")
+    }
+
+    /// The state directory (inside [`Daemon::dir`] unless the builder named one).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
     }
 
     pub fn notify(&self) -> &NotifyListener {
@@ -377,6 +401,27 @@ impl Daemon {
         *self.loopback.lock().expect("lock") = Some(find("loopback"));
         *self.metrics.lock().expect("lock") = Some(find("metrics"));
         st
+    }
+
+    /// The bound address of carrier `name` as `status` lists it, if it is listed.
+    pub fn carrier_addr(&self, name: &str) -> Option<SocketAddr> {
+        let st = self.status();
+        let c = st.carriers.iter().find(|c| c.name == name)?;
+        Some(
+            c.address
+                .parse()
+                .unwrap_or_else(|e| panic!("{name} address {:?}: {e}", c.address)),
+        )
+    }
+
+    /// The remote carrier's bound address; panics when `status` lists none.
+    pub fn remote_addr(&self) -> SocketAddr {
+        self.carrier_addr("remote").unwrap_or_else(|| {
+            panic!(
+                "status lists no remote carrier: {:?}",
+                self.status().carriers
+            )
+        })
     }
 
     pub fn loopback_addr(&self) -> SocketAddr {
@@ -532,7 +577,7 @@ impl Daemon {
             &self.notify.lines().join("\n"),
             "sd-notify messages",
         );
-        secrets::assert_no_secrets_in_readable_files(&secrets, &self.dir().join("state"));
+        secrets::assert_no_secrets_in_readable_files(&secrets, &self.state_dir);
         secrets::assert_no_secrets_in_readable_files(&secrets, &self.dir().join("run"));
     }
 }

@@ -6,10 +6,12 @@
 
 #![forbid(unsafe_code)]
 
+pub mod authz;
 pub mod daemon;
 pub mod http;
 pub mod notify;
 pub mod procs;
+pub mod remote;
 pub mod secrets;
 
 use std::future::Future;

@@ -22,6 +22,8 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::config::HttpLimits;
+
 /// The response body type every carrier answers with.
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -33,16 +35,6 @@ const MAX_HEADERS: usize = 64;
 /// transport's stop bound.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(4);
 
-/// Connection-level bounds.
-#[derive(Debug, Clone, Copy)]
-pub struct Bounds {
-    pub max_connections: usize,
-    pub header_timeout: Duration,
-    pub max_header_bytes: usize,
-    /// Concurrent HTTP/2 streams per connection.
-    pub max_streams: u32,
-}
-
 /// Handles one request; gets the TCP peer address.
 pub trait Handler: Clone + Send + Sync + 'static {
     fn handle(
@@ -52,7 +44,7 @@ pub trait Handler: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Response<Body>> + Send;
 }
 
-fn builder(bounds: &Bounds) -> auto::Builder<TokioExecutor> {
+fn builder(bounds: &HttpLimits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -64,14 +56,15 @@ fn builder(bounds: &Bounds) -> auto::Builder<TokioExecutor> {
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(bounds.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(bounds.max_streams);
+        .max_concurrent_streams(u32::try_from(bounds.max_in_flight).unwrap_or(u32::MAX));
     builder
 }
 
 /// Serve `listener` until `shutdown` fires, then drain the open connections.
 pub async fn serve<H: Handler>(
     listener: TcpListener,
-    bounds: Bounds,
+    bounds: HttpLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     handler: H,
     shutdown: CancellationToken,
 ) {
@@ -101,7 +94,12 @@ pub async fn serve<H: Handler>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let (builder, handler, shutdown) = (builder.clone(), handler.clone(), shutdown.clone());
+        let (builder, handler, shutdown, tls) = (
+            builder.clone(),
+            handler.clone(),
+            shutdown.clone(),
+            tls.clone(),
+        );
         tracker.spawn(async move {
             let _permit = permit;
             // A client that connects and sends nothing is cut at the head deadline; the
@@ -111,17 +109,16 @@ pub async fn serve<H: Handler>(
                 Ok(Ok(n)) if n > 0 => {}
                 _ => return,
             }
-            let service = hyper::service::service_fn(move |req| {
-                let handler = handler.clone();
-                async move { Ok::<_, Infallible>(handler.handle(req, peer).await) }
-            });
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                () = shutdown.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(DRAIN_GRACE, conn).await;
+            match tls {
+                None => connection(&builder, TokioIo::new(stream), handler, peer, &shutdown).await,
+                Some(acceptor) => {
+                    // The handshake runs here, in the connection's task, under the head deadline.
+                    let Ok(Ok(stream)) =
+                        tokio::time::timeout(bounds.header_timeout, acceptor.accept(stream)).await
+                    else {
+                        return;
+                    };
+                    connection(&builder, TokioIo::new(stream), handler, peer, &shutdown).await;
                 }
             }
         });
@@ -129,6 +126,58 @@ pub async fn serve<H: Handler>(
     drop(listener);
     tracker.close();
     tracker.wait().await;
+}
+
+async fn connection<H, I>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    handler: H,
+    peer: SocketAddr,
+    shutdown: &CancellationToken,
+) where
+    H: Handler,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let handler = handler.clone();
+        async move { Ok::<_, Infallible>(handler.handle(req, peer).await) }
+    });
+    let conn = builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        () = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(DRAIN_GRACE, conn).await;
+        }
+    }
+}
+
+/// A TLS acceptor from PEM files (certificate chain, private key), offering h2 and
+/// http/1.1 by ALPN.
+pub fn tls_acceptor(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<tokio_rustls::TlsAcceptor, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect::<Result<_, _>>())
+        .map_err(|e| format!("cannot read certificates from {}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{} holds no certificate", cert.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| format!("cannot read the private key {}: {e}", key.display()))?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("certificate and key do not form a usable pair: {e}"))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 /// An empty-bodied response with `status` (refusals, 202, 405, …).

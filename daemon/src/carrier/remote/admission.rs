@@ -1,0 +1,666 @@
+//! Remote admission (SPEC §5): pure functions of the request head, the verifier's
+//! verdict and the throttle's answer. No socket, no clock, no body.
+//!
+//! Every name checked comes from the public URL: the endpoint path, the metadata path
+//! (`/.well-known/oauth-protected-resource` + endpoint path, RFC 9728 §3.1), the Host
+//! (the public authority; the default port is implied) and the Origin.
+
+use http::header::{AUTHORIZATION, HOST, ORIGIN};
+use http::{HeaderMap, StatusCode, Uri};
+
+use crate::audit::Reason;
+use crate::oauth::Principal;
+
+const METADATA_PREFIX: &str = "/.well-known/oauth-protected-resource";
+
+/// The https URL clients use to reach the remote carrier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicUrl {
+    /// As configured: the RFC 9728 `resource` and default audience, code point by code point.
+    text: String,
+    host: String,
+    port: u16,
+    path: String,
+    origin: String,
+    metadata_path: String,
+}
+
+impl PublicUrl {
+    /// An `https` URL without user-info, query or fragment; the path may be a prefix.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.contains('#') || text.contains('?') {
+            return Err(format!("must not carry a query or fragment, got {text:?}"));
+        }
+        let uri: Uri = text.parse().map_err(|_| format!("not a URL: {text:?}"))?;
+        if uri.scheme_str() != Some("https") {
+            return Err(format!("must be an https URL, got {text:?}"));
+        }
+        let authority = uri
+            .authority()
+            .ok_or_else(|| format!("has no host: {text:?}"))?;
+        if authority.as_str().contains('@') {
+            return Err(format!("must not carry user-info, got {text:?}"));
+        }
+        let host = authority.host().to_ascii_lowercase();
+        if host.is_empty() {
+            return Err(format!("has no host: {text:?}"));
+        }
+        let port = authority.port_u16().unwrap_or(443);
+        let path = match uri.path() {
+            "" => "/".to_owned(),
+            p => p.to_owned(),
+        };
+        let origin = if port == 443 {
+            format!("https://{host}")
+        } else {
+            format!("https://{host}:{port}")
+        };
+        // RFC 9728 §3.1: a trailing "/" right after the host is dropped.
+        let metadata_path = if path == "/" {
+            METADATA_PREFIX.to_owned()
+        } else {
+            format!("{METADATA_PREFIX}{path}")
+        };
+        Ok(Self {
+            text: text.to_owned(),
+            host,
+            port,
+            path,
+            origin,
+            metadata_path,
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// The origin with its port spelled out, as rmcp's allow-list wants it.
+    pub fn origin_with_port(&self) -> String {
+        format!("https://{}:{}", self.host, self.port)
+    }
+
+    pub fn metadata_path(&self) -> &str {
+        &self.metadata_path
+    }
+
+    pub fn metadata_url(&self) -> String {
+        format!("{}{}", self.origin, self.metadata_path)
+    }
+
+    /// `host` and `host:port` forms clients may send for the public authority.
+    pub fn authorities(&self) -> Vec<String> {
+        let mut out = vec![format!("{}:{}", self.host, self.port)];
+        if self.port == 443 {
+            out.push(self.host.clone());
+        }
+        out
+    }
+
+    /// Whether an authority (Host header or URI authority) names the public authority.
+    pub fn is_authority(&self, value: &str) -> bool {
+        let Ok(authority) = value.parse::<http::uri::Authority>() else {
+            return false;
+        };
+        !authority.as_str().contains('@')
+            && authority.host().eq_ignore_ascii_case(&self.host)
+            && authority.port_u16().unwrap_or(443) == self.port
+    }
+}
+
+/// Where a request is going.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Endpoint,
+    Metadata,
+    /// Any other path: 404, not audited.
+    NotFound,
+}
+
+/// Which path the request names, then whether Host and Origin are the public ones.
+pub fn route(uri: &Uri, headers: &HeaderMap, url: &PublicUrl) -> Result<Route, Reason> {
+    let route = if uri.path() == url.path() {
+        Route::Endpoint
+    } else if uri.path() == url.metadata_path() {
+        Route::Metadata
+    } else {
+        return Ok(Route::NotFound);
+    };
+    let mut hosts = headers.get_all(HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(Reason::WrongHost);
+    }
+    let uri_ok = uri.authority().is_none_or(|a| url.is_authority(a.as_str()));
+    let host_ok = match host {
+        Some(h) => h.to_str().is_ok_and(|h| url.is_authority(h)),
+        None => uri.authority().is_some(),
+    };
+    if !uri_ok || !host_ok {
+        return Err(Reason::WrongHost);
+    }
+    let mut origins = headers.get_all(ORIGIN).iter();
+    match (origins.next(), origins.next()) {
+        (None, _) => {}
+        (Some(o), None) if o.as_bytes().eq_ignore_ascii_case(url.origin().as_bytes()) => {}
+        _ => return Err(Reason::WrongOrigin),
+    }
+    Ok(route)
+}
+
+/// What the `Authorization` header holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Credentials<'a> {
+    Missing,
+    /// Not exactly one `Bearer <b64token>` header: 400 `invalid_request`.
+    Malformed,
+    Token(&'a str),
+}
+
+pub fn credentials(headers: &HeaderMap) -> Credentials<'_> {
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let Some(value) = values.next() else {
+        return Credentials::Missing;
+    };
+    if values.next().is_some() {
+        return Credentials::Malformed;
+    }
+    match crate::carrier::parse_bearer(value.as_bytes()) {
+        Some(token) => Credentials::Token(token),
+        None => Credentials::Malformed,
+    }
+}
+
+/// Why a request with credentials (or without) failed, before throttling is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    Missing,
+    MalformedHeader,
+    /// The verifier's refusal.
+    Token(Reason),
+}
+
+/// A refused request: status, challenge, audit flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: Reason,
+    pub status: StatusCode,
+    pub challenge: Option<String>,
+    /// Counts against the client address's failure budget.
+    pub counted: bool,
+    /// Answered 429 because the address was over its budget.
+    pub throttled: bool,
+    pub retry_after: Option<u64>,
+}
+
+/// What challenges say besides the error code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Challenges {
+    pub metadata_url: String,
+    /// Space-separated required scopes (empty: none).
+    pub scope: String,
+}
+
+impl Challenges {
+    fn scope_param(&self) -> String {
+        if self.scope.is_empty() {
+            String::new()
+        } else {
+            format!(", scope=\"{}\"", self.scope)
+        }
+    }
+
+    fn missing(&self) -> String {
+        format!(
+            "Bearer resource_metadata=\"{}\"{}",
+            self.metadata_url,
+            self.scope_param()
+        )
+    }
+
+    fn error(&self, code: &str) -> String {
+        format!(
+            "Bearer error=\"{code}\", resource_metadata=\"{}\"",
+            self.metadata_url
+        )
+    }
+
+    fn insufficient_scope(&self) -> String {
+        format!(
+            "Bearer error=\"insufficient_scope\"{}, resource_metadata=\"{}\"",
+            self.scope_param(),
+            self.metadata_url
+        )
+    }
+}
+
+/// A refusal for a wrong Host or Origin: 403, audited, never counted.
+pub fn wrong_name(reason: Reason) -> Refusal {
+    Refusal {
+        reason,
+        status: StatusCode::FORBIDDEN,
+        challenge: None,
+        counted: false,
+        throttled: false,
+        retry_after: None,
+    }
+}
+
+/// Decide on a verification outcome. `over_budget` is the throttle's answer for the
+/// client address *before* this request: `Some(seconds left)` when it is throttled.
+pub fn decide(
+    outcome: Result<Principal, Failure>,
+    over_budget: Option<u64>,
+    challenges: &Challenges,
+) -> Result<Principal, Refusal> {
+    let failure = match outcome {
+        // Verified first: a valid token is never throttled.
+        Ok(principal) => return Ok(principal),
+        Err(f) => f,
+    };
+    let (reason, status, challenge) = match failure {
+        Failure::Missing => (
+            Reason::MissingToken,
+            StatusCode::UNAUTHORIZED,
+            Some(challenges.missing()),
+        ),
+        Failure::MalformedHeader => (
+            Reason::Malformed,
+            StatusCode::BAD_REQUEST,
+            Some(challenges.error("invalid_request")),
+        ),
+        Failure::Token(Reason::KeysUnavailable) => {
+            return Err(Refusal {
+                reason: Reason::KeysUnavailable,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                challenge: None,
+                counted: false,
+                throttled: false,
+                retry_after: Some(30),
+            });
+        }
+        Failure::Token(r @ (Reason::MissingScope | Reason::PrincipalNotAllowed)) => (
+            r,
+            StatusCode::FORBIDDEN,
+            Some(challenges.insufficient_scope()),
+        ),
+        Failure::Token(r) => (
+            r,
+            StatusCode::UNAUTHORIZED,
+            Some(challenges.error("invalid_token")),
+        ),
+    };
+    if let Some(seconds) = over_budget {
+        return Err(Refusal {
+            reason,
+            status: StatusCode::TOO_MANY_REQUESTS,
+            challenge: None,
+            counted: true,
+            throttled: true,
+            retry_after: Some(seconds.max(1)),
+        });
+    }
+    Err(Refusal {
+        reason,
+        status,
+        challenge,
+        counted: true,
+        throttled: false,
+        retry_after: None,
+    })
+}
+
+/// The RFC 9728 protected-resource metadata document.
+pub fn metadata_document(url: &PublicUrl, issuer: &str, scopes: &[String]) -> serde_json::Value {
+    serde_json::json!({
+        "resource": url.as_str(),
+        "authorization_servers": [issuer],
+        "scopes_supported": scopes,
+        "bearer_methods_supported": ["header"],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use http::HeaderValue;
+
+    use super::*;
+
+    fn url() -> PublicUrl {
+        PublicUrl::parse("https://mcp.example.com/team/ops/mcp").unwrap()
+    }
+
+    #[test]
+    fn public_urls() {
+        let u = url();
+        assert_eq!(u.path(), "/team/ops/mcp");
+        assert_eq!(
+            u.metadata_path(),
+            "/.well-known/oauth-protected-resource/team/ops/mcp"
+        );
+        assert_eq!(
+            u.metadata_url(),
+            "https://mcp.example.com/.well-known/oauth-protected-resource/team/ops/mcp"
+        );
+        assert_eq!(u.origin(), "https://mcp.example.com");
+        let root = PublicUrl::parse("https://mcp.example.com").unwrap();
+        assert_eq!(root.path(), "/");
+        assert_eq!(
+            root.metadata_path(),
+            "/.well-known/oauth-protected-resource"
+        );
+        let port = PublicUrl::parse("https://MCP.example.com:8443/mcp").unwrap();
+        assert_eq!(port.origin(), "https://mcp.example.com:8443");
+        assert!(port.is_authority("mcp.example.com:8443"));
+        assert!(!port.is_authority("mcp.example.com"));
+        for bad in [
+            "http://mcp.example.com/mcp",
+            "https://user:pw@mcp.example.com/mcp",
+            "https://mcp.example.com/mcp?x=1",
+            "https://mcp.example.com/mcp#frag",
+            "mcp.example.com/mcp",
+            "https:///mcp",
+        ] {
+            assert!(PublicUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn head(uri: &str, headers: &[(&'static str, &'static str)]) -> (Uri, HeaderMap) {
+        let mut h = HeaderMap::new();
+        for (k, v) in headers {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        (uri.parse().unwrap(), h)
+    }
+
+    #[test]
+    fn routing_table() {
+        let u = url();
+        let host = ("host", "mcp.example.com");
+        type Case = (
+            &'static str,
+            &'static str,
+            Vec<(&'static str, &'static str)>,
+            Result<Route, Reason>,
+        );
+        let cases: Vec<Case> = vec![
+            ("endpoint", "/team/ops/mcp", vec![host], Ok(Route::Endpoint)),
+            (
+                "endpoint with :443",
+                "/team/ops/mcp",
+                vec![("host", "mcp.example.com:443")],
+                Ok(Route::Endpoint),
+            ),
+            (
+                "endpoint host case",
+                "/team/ops/mcp",
+                vec![("host", "MCP.Example.COM")],
+                Ok(Route::Endpoint),
+            ),
+            (
+                "metadata",
+                "/.well-known/oauth-protected-resource/team/ops/mcp",
+                vec![host],
+                Ok(Route::Metadata),
+            ),
+            (
+                "bare metadata path is another path",
+                "/.well-known/oauth-protected-resource",
+                vec![host],
+                Ok(Route::NotFound),
+            ),
+            (
+                "listener path is not ours",
+                "/mcp",
+                vec![host],
+                Ok(Route::NotFound),
+            ),
+            (
+                "other path",
+                "/",
+                vec![("host", "evil.com")],
+                Ok(Route::NotFound),
+            ),
+            (
+                "wrong host",
+                "/team/ops/mcp",
+                vec![("host", "evil.com")],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "listener authority",
+                "/team/ops/mcp",
+                vec![("host", "127.0.0.1:8443")],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "other port",
+                "/team/ops/mcp",
+                vec![("host", "mcp.example.com:8443")],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "suffix",
+                "/team/ops/mcp",
+                vec![("host", "mcp.example.com.evil.com")],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "userinfo",
+                "/team/ops/mcp",
+                vec![("host", "a@mcp.example.com")],
+                Err(Reason::WrongHost),
+            ),
+            ("no host", "/team/ops/mcp", vec![], Err(Reason::WrongHost)),
+            (
+                "two hosts",
+                "/team/ops/mcp",
+                vec![host, host],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "h2 authority",
+                "https://mcp.example.com/team/ops/mcp",
+                vec![],
+                Ok(Route::Endpoint),
+            ),
+            (
+                "h2 wrong authority",
+                "https://evil.com/team/ops/mcp",
+                vec![],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "absolute-form disagrees",
+                "https://evil.com/team/ops/mcp",
+                vec![host],
+                Err(Reason::WrongHost),
+            ),
+            (
+                "origin ok",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://mcp.example.com")],
+                Ok(Route::Endpoint),
+            ),
+            (
+                "origin null",
+                "/team/ops/mcp",
+                vec![host, ("origin", "null")],
+                Err(Reason::WrongOrigin),
+            ),
+            (
+                "origin http",
+                "/team/ops/mcp",
+                vec![host, ("origin", "http://mcp.example.com")],
+                Err(Reason::WrongOrigin),
+            ),
+            (
+                "origin other",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://evil.com")],
+                Err(Reason::WrongOrigin),
+            ),
+            (
+                "metadata wrong host",
+                "/.well-known/oauth-protected-resource/team/ops/mcp",
+                vec![("host", "x")],
+                Err(Reason::WrongHost),
+            ),
+        ];
+        assert!(!cases.is_empty());
+        for (name, uri, headers, want) in cases {
+            let (uri, h) = head(uri, &headers);
+            assert_eq!(route(&uri, &h, &u), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn credential_parsing() {
+        let (_, h) = head("/", &[]);
+        assert_eq!(credentials(&h), Credentials::Missing);
+        let (_, h) = head("/", &[("authorization", "Bearer abc.def.ghi")]);
+        assert_eq!(credentials(&h), Credentials::Token("abc.def.ghi"));
+        for bad in [
+            &[("authorization", "Basic YTpi")][..],
+            &[("authorization", "Bearer a b")],
+            &[("authorization", "Bearer x"), ("authorization", "Bearer x")],
+        ] {
+            let (_, h) = head("/", bad);
+            assert_eq!(credentials(&h), Credentials::Malformed, "{bad:?}");
+        }
+    }
+
+    fn challenges() -> Challenges {
+        Challenges {
+            metadata_url: "https://h/.well-known/oauth-protected-resource/mcp".into(),
+            scope: "mcp tools".into(),
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        let c = challenges();
+        let principal = Principal {
+            client_id: "c".into(),
+            subject: "s".into(),
+            scopes: vec![],
+            expires_at: SystemTime::UNIX_EPOCH,
+        };
+        assert_eq!(
+            decide(Ok(principal.clone()), Some(30), &c),
+            Ok(principal),
+            "valid is never throttled"
+        );
+
+        let r = decide(Err(Failure::Missing), None, &c).unwrap_err();
+        assert_eq!(
+            (r.reason, r.status, r.counted),
+            (Reason::MissingToken, StatusCode::UNAUTHORIZED, true)
+        );
+        assert_eq!(
+            r.challenge.as_deref(),
+            Some(
+                r#"Bearer resource_metadata="https://h/.well-known/oauth-protected-resource/mcp", scope="mcp tools""#
+            )
+        );
+        let r = decide(Err(Failure::MalformedHeader), None, &c).unwrap_err();
+        assert_eq!(
+            (r.reason, r.status),
+            (Reason::Malformed, StatusCode::BAD_REQUEST)
+        );
+        assert_eq!(
+            r.challenge.as_deref(),
+            Some(
+                r#"Bearer error="invalid_request", resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
+            )
+        );
+        for reason in [
+            Reason::Expired,
+            Reason::BadSignature,
+            Reason::Oversize,
+            Reason::UnknownKey,
+            Reason::WrongAudience,
+        ] {
+            let r = decide(Err(Failure::Token(reason)), None, &c).unwrap_err();
+            assert_eq!((r.reason, r.status), (reason, StatusCode::UNAUTHORIZED));
+            assert!(
+                r.challenge
+                    .unwrap()
+                    .starts_with(r#"Bearer error="invalid_token""#)
+            );
+        }
+        for reason in [Reason::MissingScope, Reason::PrincipalNotAllowed] {
+            let r = decide(Err(Failure::Token(reason)), None, &c).unwrap_err();
+            assert_eq!(r.status, StatusCode::FORBIDDEN);
+            assert_eq!(
+                r.challenge.as_deref(),
+                Some(
+                    r#"Bearer error="insufficient_scope", scope="mcp tools", resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
+                )
+            );
+        }
+        let r = decide(Err(Failure::Token(Reason::KeysUnavailable)), Some(5), &c).unwrap_err();
+        assert_eq!(
+            (r.status, r.counted, r.throttled),
+            (StatusCode::SERVICE_UNAVAILABLE, false, false)
+        );
+
+        let r = decide(Err(Failure::Token(Reason::Expired)), Some(17), &c).unwrap_err();
+        assert_eq!(
+            (r.status, r.reason, r.throttled, r.retry_after),
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                Reason::Expired,
+                true,
+                Some(17)
+            )
+        );
+        assert_eq!(
+            decide(Err(Failure::Missing), Some(0), &c)
+                .unwrap_err()
+                .retry_after,
+            Some(1)
+        );
+
+        let w = wrong_name(Reason::WrongHost);
+        assert_eq!((w.status, w.counted), (StatusCode::FORBIDDEN, false));
+    }
+
+    #[test]
+    fn challenges_never_describe() {
+        let c = challenges();
+        for f in [
+            Failure::Missing,
+            Failure::MalformedHeader,
+            Failure::Token(Reason::Expired),
+            Failure::Token(Reason::MissingScope),
+        ] {
+            let r = decide(Err(f), None, &c).unwrap_err();
+            assert!(!r.challenge.unwrap().contains("error_description"));
+        }
+    }
+
+    #[test]
+    fn metadata() {
+        let doc = metadata_document(&url(), "https://auth.example.com", &["mcp".into()]);
+        assert_eq!(
+            doc,
+            serde_json::json!({
+                "resource": "https://mcp.example.com/team/ops/mcp",
+                "authorization_servers": ["https://auth.example.com"],
+                "scopes_supported": ["mcp"],
+                "bearer_methods_supported": ["header"],
+            })
+        );
+    }
+}

@@ -1,0 +1,256 @@
+//! The remote Streamable HTTP carrier: an OAuth 2 resource server (SPEC §5).
+//!
+//! A request is routed by the public URL's names (endpoint, RFC 9728 metadata, 404),
+//! checked for the public Host and Origin, then its bearer token is verified by the
+//! injected [`Verifier`] *before* the throttle is consulted, so a valid token is never
+//! throttled by failures sharing its address. Failures are counted per client address
+//! (`X-Forwarded-For` believed only from trusted proxies). Refusals have empty bodies and
+//! RFC 6750 challenges; every refusal is audited. Admitted requests go to the same
+//! [`Endpoint`] as the loopback carrier's, as caller `oauth:<client_id>/<sub>`.
+
+pub mod admission;
+pub mod forwarded;
+pub mod throttle;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use self::admission::{Challenges, Credentials, Failure, Refusal, Route};
+use self::throttle::Throttle;
+use super::endpoint::{self, Endpoint};
+use super::http::{self as server, Body};
+use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Record};
+use crate::config::{Limits, RemoteConfig, WireNameProfile};
+use crate::mcp::McpServer;
+use crate::metrics::Metrics;
+use crate::oauth::Verifier;
+use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::transport::Carrier;
+
+/// The remote carrier. The verifier and throttle outlive restarts; the TLS files are
+/// re-read at every bind.
+pub struct RemoteCarrier {
+    config: RemoteConfig,
+    limits: Limits,
+    verifier: Arc<dyn Verifier>,
+    throttle: Arc<Throttle>,
+    audit: Arc<Audit>,
+    metrics: Metrics,
+}
+
+/// What `bind` produced: the listener and, when terminating TLS here, the acceptor.
+pub struct Bound {
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl RemoteCarrier {
+    pub fn new(
+        config: RemoteConfig,
+        limits: Limits,
+        verifier: Arc<dyn Verifier>,
+        audit: Arc<Audit>,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            throttle: Arc::new(Throttle::new(config.throttle)),
+            config,
+            limits,
+            verifier,
+            audit,
+            metrics,
+        }
+    }
+
+    pub fn public_url(&self) -> &str {
+        self.config.public_url.as_str()
+    }
+
+    pub fn key_set_state(&self) -> String {
+        self.verifier.key_set_state()
+    }
+}
+
+impl Carrier for RemoteCarrier {
+    type Bound = Bound;
+
+    fn wire_names(&self) -> (WireNameProfile, BTreeMap<String, String>) {
+        (self.config.wire_names, self.config.aliases.clone())
+    }
+
+    async fn bind(&self) -> std::io::Result<Bound> {
+        let tls = match &self.config.tls {
+            Some(files) => Some(
+                server::tls_acceptor(&files.cert, &files.key)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            ),
+            None => None,
+        };
+        let listener = TcpListener::bind(self.config.listen).await?;
+        Ok(Bound { listener, tls })
+    }
+
+    fn address(bound: &Bound) -> String {
+        bound
+            .listener
+            .local_addr()
+            .map_or_else(|_| "unknown".into(), |a| a.to_string())
+    }
+
+    async fn serve<S: RuntimeTools + TurnSubmission>(
+        self: Arc<Self>,
+        bound: Bound,
+        server: McpServer<S>,
+        shutdown: CancellationToken,
+    ) {
+        let url = &self.config.public_url;
+        let endpoint = Endpoint::new(
+            server,
+            &self.config.bounds,
+            self.limits.request_body,
+            url.authorities(),
+            url.origin_with_port(),
+            &shutdown,
+        );
+        let metadata =
+            admission::metadata_document(url, &self.config.issuer, &self.config.scopes).to_string();
+        let handler = Remote {
+            shared: Arc::new(Shared {
+                challenges: Challenges {
+                    metadata_url: url.metadata_url(),
+                    scope: self.config.scopes.join(" "),
+                },
+                metadata: Bytes::from(metadata),
+                carrier: self.clone(),
+                endpoint,
+            }),
+        };
+        let bounds = self.config.bounds;
+        server::serve(bound.listener, bounds, bound.tls, handler, shutdown).await;
+    }
+}
+
+struct Shared<S> {
+    carrier: Arc<RemoteCarrier>,
+    challenges: Challenges,
+    metadata: Bytes,
+    endpoint: Endpoint<S>,
+}
+
+struct Remote<S> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S> Clone for Remote<S> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
+    async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let s = &self.shared;
+        let c = &s.carrier;
+        let client = forwarded::client_address(peer.ip(), req.headers(), &c.config.trusted_proxies);
+        let version = req.version();
+        let route = match admission::route(req.uri(), req.headers(), &c.config.public_url) {
+            Ok(route) => route,
+            Err(reason) => return self.refuse(admission::wrong_name(reason), client, version),
+        };
+        match route {
+            Route::NotFound => return server::empty(StatusCode::NOT_FOUND),
+            Route::Metadata => return self.metadata(req.method()),
+            Route::Endpoint => {}
+        }
+        let outcome = match admission::credentials(req.headers()) {
+            Credentials::Missing => Err(Failure::Missing),
+            Credentials::Malformed => Err(Failure::MalformedHeader),
+            Credentials::Token(token) => c
+                .verifier
+                .verify(token, SystemTime::now())
+                .await
+                .map_err(Failure::Token),
+        };
+        let over_budget = match &outcome {
+            Ok(_) => None,
+            Err(_) => c.throttle.check(client, Instant::now()),
+        };
+        match admission::decide(outcome, over_budget, &s.challenges) {
+            Ok(principal) => {
+                c.metrics.admitted(CarrierName::Remote);
+                let caller = Caller::OAuth {
+                    client_id: principal.client_id,
+                    subject: principal.subject,
+                };
+                s.endpoint.serve(req, caller).await
+            }
+            Err(refusal) => self.refuse(refusal, client, version),
+        }
+    }
+}
+
+impl<S> Remote<S> {
+    fn metadata(&self, method: &Method) -> Response<Body> {
+        if method != Method::GET && method != Method::HEAD {
+            let mut response = server::empty(StatusCode::METHOD_NOT_ALLOWED);
+            response
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            return response;
+        }
+        let mut response = Response::new(Full::new(self.shared.metadata.clone()).boxed());
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
+    fn refuse(
+        &self,
+        refusal: Refusal,
+        client: std::net::IpAddr,
+        version: http::Version,
+    ) -> Response<Body> {
+        let c = &self.shared.carrier;
+        if refusal.counted {
+            c.throttle.record_failure(client, Instant::now());
+        }
+        c.metrics.refused(CarrierName::Remote, refusal.reason);
+        if refusal.throttled {
+            c.metrics.throttled(CarrierName::Remote);
+        }
+        c.audit.record(Record {
+            time: SystemTime::now(),
+            carrier: CarrierName::Remote,
+            reason: refusal.reason,
+            throttled: refusal.throttled,
+            address_class: AddressClass::of(client),
+        });
+        let mut response = server::empty(refusal.status);
+        let headers = response.headers_mut();
+        if let Some(challenge) = refusal
+            .challenge
+            .as_deref()
+            .and_then(|c| HeaderValue::from_str(c).ok())
+        {
+            headers.insert(header::WWW_AUTHENTICATE, challenge);
+        }
+        if let Some(seconds) = refusal.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        endpoint::closing(response, version)
+    }
+}
