@@ -1,4 +1,5 @@
 //! Admission cost per request, loopback next to remote, printed side by side.
+
 //!
 //! `cargo bench -p robota-mcpd --bench admission` (release build). Measures the work each
 //! carrier does on a request head before anything reaches the session:
@@ -6,6 +7,9 @@
 //! - remote: `route` + `credentials` + `decide` around a real `JwtVerifier` holding four
 //!   ES256 keys, with the verified-token cache hit (cached) and with a fresh token per
 //!   iteration so every call does the signature check (uncached).
+
+// A benchmark's output is its report.
+#![allow(clippy::print_stdout)]
 
 use std::hint::black_box;
 use std::sync::Arc;
