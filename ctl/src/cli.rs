@@ -71,6 +71,19 @@ Examples:
         follow: bool,
     },
 
+    /// Serve MCP on stdin/stdout, relayed to the running daemon's session (for desktop
+    /// clients that only launch children); the caller is local:<your uid>
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl stdio
+  robota-mcpctl --socket /run/robota-mcpd/control.sock stdio
+
+As an MCP client's server entry: {\"command\": \"robota-mcpctl\", \"args\": [\"stdio\"]}
+
+The relay ends when stdin closes (exit 0) or when the daemon ends the session on stop or
+restart (exit 1; the client should start it again).")]
+    Stdio,
+
     /// Stop the daemon gracefully (in-flight requests get a bounded grace)
     #[command(after_help = "\
 Example:

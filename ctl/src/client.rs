@@ -42,6 +42,27 @@ pub fn call(socket: &Path, request: &Request) -> Result<Reply, CtlError> {
     }
 }
 
+/// Opens an MCP relay: sends `mcp`, checks the reply, and hands back the connection,
+/// which from now on carries newline-delimited JSON-RPC (no time-outs: it lives as long
+/// as the client's session).
+pub fn open_mcp(socket: &Path) -> Result<UnixStream, CtlError> {
+    let stream = connect(socket)?;
+    let line = exchange(&stream, &Request::new(robota_proto::Command::Mcp))
+        .map_err(|err| err.into_ctl(socket))?;
+    match decode_reply(&line)?.outcome {
+        Outcome::Ok(Reply::Mcp) => {}
+        Outcome::Ok(_) => return Err(CtlError::Protocol("expected an \"mcp\" reply".into())),
+        Outcome::Error(error) => return Err(CtlError::Daemon(error)),
+    }
+    let set = |source| CtlError::Connect {
+        socket: socket.to_owned(),
+        source,
+    };
+    stream.set_read_timeout(None).map_err(set)?;
+    stream.set_write_timeout(None).map_err(set)?;
+    Ok(stream)
+}
+
 fn connect(socket: &Path) -> Result<UnixStream, CtlError> {
     let stream = UnixStream::connect(socket).map_err(|err| connect_error(socket, err))?;
     let set = |source| CtlError::Connect {

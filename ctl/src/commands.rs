@@ -57,6 +57,7 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reason,
             follow,
         } => audit(ctx, *since, reason.clone(), *follow),
+        CtlCommand::Stdio => stdio(ctx),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {
             Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),
             reply @ Reply::Stopping => print_json(&reply),
@@ -71,6 +72,63 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reply @ Reply::Restarted { .. } => print_json(&reply),
             other => Err(unexpected("restarted", &other)),
         },
+    }
+}
+
+/// `stdio`: relay our stdin/stdout to an MCP session on the control socket. Ends when the
+/// daemon closes the session; that is an error unless our stdin ended first.
+fn stdio(ctx: &Ctx) -> Result<(), CtlError> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let from_daemon = client::open_mcp(&ctx.socket)?;
+    let mut to_daemon = from_daemon
+        .try_clone()
+        .map_err(|source| CtlError::Transport {
+            socket: ctx.socket.clone(),
+            during: "opening the relay",
+            source,
+        })?;
+    let stdin_done = Arc::new(AtomicBool::new(false));
+    std::thread::spawn({
+        let stdin_done = stdin_done.clone();
+        move || {
+            let _ = pump(&mut io::stdin().lock(), &mut to_daemon);
+            stdin_done.store(true, Ordering::SeqCst);
+            // Tell the daemon we are done; it ends the session and closes its side.
+            let _ = to_daemon.shutdown(std::net::Shutdown::Write);
+        }
+    });
+    let mut from_daemon = from_daemon;
+    let copied = pump(&mut from_daemon, &mut io::stdout().lock());
+    if stdin_done.load(Ordering::SeqCst) {
+        return copied.map(|_| ()).map_err(CtlError::Stdout);
+    }
+    Err(CtlError::Transport {
+        socket: ctx.socket.clone(),
+        during: "relaying MCP",
+        source: io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "robota-mcpd ended the session (stopped or restarted); start the relay again",
+        ),
+    })
+}
+
+/// Copy until end of input, passing on each read at once. (`io::copy` may splice between
+/// file descriptors and hold data back until a pipe fills; an MCP client waits for each
+/// response, so every message must go through as soon as it arrives.)
+fn pump(from: &mut impl io::Read, to: &mut impl Write) -> io::Result<u64> {
+    let mut buf = [0u8; 64 * 1024];
+    let mut total = 0;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(total),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        to.write_all(&buf[..n])?;
+        to.flush()?;
+        total += n as u64;
     }
 }
 
@@ -171,6 +229,7 @@ fn unexpected(wanted: &str, got: &Reply) -> CtlError {
         Reply::Bearers { .. } => "bearers",
         Reply::Revoked { .. } => "revoked",
         Reply::Audit { .. } => "audit",
+        Reply::Mcp => "mcp",
         Reply::Stopping => "stopping",
         Reply::Restarted { .. } => "restarted",
     };

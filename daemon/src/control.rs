@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use nix::fcntl::{Flock, FlockArg};
 use robota_proto::{Command, ErrorCode, MAX_REQUEST_BYTES, Request, Response};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -23,8 +24,8 @@ use crate::audit::{AddressClass, Audit, Carrier, Reason, Record};
 use crate::config::ControlConfig;
 use crate::metrics::Metrics;
 
-/// Most control connections served at once.
-const MAX_CONNECTIONS: usize = 16;
+/// Most control connections served at once (relayed MCP sessions included).
+const MAX_CONNECTIONS: usize = 64;
 /// How long shutdown waits for open control connections.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
 /// How long a connection may sit between requests.
@@ -38,9 +39,21 @@ pub struct Peer {
     pub pid: Option<i32>,
 }
 
+/// The read half of a control connection, with whatever it has buffered.
+pub type ControlReader = BufReader<OwnedReadHalf>;
+
 /// What the daemon does with an allowed command.
 pub trait ControlApi: Send + Sync + 'static {
     fn handle(&self, command: Command, peer: Peer) -> impl Future<Output = Response> + Send;
+
+    /// `mcp`: answer the request (an `mcp` reply, or an error) on `writer`, then serve
+    /// MCP on the connection until either side ends it.
+    fn serve_mcp(
+        &self,
+        reader: ControlReader,
+        writer: OwnedWriteHalf,
+        peer: Peer,
+    ) -> impl Future<Output = ()> + Send;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -251,6 +264,10 @@ async fn connection<A: ControlApi>(
             return;
         }
         let reply = match Request::decode(&line) {
+            Ok(Request {
+                command: Command::Mcp,
+                ..
+            }) => return api.serve_mcp(reader, writer, peer).await,
             Ok(request) => api.handle(request.command, peer).await,
             Err((code, message)) => Response::error(code, message),
         };
@@ -260,7 +277,8 @@ async fn connection<A: ControlApi>(
     }
 }
 
-async fn write_frame<W: AsyncWriteExt + Unpin>(
+/// Write one response line.
+pub async fn write_frame<W: AsyncWriteExt + Unpin>(
     writer: &mut W,
     response: &Response,
 ) -> std::io::Result<()> {
@@ -307,6 +325,11 @@ mod tests {
                 ErrorCode::Internal,
                 format!("{command:?} from {}", peer.uid),
             )
+        }
+
+        async fn serve_mcp(&self, _reader: ControlReader, mut writer: OwnedWriteHalf, _peer: Peer) {
+            let refusal = Response::error(ErrorCode::Unavailable, "no MCP here");
+            let _ = write_frame(&mut writer, &refusal).await;
         }
     }
 

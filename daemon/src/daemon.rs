@@ -14,6 +14,7 @@ use robota_proto::{
     BearerInfo, CarrierStatus, Command, ErrorCode, Reply, Response, Secret, Status,
 };
 use tokio::net::TcpListener;
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -124,6 +125,8 @@ struct Core {
     remote: Option<Remote>,
     metrics_addr: RwLock<Option<String>>,
     control_path: String,
+    /// Ends every MCP session relayed over the control socket; replaced at each attach.
+    relays: RwLock<CancellationToken>,
     ops: mpsc::Sender<Op>,
 }
 
@@ -258,6 +261,8 @@ impl Core {
         tracing::info!("restarting: fresh attach, new bearers");
         self.stop_carriers().await;
         *self.session.write() = None;
+        // A fresh attach ends the relayed sessions of the old one.
+        std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
         self.attach_and_start().await?;
         self.generation.fetch_add(1, Ordering::Relaxed);
         *self.state.write() = State::Serving;
@@ -369,9 +374,11 @@ impl Core {
                     expires_at: None,
                 })
             }
-            Command::Status | Command::Stop | Command::Restart | Command::Audit { .. } => {
-                Response::error(ErrorCode::Internal, "not a bearer command")
-            }
+            Command::Status
+            | Command::Stop
+            | Command::Restart
+            | Command::Audit { .. }
+            | Command::Mcp => Response::error(ErrorCode::Internal, "not a bearer command"),
         }
     }
 }
@@ -418,15 +425,75 @@ impl ControlApi for Api {
             other => core.bearer_reply(other),
         }
     }
+
+    async fn serve_mcp(
+        &self,
+        reader: control::ControlReader,
+        mut writer: OwnedWriteHalf,
+        peer: Peer,
+    ) {
+        let core = &self.0;
+        let session = core.session.read().clone();
+        let stdio = &core.config.stdio;
+        let names = session.as_ref().map(|s| {
+            crate::mcp::WireNames::build(
+                s.catalog(),
+                s.submission_tool(),
+                stdio.wire_names,
+                &stdio.aliases,
+            )
+        });
+        let (session, names) = match (session, names) {
+            (Some(session), Some(Ok(names))) => (session, names),
+            (_, Some(Err(e))) => {
+                let refusal = Response::error(ErrorCode::Internal, e.to_string());
+                let _ = control::write_frame(&mut writer, &refusal).await;
+                return;
+            }
+            _ => {
+                let refusal = Response::error(
+                    ErrorCode::Unavailable,
+                    "no session is attached (the daemon is restarting)",
+                );
+                let _ = control::write_frame(&mut writer, &refusal).await;
+                return;
+            }
+        };
+        if control::write_frame(&mut writer, &Response::ok(Reply::Mcp))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        core.metrics.admitted(CarrierName::Stdio);
+        tracing::info!(
+            uid = peer.uid,
+            "MCP session relayed over the control socket"
+        );
+        let caller = Some(crate::session::Caller::Local(peer.uid));
+        let server = crate::mcp::McpServer::new(
+            session,
+            names,
+            Arc::new(crate::mcp::InFlight::default()),
+            caller,
+        );
+        let ended = core.relays.read().child_token();
+        match rmcp::ServiceExt::serve_with_ct(server, (reader, writer), ended).await {
+            Ok(running) => {
+                let _ = running.waiting().await;
+            }
+            Err(e) => tracing::debug!(error = %e, "relayed MCP session ended during start-up"),
+        }
+    }
 }
 
-/// The shipped JWT/JWKS verifier for `[remote]`, with its keys loaded (or the cache, or
-/// nothing when `start_without_keys`).
-async fn build_verifier(
+/// The shipped JWT/JWKS verifier for `[remote]`, built (every configuration check, no
+/// network) but without keys.
+pub fn verifier_config(
     remote: &crate::config::RemoteConfig,
     state_dir: &std::path::Path,
     metrics: Metrics,
-) -> Result<Arc<dyn crate::oauth::Verifier>, DaemonError> {
+) -> Result<crate::oauth::jwt::JwtVerifier, crate::oauth::jwt::BuildError> {
     use crate::oauth::jwt::{JwtConfig, JwtVerifier};
     let config = JwtConfig {
         issuer: remote.issuer.clone(),
@@ -440,7 +507,17 @@ async fn build_verifier(
         cache_path: state_dir.join("jwks-cache.json"),
         start_without_keys: remote.start_without_keys,
     };
-    let verifier = JwtVerifier::build(config, metrics).map_err(DaemonError::VerifierConfig)?;
+    JwtVerifier::build(config, metrics)
+}
+
+/// The verifier with its keys loaded (or the cache, or nothing when `start_without_keys`).
+async fn build_verifier(
+    remote: &crate::config::RemoteConfig,
+    state_dir: &std::path::Path,
+    metrics: Metrics,
+) -> Result<Arc<dyn crate::oauth::Verifier>, DaemonError> {
+    let verifier =
+        verifier_config(remote, state_dir, metrics).map_err(DaemonError::VerifierConfig)?;
     verifier.load().await.map_err(DaemonError::VerifierKeys)?;
     Ok(Arc::new(verifier))
 }
@@ -495,6 +572,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
         loopback,
         remote,
         metrics_addr: RwLock::new(None),
+        relays: RwLock::new(CancellationToken::new()),
         ops: ops_tx,
     });
 
@@ -578,6 +656,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
 
     *core.state.write() = State::Stopping;
     notify::stopping();
+    core.relays.read().cancel();
     core.stop_carriers().await;
     listeners.cancel();
     for task in tasks {

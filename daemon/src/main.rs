@@ -1,41 +1,19 @@
 //! `robota-mcpd`: load the configuration, set up logging, then run the daemon (or the
 //! stdio carrier) and turn the outcome into an exit code.
 
-use std::path::PathBuf;
+mod cli;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use robota_mcpd::config::{self, Environment};
 use robota_mcpd::session::{HostView, Session};
 use robota_mcpd::transport::McpTransport;
 use robota_mcpd::{carrier, daemon, error_chain, exit, logging, metrics};
 use tokio_util::sync::CancellationToken;
 
-#[derive(Parser)]
-#[command(
-    name = "robota-mcpd",
-    version,
-    about = "MCP host daemon: host tools for AI agents over stdio, loopback and remote HTTP"
-)]
-struct Args {
-    /// Configuration file (default: /etc/robota-mcpd/config.toml if present, else the embedded default).
-    #[arg(long, global = true, value_name = "PATH")]
-    config: Option<PathBuf>,
-    /// Serve the catalog on stdin/stdout for the client that launched us (logs go to stderr).
-    #[arg(long)]
-    stdio: bool,
-    #[command(subcommand)]
-    command: Option<Sub>,
-}
-
-#[derive(Subcommand)]
-enum Sub {
-    /// Validate the configuration (and the catalog it implies) and exit: 0 valid, 78 invalid.
-    CheckConfig,
-    /// Print the embedded default configuration.
-    DefaultConfig,
-}
+use crate::cli::{Args, Sub};
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -133,6 +111,12 @@ fn check(config: &config::Config) -> Result<(), String> {
     if let Some(loopback) = &config.loopback {
         build(loopback.wire_names, &loopback.aliases)
             .map_err(|e| format!("loopback.aliases: {e}"))?;
+    }
+    if let Some(remote) = &config.remote {
+        build(remote.wire_names, &remote.aliases).map_err(|e| format!("remote.aliases: {e}"))?;
+        // Everything the verifier checks before it fetches a key.
+        daemon::verifier_config(remote, &config.state_dir, metrics::Metrics::new())
+            .map_err(|e| format!("remote: {}", error_chain(&e)))?;
     }
     Ok(())
 }

@@ -64,6 +64,15 @@ fn errors_name_their_key_and_exit_78() {
             "collides with the runtime tool \"system.info\"",
         ),
         ("this is not toml", "<document>"),
+        (
+            "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_subjects = [\"*\"]\n",
+            "remote: an allowed subject",
+        ),
+        (
+            "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+             wire_names = \"compat\"\n[session]\nsubmission_tool = \"system_info\"\n",
+            "aliases",
+        ),
     ];
     for (text, needle) in cases {
         let (code, err) = check(text);

@@ -60,12 +60,11 @@ impl Request {
         }
         let request: Request = serde_json::from_value(value.clone())
             .map_err(|e| (ErrorCode::BadRequest, format!("bad request: {e}")))?;
-        // Round-trip: any field the typed request dropped was unknown.
-        let known = serde_json::to_value(&request).unwrap_or_default();
-        if let (Some(given), Some(known)) = (value.as_object(), known.as_object())
-            && let Some(extra) = given
-                .keys()
-                .find(|k| !known.contains_key(*k) && given[*k] != serde_json::Value::Null)
+        if let Some(given) = value.as_object()
+            && let Some(extra) = given.keys().find(|k| {
+                !matches!(k.as_str(), "v" | "cmd")
+                    && !request.command.fields().contains(&k.as_str())
+            })
         {
             return Err((
                 ErrorCode::BadRequest,
@@ -112,10 +111,30 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         limit: Option<u32>,
     },
+    /// Switch this connection to MCP: after the `mcp` reply, both directions carry
+    /// newline-delimited JSON-RPC for the daemon's session, as caller `local:<peer uid>`.
+    Mcp,
     /// Graceful stop of the whole daemon.
     Stop,
     /// Fresh attach: a new session, new bearers, readiness re-announced.
     Restart,
+}
+
+impl Command {
+    /// The fields this command may carry besides `v` and `cmd`.
+    pub fn fields(&self) -> &'static [&'static str] {
+        match self {
+            Command::BearerIssue { .. } => &["label", "ttl_secs"],
+            Command::BearerRevoke { .. } => &["label"],
+            Command::Audit { .. } => &["since", "reason", "after_seq", "limit"],
+            Command::Status
+            | Command::BearerList
+            | Command::BearerRotate
+            | Command::Mcp
+            | Command::Stop
+            | Command::Restart => &[],
+        }
+    }
 }
 
 /// One response frame: `{"v":1,"ok":{…}}` or `{"v":1,"error":{…}}`.
@@ -175,6 +194,8 @@ pub enum Reply {
         /// The highest `seq` the daemon has assigned (pass it as `after_seq` to follow).
         last_seq: u64,
     },
+    /// The connection now carries MCP (see [`Command::Mcp`]).
+    Mcp,
     Stopping,
     Restarted {
         status: Status,

@@ -33,7 +33,8 @@ fn all_commands() -> Vec<Command> {
                 after_seq: Some(3),
                 limit: Some(10),
             }),
-            Command::Audit { .. } => Some(Command::Stop),
+            Command::Audit { .. } => Some(Command::Mcp),
+            Command::Mcp => Some(Command::Stop),
             Command::Stop => Some(Command::Restart),
             Command::Restart => None,
         }
@@ -63,7 +64,8 @@ fn all_replies() -> Vec<Reply> {
                 records: Vec::new(),
                 last_seq: 0,
             }),
-            Reply::Audit { .. } => Some(Reply::Stopping),
+            Reply::Audit { .. } => Some(Reply::Mcp),
+            Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
             Reply::Restarted { .. } => None,
         }
@@ -205,7 +207,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 8, "the command chain lost a link");
+    assert_eq!(commands.len(), 9, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -219,7 +221,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 7, "the reply chain lost a link");
+    assert_eq!(replies.len(), 8, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

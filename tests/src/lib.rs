@@ -8,6 +8,7 @@
 
 pub mod authz;
 pub mod daemon;
+pub mod docs;
 pub mod http;
 pub mod notify;
 pub mod procs;

@@ -1,0 +1,31 @@
+//! The command line of `robota-mcpd`: flags and subcommands. Also compiled into
+//! `packaging/docgen` (man pages, shell completions), so it uses nothing but clap and std.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "robota-mcpd",
+    version,
+    about = "MCP host daemon: host tools for AI agents over stdio, loopback and remote HTTP"
+)]
+pub struct Args {
+    /// Configuration file (default: /etc/robota-mcpd/config.toml if present, else the embedded default).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Serve the catalog on stdin/stdout for the client that launched us (logs go to stderr).
+    #[arg(long)]
+    pub stdio: bool,
+    #[command(subcommand)]
+    pub command: Option<Sub>,
+}
+
+#[derive(Subcommand)]
+pub enum Sub {
+    /// Validate the configuration (and the catalog it implies) and exit: 0 valid, 78 invalid.
+    CheckConfig,
+    /// Print the embedded default configuration.
+    DefaultConfig,
+}

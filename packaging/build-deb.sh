@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build the Debian package: release binaries, man pages and completions generated from the
+# clap definitions, then cargo-deb with the metadata in daemon/Cargo.toml.
+#
+#   packaging/build-deb.sh            prints the path of the .deb on its last line
+#
+# Needs cargo-deb (`cargo install cargo-deb --locked`), dpkg-dev (dpkg-shlibdeps for the
+# $auto dependencies) and gzip; .ci/run installs them when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target_dir=${CARGO_TARGET_DIR:-target}
+
+echo "== release build" >&2
+cargo build --release --locked -p robota-mcpd -p robota-mcpctl
+
+echo "== man pages and completions (robota-docgen)" >&2
+generated="$target_dir/release/docgen"
+rm -rf "$generated"
+cargo run --locked --quiet -p robota-docgen -- "$generated"
+# Debian policy: man pages gzipped with -9, no name or timestamp (-n) for reproducibility.
+gzip -9n "$generated"/man/man*/*
+
+echo "== cargo deb" >&2
+# --no-build: the binaries above are the ones packaged; cargo-deb strips them.
+deb=$(cargo deb --locked --no-build -p robota-mcpd --output "$target_dir/debian/" | tail -n 1)
+[[ -f $deb ]] || {
+	echo "build-deb: cargo deb did not report a package file (got: $deb)" >&2
+	exit 1
+}
+echo "$deb"
