@@ -149,12 +149,39 @@ pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
     })
 }
 
-/// The SO_PEERCRED rule: root, the daemon's own uid, or a configured uid or gid.
-pub fn peer_allowed(peer: Peer, own_uid: u32, config: &ControlConfig) -> bool {
-    peer.uid == 0
-        || peer.uid == own_uid
-        || config.allow_uids.contains(&peer.uid)
-        || config.allow_gids.contains(&peer.gid)
+/// The SO_PEERCRED rule: root, the daemon's own uid, a configured uid, or a configured
+/// gid that is the peer's primary group (from SO_PEERCRED) or one of its supplementary
+/// groups (`groups_of`, consulted only when a gid rule could decide).
+pub fn peer_allowed(
+    peer: Peer,
+    own_uid: u32,
+    config: &ControlConfig,
+    groups_of: impl FnOnce(u32) -> Vec<u32>,
+) -> bool {
+    if peer.uid == 0 || peer.uid == own_uid || config.allow_uids.contains(&peer.uid) {
+        return true;
+    }
+    if config.allow_gids.is_empty() {
+        return false;
+    }
+    config.allow_gids.contains(&peer.gid)
+        || groups_of(peer.uid)
+            .iter()
+            .any(|g| config.allow_gids.contains(g))
+}
+
+/// The group memberships of `uid` from the user and group databases (empty if unknown).
+pub fn user_groups(uid: u32) -> Vec<u32> {
+    use nix::unistd::{Uid, User, getgrouplist};
+    let Ok(Some(user)) = User::from_uid(Uid::from_raw(uid)) else {
+        return Vec::new();
+    };
+    let Ok(name) = std::ffi::CString::new(user.name) else {
+        return Vec::new();
+    };
+    getgrouplist(&name, user.gid)
+        .map(|groups| groups.into_iter().map(|g| g.as_raw()).collect())
+        .unwrap_or_default()
 }
 
 /// Serve control connections until `shutdown` fires.
@@ -224,7 +251,7 @@ async fn connection<A: ControlApi>(
             return;
         }
     };
-    if !peer_allowed(peer, own_uid, config) {
+    if !peer_allowed(peer, own_uid, config, user_groups) {
         audit.record(Record {
             time: SystemTime::now(),
             carrier: Carrier::Control,
@@ -310,12 +337,26 @@ mod tests {
             pid: None,
         };
         let c = config(&[1000], &[998]);
-        assert!(peer_allowed(peer(0, 0), 500, &c));
-        assert!(peer_allowed(peer(500, 500), 500, &c));
-        assert!(peer_allowed(peer(1000, 1000), 500, &c));
-        assert!(peer_allowed(peer(1001, 998), 500, &c));
-        assert!(!peer_allowed(peer(1001, 1001), 500, &c));
-        assert!(!peer_allowed(peer(65534, 65534), 500, &config(&[], &[])));
+        let none = |_| Vec::new();
+        assert!(peer_allowed(peer(0, 0), 500, &c, none));
+        assert!(peer_allowed(peer(500, 500), 500, &c, none));
+        assert!(peer_allowed(peer(1000, 1000), 500, &c, none));
+        assert!(peer_allowed(peer(1001, 998), 500, &c, none));
+        assert!(!peer_allowed(peer(1001, 1001), 500, &c, none));
+        // A supplementary member of an allowed group passes; the lookup is for that uid.
+        assert!(peer_allowed(peer(1001, 1001), 500, &c, |uid| {
+            if uid == 1001 { vec![1001, 998] } else { vec![] }
+        }));
+        assert!(!peer_allowed(peer(1001, 1001), 500, &c, |_| vec![1001, 27]));
+        // No gid rule: the databases are not consulted.
+        assert!(!peer_allowed(
+            peer(65534, 65534),
+            500,
+            &config(&[], &[]),
+            |_| panic!("looked up")
+        ));
+        // Root's groups, from the real databases, include its primary group 0.
+        assert!(user_groups(0).contains(&0));
     }
 
     struct Echo;
