@@ -150,6 +150,8 @@ pub struct HttpLimits {
     pub max_in_flight: usize,
     pub max_header_bytes: usize,
     pub header_timeout: Duration,
+    /// How long an admitted request may take to deliver its body (then 408).
+    pub body_timeout: Duration,
 }
 
 /// The remote carrier: an OAuth 2 resource server (SPEC §5).
@@ -445,6 +447,7 @@ struct RawLoopback {
     max_in_flight: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
+    body_timeout: Option<DurationText>,
 }
 
 impl Default for RawLoopback {
@@ -459,6 +462,7 @@ impl Default for RawLoopback {
             max_in_flight: None,
             max_header_bytes: None,
             header_timeout: None,
+            body_timeout: None,
         }
     }
 }
@@ -496,6 +500,7 @@ struct RawRemote {
     max_in_flight: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
+    body_timeout: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -681,7 +686,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             "loopback",
             [l.max_connections, l.max_in_flight],
             l.max_header_bytes,
-            l.header_timeout,
+            [l.header_timeout, l.body_timeout],
             &mut issues,
         );
         Some(LoopbackConfig {
@@ -799,13 +804,13 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
     })
 }
 
-/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, header bytes
-/// and the head deadline, each checked against its range.
+/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, header bytes,
+/// and the head and body deadlines, each checked against its range.
 fn validate_bounds(
     section: &str,
     counts: [Option<usize>; 2],
     max_header_bytes: Option<SizeText>,
-    header_timeout: Option<DurationText>,
+    [header_timeout, body_timeout]: [Option<DurationText>; 2],
     issues: &mut Issues,
 ) -> HttpLimits {
     let mut count = |key: &str, value: Option<usize>, default: usize| {
@@ -827,18 +832,21 @@ fn validate_bounds(
             format!("must be between 8KiB and 1MiB, got {max_header_bytes} bytes"),
         );
     }
-    let header_timeout = header_timeout.map_or(Duration::from_secs(5), |d| d.0);
-    if header_timeout.is_zero() || header_timeout > Duration::from_secs(300) {
-        issues.add(
-            format!("{section}.header_timeout"),
-            "must be between 1ms and 300s",
-        );
-    }
+    let mut deadline = |key: &str, value: Option<DurationText>, default: u64| {
+        let d = value.map_or(Duration::from_secs(default), |d| d.0);
+        if d.is_zero() || d > Duration::from_secs(300) {
+            issues.add(format!("{section}.{key}"), "must be between 1ms and 300s");
+        }
+        d
+    };
+    let header_timeout = deadline("header_timeout", header_timeout, 5);
+    let body_timeout = deadline("body_timeout", body_timeout, 30);
     HttpLimits {
         max_connections,
         max_in_flight,
         max_header_bytes: usize::try_from(max_header_bytes).unwrap_or(usize::MAX),
         header_timeout,
+        body_timeout,
     }
 }
 
@@ -967,7 +975,7 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         "remote",
         [r.max_connections, r.max_in_flight],
         r.max_header_bytes,
-        r.header_timeout,
+        [r.header_timeout, r.body_timeout],
         issues,
     );
     let public_url = public_url?;

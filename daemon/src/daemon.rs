@@ -595,6 +595,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
             max_in_flight: 8,
             max_header_bytes: 16 * 1024,
             header_timeout: std::time::Duration::from_secs(5),
+            body_timeout: std::time::Duration::from_secs(5),
         };
         tasks.push(tokio::spawn(crate::carrier::http::serve(
             listener,

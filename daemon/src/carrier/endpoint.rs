@@ -2,7 +2,7 @@
 //!
 //! Order: 405 for anything but POST, 400 for an unsupported `MCP-Protocol-Version`, 413
 //! from `Content-Length` before reading, 503 + `Retry-After` when every in-flight slot is
-//! taken, then the body is read (bounded; 413 past the limit). A
+//! taken, then the body is read (bounded; 413 past the limit, 408 past the body deadline). A
 //! `notifications/cancelled` body cancels the same caller's in-flight request and is
 //! answered 202 here; everything else goes to rmcp's stateless service.
 
@@ -30,6 +30,7 @@ const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 pub struct Endpoint<S> {
     slots: Semaphore,
     body_limit: u64,
+    body_timeout: std::time::Duration,
     inflight: Arc<InFlight>,
     service: StreamableHttpService<McpServer<S>, NeverSessionManager>,
 }
@@ -62,6 +63,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         Self {
             slots: Semaphore::new(bounds.max_in_flight),
             body_limit,
+            body_timeout: bounds.body_timeout,
             inflight,
             service,
         }
@@ -96,12 +98,15 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             return response;
         };
         let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
-        let bytes = match Limited::new(body, limit).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+        // A client that never finishes its body gives up its slot at the deadline.
+        let read = tokio::time::timeout(self.body_timeout, Limited::new(body, limit).collect());
+        let bytes = match read.await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
                 return closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             }
-            Err(_) => return server::empty(StatusCode::BAD_REQUEST),
+            Ok(Err(_)) => return server::empty(StatusCode::BAD_REQUEST),
+            Err(_) => return closing(server::empty(StatusCode::REQUEST_TIMEOUT), parts.version),
         };
         if let Some(id) = cancelled_request_id(&bytes) {
             self.inflight.cancel(&caller, &id);
