@@ -357,6 +357,15 @@ impl Audit {
         }
     }
 
+    /// Record a refusal and count it in the metrics: the one place a refusal is booked.
+    pub fn refused(&self, metrics: &crate::metrics::Metrics, record: Record) {
+        metrics.refused(record.carrier, record.reason);
+        if record.throttled {
+            metrics.throttled(record.carrier);
+        }
+        self.record(record);
+    }
+
     /// Records written to memory only because the writer queue was full.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)

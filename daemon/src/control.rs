@@ -252,14 +252,16 @@ async fn connection<A: ControlApi>(
         }
     };
     if !peer_allowed(peer, own_uid, config, user_groups) {
-        audit.record(Record {
-            time: SystemTime::now(),
-            carrier: Carrier::Control,
-            reason: Reason::PeerNotAllowed,
-            throttled: false,
-            address_class: AddressClass::Unknown,
-        });
-        metrics.refused(Carrier::Control, Reason::PeerNotAllowed);
+        audit.refused(
+            metrics,
+            Record {
+                time: SystemTime::now(),
+                carrier: Carrier::Control,
+                reason: Reason::PeerNotAllowed,
+                throttled: false,
+                address_class: AddressClass::Unknown,
+            },
+        );
         tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
         let reply = Response::error(
             ErrorCode::PermissionDenied,

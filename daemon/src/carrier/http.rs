@@ -180,6 +180,29 @@ pub fn tls_acceptor(
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
+/// Most of a refused HTTP/2 request's body read (and thrown away) after the answer.
+const DISCARD_BYTES: usize = 64 * 1024;
+/// How long that may take.
+const DISCARD_TIME: Duration = Duration::from_secs(2);
+
+/// Let go of a request whose body we will not use, after answering it from its head.
+///
+/// HTTP/1: nothing to do; the refusal carries `Connection: close`. HTTP/2: dropping the
+/// body at once resets a stream the client may still be sending on, which some clients
+/// (curl: "Stream error in the HTTP/2 framing layer") report instead of our answer. So a
+/// small body is read to its end in the background, bounded in bytes and time; the
+/// decision was already made on the head, and nothing read here is looked at.
+pub fn discard_body(req: Request<Incoming>) {
+    use http_body_util::BodyExt;
+    if req.version() != http::Version::HTTP_2 || hyper::body::Body::is_end_stream(req.body()) {
+        return;
+    }
+    let body = http_body_util::Limited::new(req.into_body(), DISCARD_BYTES);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(DISCARD_TIME, body.collect()).await;
+    });
+}
+
 /// An empty-bodied response with `status` (refusals, 202, 405, …).
 pub fn empty(status: http::StatusCode) -> Response<Body> {
     use http_body_util::BodyExt;

@@ -150,7 +150,11 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
                 s.metrics.admitted(CarrierName::Loopback);
                 s.endpoint.serve(req, Caller::Bearer(label)).await
             }
-            Err(refusal) => self.refuse(refusal, peer, req.version(), now),
+            Err(refusal) => {
+                let response = self.refuse(refusal, peer, req.version(), now);
+                server::discard_body(req);
+                response
+            }
         }
     }
 }
@@ -164,14 +168,16 @@ impl<S> Loopback<S> {
         now: SystemTime,
     ) -> Response<Body> {
         let s = &self.shared;
-        s.metrics.refused(CarrierName::Loopback, refusal.0);
-        s.audit.record(Record {
-            time: now,
-            carrier: CarrierName::Loopback,
-            reason: refusal.0,
-            throttled: false,
-            address_class: AddressClass::of(peer.ip()),
-        });
+        s.audit.refused(
+            &s.metrics,
+            Record {
+                time: now,
+                carrier: CarrierName::Loopback,
+                reason: refusal.0,
+                throttled: false,
+                address_class: AddressClass::of(peer.ip()),
+            },
+        );
         let mut response = server::empty(refusal.status());
         if let Some(challenge) = refusal.challenge() {
             response.headers_mut().insert(

@@ -167,7 +167,11 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let version = req.version();
         let route = match admission::route(req.uri(), req.headers(), &c.config.public_url) {
             Ok(route) => route,
-            Err(reason) => return self.refuse(admission::wrong_name(reason), client, version),
+            Err(reason) => {
+                let response = self.refuse(admission::wrong_name(reason), client, version);
+                server::discard_body(req);
+                return response;
+            }
         };
         match route {
             Route::NotFound => return server::empty(StatusCode::NOT_FOUND),
@@ -196,7 +200,11 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 };
                 s.endpoint.serve(req, caller).await
             }
-            Err(refusal) => self.refuse(refusal, client, version),
+            Err(refusal) => {
+                let response = self.refuse(refusal, client, version);
+                server::discard_body(req);
+                response
+            }
         }
     }
 }
@@ -228,17 +236,16 @@ impl<S> Remote<S> {
         if refusal.counted {
             c.throttle.record_failure(client, Instant::now());
         }
-        c.metrics.refused(CarrierName::Remote, refusal.reason);
-        if refusal.throttled {
-            c.metrics.throttled(CarrierName::Remote);
-        }
-        c.audit.record(Record {
-            time: SystemTime::now(),
-            carrier: CarrierName::Remote,
-            reason: refusal.reason,
-            throttled: refusal.throttled,
-            address_class: AddressClass::of(client),
-        });
+        c.audit.refused(
+            &c.metrics,
+            Record {
+                time: SystemTime::now(),
+                carrier: CarrierName::Remote,
+                reason: refusal.reason,
+                throttled: refusal.throttled,
+                address_class: AddressClass::of(client),
+            },
+        );
         let mut response = server::empty(refusal.status);
         let headers = response.headers_mut();
         if let Some(challenge) = refusal
