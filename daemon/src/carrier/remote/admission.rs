@@ -284,7 +284,8 @@ pub fn decide(
                 challenge: None,
                 counted: false,
                 throttled: false,
-                retry_after: Some(30),
+                // Keys are asked for again at most once per refetch cooldown.
+                retry_after: Some(crate::oauth::jwt::REFETCH_COOLDOWN.as_secs()),
             });
         }
         Failure::Token(r @ (Reason::MissingScope | Reason::PrincipalNotAllowed)) => (

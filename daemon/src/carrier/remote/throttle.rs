@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -84,14 +84,12 @@ impl Throttle {
     pub fn tracked(&self) -> usize {
         self.windows.lock().len()
     }
-
-    pub fn window(&self) -> Duration {
-        self.config.window
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn throttle(max_addresses: usize) -> Throttle {
