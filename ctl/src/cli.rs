@@ -71,6 +71,14 @@ Examples:
         follow: bool,
     },
 
+    /// List or cancel durable jobs (job.start, service and container actions)
+    #[command(subcommand)]
+    Jobs(JobsCommand),
+
+    /// List grant requests and decide them: approve, deny, revoke
+    #[command(subcommand)]
+    Grants(GrantsCommand),
+
     /// Serve MCP on stdin/stdout, relayed to the running daemon's session (for desktop
     /// clients that only launch children); the caller is local:<your uid>
     #[command(after_help = "\
@@ -148,6 +156,83 @@ Examples:
         /// Write the new secret to this new file (mode 0600) instead of stdout
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// Jobs, newest first, with their owner and state
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl jobs list
+  robota-mcpctl jobs list --owner bearer:ci --limit 20
+  robota-mcpctl --json jobs list
+
+States: running, succeeded, failed, cancelled, timed-out, outcome-unknown (the daemon
+stopped while the job ran; it was not re-run).")]
+    List {
+        /// Only jobs started by this caller (local:<uid>, bearer:<label>, oauth:<client>/<sub>)
+        #[arg(long, value_name = "CALLER")]
+        owner: Option<String>,
+        /// At most this many (the newest)
+        #[arg(long, value_name = "N", default_value_t = 50)]
+        limit: u32,
+    },
+
+    /// Cancel a running job as the operator; its process group is killed
+    #[command(after_help = "\
+Example:
+  robota-mcpctl jobs cancel 42")]
+    Cancel {
+        /// The job's id (from `jobs list`)
+        #[arg(value_name = "ID")]
+        job_id: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GrantsCommand {
+    /// Pending and active grants (all of them with --all)
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl grants list
+  robota-mcpctl grants list --all --json")]
+    List {
+        /// Also denied, revoked and expired grants
+        #[arg(long)]
+        all: bool,
+    },
+
+    /// Approve a pending request; the grant covers only the caller that asked
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl grants approve 7
+  robota-mcpctl grants approve 7 --duration 15m")]
+    Approve {
+        /// The grant's id (from `grants list`)
+        #[arg(value_name = "ID")]
+        grant_id: i64,
+        /// How long it lasts from now [default: the duration the caller asked for]
+        #[arg(long, value_name = "D", value_parser = parse_ttl)]
+        duration: Option<u64>,
+    },
+
+    /// Deny a pending request
+    #[command(after_help = "\
+Example:
+  robota-mcpctl grants deny 7")]
+    Deny {
+        #[arg(value_name = "ID")]
+        grant_id: i64,
+    },
+
+    /// End a pending or approved grant now
+    #[command(after_help = "\
+Example:
+  robota-mcpctl grants revoke 7")]
+    Revoke {
+        #[arg(value_name = "ID")]
+        grant_id: i64,
     },
 }
 

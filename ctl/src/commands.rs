@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use robota_proto::{Command, Reply, Request, Secret};
 
-use crate::cli::{BearerCommand, CtlCommand};
+use crate::cli::{BearerCommand, CtlCommand, GrantsCommand, JobsCommand};
 use crate::client;
 use crate::error::CtlError;
 use crate::render;
@@ -57,6 +57,56 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reason,
             follow,
         } => audit(ctx, *since, reason.clone(), *follow),
+        CtlCommand::Jobs(JobsCommand::List { owner, limit }) => {
+            let command = Command::JobsList {
+                owner: owner.clone(),
+                limit: Some(*limit),
+            };
+            match call(ctx, command)? {
+                Reply::Jobs { jobs } if !ctx.json => print(&render::jobs(&jobs)),
+                reply @ Reply::Jobs { .. } => print_json(&reply),
+                other => Err(unexpected("jobs", &other)),
+            }
+        }
+        CtlCommand::Jobs(JobsCommand::Cancel { job_id }) => {
+            match call(ctx, Command::JobCancel { job_id: *job_id })? {
+                Reply::Job { job } if !ctx.json => print(&format!(
+                    "job {} ({}): cancel requested; it was {}\n",
+                    job.job_id,
+                    render::clean(&job.target),
+                    job.state.as_str()
+                )),
+                reply @ Reply::Job { .. } => print_json(&reply),
+                other => Err(unexpected("job", &other)),
+            }
+        }
+        CtlCommand::Grants(GrantsCommand::List { all }) => {
+            match call(ctx, Command::GrantsList { all: *all })? {
+                Reply::Grants { grants } if !ctx.json => print(&render::grants(&grants)),
+                reply @ Reply::Grants { .. } => print_json(&reply),
+                other => Err(unexpected("grants", &other)),
+            }
+        }
+        CtlCommand::Grants(decision) => {
+            let command = match decision {
+                GrantsCommand::Approve { grant_id, duration } => Command::GrantApprove {
+                    grant_id: *grant_id,
+                    duration_secs: *duration,
+                },
+                GrantsCommand::Deny { grant_id } => Command::GrantDeny {
+                    grant_id: *grant_id,
+                },
+                GrantsCommand::Revoke { grant_id } => Command::GrantRevoke {
+                    grant_id: *grant_id,
+                },
+                GrantsCommand::List { .. } => unreachable!("handled above"),
+            };
+            match call(ctx, command)? {
+                Reply::Grant { grant } if !ctx.json => print(&render::grant_decided(&grant)),
+                reply @ Reply::Grant { .. } => print_json(&reply),
+                other => Err(unexpected("grant", &other)),
+            }
+        }
         CtlCommand::Stdio => stdio(ctx),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {
             Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),
@@ -223,16 +273,7 @@ fn call(ctx: &Ctx, command: Command) -> Result<Reply, CtlError> {
 
 /// A reply of the wrong kind for the command we sent.
 fn unexpected(wanted: &str, got: &Reply) -> CtlError {
-    let kind = match got {
-        Reply::Status(_) => "status",
-        Reply::Bearer { .. } => "bearer",
-        Reply::Bearers { .. } => "bearers",
-        Reply::Revoked { .. } => "revoked",
-        Reply::Audit { .. } => "audit",
-        Reply::Mcp => "mcp",
-        Reply::Stopping => "stopping",
-        Reply::Restarted { .. } => "restarted",
-    };
+    let kind = got.kind();
     CtlError::Protocol(format!("expected a {wanted:?} reply, got {kind:?}"))
 }
 

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use robota_proto::{BearerInfo, Status};
+use robota_proto::{BearerInfo, GrantRecord, JobRecord, Status};
 
 /// Replaces control characters in daemon-supplied text so it cannot drive the terminal.
 pub fn clean(text: &str) -> Cow<'_, str> {
@@ -122,6 +122,8 @@ pub fn status(status: &Status) -> String {
             clean(&status.submission_tool).into_owned(),
         ),
         ("active turn", yes_no(status.active_turn)),
+        ("running jobs", status.running_jobs.to_string()),
+        ("pending grants", status.pending_grants.to_string()),
         ("bearers", status.bearer_count.to_string()),
     ];
     let mut facts = facts.to_vec();
@@ -230,6 +232,99 @@ pub fn bearers(bearers: &[BearerInfo]) -> String {
     )
 }
 
+/// Signed unix seconds (the store's) as RFC 3339; `-` when absent or before 1970.
+fn time_i64(unix_secs: Option<i64>) -> String {
+    opt_time(unix_secs.and_then(|t| u64::try_from(t).ok()))
+}
+
+/// The `jobs list` table.
+pub fn jobs(jobs: &[JobRecord]) -> String {
+    if jobs.is_empty() {
+        return "no jobs\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            let what = match &j.action {
+                Some(action) => format!("{} {} {}", j.kind, action, j.target),
+                None => format!("{} {}", j.kind, j.target),
+            };
+            vec![
+                j.job_id.to_string(),
+                j.state.as_str().to_owned(),
+                clean(&j.owner).into_owned(),
+                clean(&what).into_owned(),
+                time_i64(Some(j.created_at)),
+                time_i64(j.finished_at),
+                clean(j.detail.as_deref().unwrap_or("-")).into_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("ID", Align::Right),
+            ("STATE", Align::Left),
+            ("OWNER", Align::Left),
+            ("WHAT", Align::Left),
+            ("STARTED", Align::Left),
+            ("FINISHED", Align::Left),
+            ("DETAIL", Align::Left),
+        ],
+        &rows,
+    )
+}
+
+/// The `grants list` table.
+pub fn grants(grants: &[GrantRecord]) -> String {
+    if grants.is_empty() {
+        return "no grants\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = grants
+        .iter()
+        .map(|g| {
+            vec![
+                g.grant_id.to_string(),
+                g.state.as_str().to_owned(),
+                clean(&g.caller).into_owned(),
+                g.kind.as_str().to_owned(),
+                clean(&g.scope.join(",")).into_owned(),
+                humantime::format_duration(Duration::from_secs(g.duration_secs)).to_string(),
+                time_i64(g.expires_at),
+                clean(&g.reason).into_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("ID", Align::Right),
+            ("STATE", Align::Left),
+            ("CALLER", Align::Left),
+            ("KIND", Align::Left),
+            ("SCOPE", Align::Left),
+            ("DURATION", Align::Left),
+            ("EXPIRES", Align::Left),
+            ("REASON", Align::Left),
+        ],
+        &rows,
+    )
+}
+
+/// One line confirming a grant decision.
+pub fn grant_decided(g: &GrantRecord) -> String {
+    let until = g
+        .expires_at
+        .filter(|_| g.state == robota_proto::GrantState::Approved)
+        .map(|t| format!(" until {}", time_i64(Some(t))))
+        .unwrap_or_default();
+    format!(
+        "grant {} for {} ({}) is {}{until}\n",
+        g.grant_id,
+        clean(&g.caller),
+        clean(&g.scope.join(",")),
+        g.state.as_str()
+    )
+}
+
 /// `, expires <time>` or nothing, for confirmation lines.
 pub fn expiry_suffix(expires_at: Option<u64>) -> String {
     expires_at
@@ -293,6 +388,8 @@ mod tests {
             catalog_size: 12,
             submission_tool: "agent_submit".into(),
             active_turn: false,
+            running_jobs: 1,
+            pending_grants: 2,
             bearer_count: 2,
             refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
             key_set: None,
@@ -302,12 +399,75 @@ mod tests {
             "pid:              42",
             "uptime:           1h 2m 3s",
             "active turn:      no",
+            "running jobs:     1",
+            "pending grants:   2",
             "https://mcp.example.com/mcp",
             "remote   0.0.0.0:8443  https://mcp.example.com/mcp         7        3",
             "bad-token                3",
         ] {
             assert!(text.contains(needle), "{needle:?} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn job_and_grant_tables_show_state_owner_and_scope() {
+        let job = JobRecord {
+            job_id: 42,
+            owner: "bearer:ci".into(),
+            kind: "service".into(),
+            target: "nginx.service".into(),
+            action: Some("restart".into()),
+            state: robota_proto::JobState::OutcomeUnknown,
+            created_at: 1_700_000_000,
+            finished_at: None,
+            exit_code: None,
+            detail: Some("cut\u{1b}[31m off".into()),
+            output_bytes: 0,
+            output_dropped: 0,
+        };
+        let text = jobs(&[job]);
+        assert!(text.starts_with("ID"), "{text}");
+        for needle in [
+            "outcome-unknown",
+            "bearer:ci",
+            "service restart nginx.service",
+            "2023-11-14T22:13:20Z",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+        }
+        assert!(
+            !text.contains('\u{1b}'),
+            "control characters must not reach the terminal"
+        );
+        assert_eq!(jobs(&[]), "no jobs\n");
+
+        let grant = GrantRecord {
+            grant_id: 7,
+            caller: "oauth:client-a/alice".into(),
+            kind: robota_proto::GrantKind::Elevation,
+            reason: "rotate certs".into(),
+            scope: vec!["file.write".into(), "service.*".into()],
+            duration_secs: 1800,
+            state: robota_proto::GrantState::Approved,
+            requested_at: 0,
+            decided_at: Some(1),
+            decided_by: Some("local:0".into()),
+            expires_at: Some(1_700_000_000),
+        };
+        let text = grants(std::slice::from_ref(&grant));
+        for needle in [
+            "approved",
+            "oauth:client-a/alice",
+            "file.write,service.*",
+            "30m",
+            "rotate certs",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+        }
+        assert_eq!(
+            grant_decided(&grant),
+            "grant 7 for oauth:client-a/alice (file.write,service.*) is approved until 2023-11-14T22:13:20Z\n"
+        );
     }
 
     #[test]

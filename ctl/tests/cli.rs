@@ -171,6 +171,8 @@ fn sample_status() -> Status {
         catalog_size: 12,
         submission_tool: "agent_submit".into(),
         active_turn: false,
+        running_jobs: 0,
+        pending_grants: 0,
         bearer_count: 2,
         refusals_last_hour: BTreeMap::from([("bad-token".into(), 4), ("no-token".into(), 1)]),
         key_set: None,

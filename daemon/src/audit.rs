@@ -214,6 +214,34 @@ impl Record {
             reason: self.reason.as_str().to_owned(),
             throttled: self.throttled,
             address_class: self.address_class.as_str().to_owned(),
+            grant: None,
+        }
+    }
+}
+
+/// A grant request or decision (`robota_mcpd::grants`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrantEvent {
+    Requested,
+    Approved,
+    Denied,
+    Revoked,
+}
+
+impl GrantEvent {
+    pub const ALL: [GrantEvent; 4] = [
+        GrantEvent::Requested,
+        GrantEvent::Approved,
+        GrantEvent::Denied,
+        GrantEvent::Revoked,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrantEvent::Requested => "grant-requested",
+            GrantEvent::Approved => "grant-approved",
+            GrantEvent::Denied => "grant-denied",
+            GrantEvent::Revoked => "grant-revoked",
         }
     }
 }
@@ -337,9 +365,44 @@ impl Audit {
             address_class = record.address_class.as_str(),
             "request refused"
         );
+        self.append(|seq| record.wire(seq));
+    }
+
+    /// Record a grant request or decision. `by` is the caller itself or `local:<uid>` of the
+    /// operator (whose events carry `carrier = "control"`).
+    pub fn grant(&self, event: GrantEvent, grant_id: i64, caller: &str, by: &str) {
+        tracing::info!(
+            target: "robota_mcpd::audit",
+            event = event.as_str(),
+            grant_id,
+            caller,
+            by,
+            "grant {}",
+            event.as_str().trim_start_matches("grant-")
+        );
+        let carrier = if by == caller { "session" } else { "control" };
+        let time = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.append(|seq| AuditRecord {
+            seq,
+            time,
+            carrier: carrier.to_owned(),
+            reason: event.as_str().to_owned(),
+            throttled: false,
+            address_class: AddressClass::Unknown.as_str().to_owned(),
+            grant: Some(robota_proto::GrantRef {
+                grant_id,
+                caller: caller.to_owned(),
+                by: by.to_owned(),
+            }),
+        });
+    }
+
+    fn append(&self, make: impl FnOnce(u64) -> AuditRecord) {
         let wire = {
             let mut ring = self.ring.lock();
-            let wire = record.wire(ring.next_seq);
+            let wire = make(ring.next_seq);
             ring.next_seq += 1;
             if ring.records.len() == KEEP {
                 ring.records.pop_front();
@@ -394,7 +457,13 @@ impl Audit {
             .map_or(0, |d| d.as_secs());
         let ring = self.ring.lock();
         let mut out = BTreeMap::new();
-        for r in ring.records.iter().rev().take_while(|r| r.time >= cutoff) {
+        for r in ring
+            .records
+            .iter()
+            .rev()
+            .take_while(|r| r.time >= cutoff)
+            .filter(|r| r.grant.is_none())
+        {
             *out.entry(r.reason.clone()).or_insert(0) += 1;
         }
         out

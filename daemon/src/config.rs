@@ -14,6 +14,12 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+mod tools;
+pub use tools::{
+    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
+    ToolsConfig, check_template_name,
+};
+
 /// The configuration used when neither `--config` nor the system file exists.
 pub const EMBEDDED_DEFAULT: &str = include_str!("default-config.toml");
 
@@ -103,6 +109,7 @@ pub struct Config {
     pub metrics: Option<SocketAddr>,
     pub limits: Limits,
     pub policy: Vec<PolicyRule>,
+    pub tools: ToolsConfig,
 }
 
 #[derive(Debug, Clone)]
@@ -391,6 +398,10 @@ struct RawConfig {
     limits: RawLimits,
     #[serde(default)]
     policy: Vec<RawPolicy>,
+    #[serde(default)]
+    tools: tools::RawTools,
+    #[serde(default)]
+    jobs: BTreeMap<String, tools::RawJob>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -777,6 +788,8 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         });
     }
 
+    let tools = tools::validate(raw.tools, raw.jobs, &mut issues);
+
     if !issues.0.is_empty() {
         return Err(issues.0);
     }
@@ -801,6 +814,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             tool_result,
         },
         policy,
+        tools,
     })
 }
 

@@ -25,6 +25,7 @@ use crate::carrier::loopback::LoopbackCarrier;
 use crate::carrier::remote::RemoteCarrier;
 use crate::config::Config;
 use crate::control::{self, ControlApi, Peer};
+use crate::host::Host;
 use crate::metrics::{self, Metrics};
 use crate::notify;
 use crate::session::catalog::CatalogError;
@@ -64,6 +65,8 @@ pub enum DaemonError {
     VerifierKeys(#[source] crate::oauth::jwt::LoadError),
     #[error("the audit store")]
     Audit(#[source] crate::audit::OpenError),
+    #[error("the job, grant and idempotency store")]
+    Store(#[source] crate::store::StoreError),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
 }
@@ -117,6 +120,7 @@ struct Core {
     config: Config,
     started: Instant,
     audit: Arc<Audit>,
+    host: Arc<Host>,
     metrics: Metrics,
     state: RwLock<State>,
     generation: AtomicU64,
@@ -205,6 +209,8 @@ impl Core {
                 |s| s.submission_tool().name.clone(),
             ),
             active_turn: session.as_ref().is_some_and(|s| s.turn_active()),
+            running_jobs: self.host.jobs.running_count(),
+            pending_grants: self.host.grants.pending_count().unwrap_or(0),
             bearer_count: self
                 .loopback
                 .as_ref()
@@ -229,6 +235,7 @@ impl Core {
             Session::new(
                 &self.config,
                 Arc::new(Board(Arc::downgrade(self))),
+                self.host.clone(),
                 self.metrics.clone(),
             )
             .map_err(DaemonError::Catalog)?,
@@ -300,6 +307,72 @@ impl Core {
         };
         let (records, last_seq) = self.audit.query(&query);
         Response::ok(Reply::Audit { records, last_seq })
+    }
+
+    /// Jobs and grants, as the operator (`local:<uid>` of the control peer).
+    fn host_reply(&self, command: Command, peer: Peer) -> Response {
+        const CEILING: u32 = 1000;
+        let operator = format!("local:{}", peer.uid);
+        let store_failed = |e: crate::store::StoreError| {
+            tracing::error!(error = %e, "store failure");
+            Response::error(
+                ErrorCode::Internal,
+                "the store failed; see the daemon's log",
+            )
+        };
+        let tool_failed = |e: crate::session::ToolError| {
+            let code = match e.code {
+                crate::session::ToolErrorCode::InvalidArguments => ErrorCode::NotFound,
+                crate::session::ToolErrorCode::Unavailable => ErrorCode::Unavailable,
+                _ => ErrorCode::Internal,
+            };
+            Response::error(code, e.message)
+        };
+        let decided = |r: Result<crate::grants::Grant, crate::grants::DecideError>| match r {
+            Ok(grant) => Response::ok(Reply::Grant { grant }),
+            Err(crate::grants::DecideError::NotFound(id)) => {
+                Response::error(ErrorCode::NotFound, format!("there is no grant {id}"))
+            }
+            Err(e @ crate::grants::DecideError::WrongState { .. }) => {
+                Response::error(ErrorCode::Conflict, e.to_string())
+            }
+            Err(e @ crate::grants::DecideError::BadDuration(_)) => {
+                Response::error(ErrorCode::BadRequest, e.to_string())
+            }
+            Err(crate::grants::DecideError::Store(e)) => store_failed(e),
+        };
+        let (jobs, grants) = (&self.host.jobs, &self.host.grants);
+        match command {
+            Command::JobsList { owner, limit } => {
+                let limit = limit.unwrap_or(CEILING).min(CEILING) as usize;
+                match jobs.list(owner.as_deref(), limit) {
+                    Ok(jobs) => Response::ok(Reply::Jobs { jobs }),
+                    Err(e) => store_failed(e),
+                }
+            }
+            Command::JobCancel { job_id } => match jobs.cancel(None, job_id) {
+                Ok(job) => {
+                    tracing::info!(job_id, by = %operator, "job cancel requested by the operator");
+                    Response::ok(Reply::Job { job })
+                }
+                Err(e) => tool_failed(e),
+            },
+            Command::GrantsList { all } => match grants.list(None, !all) {
+                Ok(grants) => Response::ok(Reply::Grants { grants }),
+                Err(e) => store_failed(e),
+            },
+            Command::GrantApprove {
+                grant_id,
+                duration_secs,
+            } => decided(grants.approve(
+                grant_id,
+                &operator,
+                duration_secs.map(std::time::Duration::from_secs),
+            )),
+            Command::GrantDeny { grant_id } => decided(grants.deny(grant_id, &operator)),
+            Command::GrantRevoke { grant_id } => decided(grants.revoke(grant_id, &operator)),
+            _ => Response::error(ErrorCode::Internal, "not a job or grant command"),
+        }
     }
 
     fn bearer_reply(&self, command: Command) -> Response {
@@ -374,11 +447,7 @@ impl Core {
                     expires_at: None,
                 })
             }
-            Command::Status
-            | Command::Stop
-            | Command::Restart
-            | Command::Audit { .. }
-            | Command::Mcp => Response::error(ErrorCode::Internal, "not a bearer command"),
+            _ => Response::error(ErrorCode::Internal, "not a bearer command"),
         }
     }
 }
@@ -422,6 +491,12 @@ impl ControlApi for Api {
                 after_seq,
                 limit,
             } => core.audit_reply(since, reason, after_seq, limit),
+            command @ (Command::JobsList { .. }
+            | Command::JobCancel { .. }
+            | Command::GrantsList { .. }
+            | Command::GrantApprove { .. }
+            | Command::GrantDeny { .. }
+            | Command::GrantRevoke { .. }) => core.host_reply(command, peer),
             other => core.bearer_reply(other),
         }
     }
@@ -527,6 +602,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
     notify::status("starting");
     let audit = Arc::new(Audit::open(&config.state_dir).map_err(DaemonError::Audit)?);
     let metrics = Metrics::new();
+    let host = Host::open(&config, audit.clone(), metrics.clone()).map_err(DaemonError::Store)?;
 
     let control_socket = control::bind(&config.control).map_err(DaemonError::Control)?;
     let metrics_listener = match config.metrics {
@@ -565,6 +641,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
         config,
         started: Instant::now(),
         audit: audit.clone(),
+        host,
         metrics: metrics.clone(),
         state: RwLock::new(State::Starting),
         generation: AtomicU64::new(0),
@@ -663,6 +740,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
     for task in tasks {
         let _ = task.await;
     }
+    core.host.jobs.shutdown().await;
     core.audit.close();
     tracing::info!("stopped");
     result

@@ -8,12 +8,16 @@ pub mod carrier;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod grants;
+pub mod host;
+pub mod jobs;
 pub mod logging;
 pub mod mcp;
 pub mod metrics;
 pub mod notify;
 pub mod oauth;
 pub mod session;
+pub mod store;
 pub mod tools;
 pub mod transport;
 

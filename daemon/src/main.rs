@@ -96,7 +96,8 @@ impl HostView for NoCarriers {
 /// Everything start-up would validate, without binding anything.
 fn check(config: &config::Config) -> Result<(), String> {
     use robota_mcpd::session::{RuntimeTools, TurnSubmission};
-    let session = Session::new(config, Arc::new(NoCarriers), metrics::Metrics::new())
+    let host = robota_mcpd::host::Host::detached(config).map_err(|e| e.to_string())?;
+    let session = Session::new(config, Arc::new(NoCarriers), host, metrics::Metrics::new())
         .map_err(|e| e.to_string())?;
     let build = |profile, aliases| {
         robota_mcpd::mcp::WireNames::build(
@@ -123,7 +124,22 @@ fn check(config: &config::Config) -> Result<(), String> {
 
 /// The stdio carrier alone: no control socket, no HTTP.
 async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
-    let session = Session::new(&config, Arc::new(NoCarriers), metrics::Metrics::new())
+    // The stdio process shares the store with a daemon on the same state directory (SQLite
+    // locking makes that safe); its refusals and grant events are logged, not persisted.
+    std::fs::create_dir_all(&config.state_dir).map_err(|e| {
+        (
+            exit::RUNTIME,
+            format!(
+                "cannot create the state directory {}: {e}",
+                config.state_dir.display()
+            ),
+        )
+    })?;
+    let audit = Arc::new(robota_mcpd::audit::Audit::new());
+    let metrics = metrics::Metrics::new();
+    let host = robota_mcpd::host::Host::open(&config, audit, metrics.clone())
+        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
+    let session = Session::new(&config, Arc::new(NoCarriers), host.clone(), metrics)
         .map_err(|e| (exit::CONFIG, error_chain(&e)))?;
     let transport = McpTransport::new(Arc::new(carrier::stdio::StdioCarrier {
         config: config.stdio.clone(),

@@ -14,9 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
-    Implementation, ListToolsResult, PaginatedRequestParams, ProtocolVersion, RequestId,
-    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
+    CreateTaskResult, ErrorData, GetTaskParams, GetTaskResult, Implementation, ListToolsResult,
+    PaginatedRequestParams, ProtocolVersion, RequestId, ServerCapabilities, ServerConfig, Tool,
+    ToolAnnotations,
 };
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler};
@@ -300,6 +301,9 @@ pub fn render(result: Result<ToolOutput, ToolError>) -> CallToolResult {
     match result {
         Ok(ToolOutput::Structured(value)) => CallToolResult::structured(value),
         Ok(ToolOutput::Text(text)) => CallToolResult::success(vec![ContentBlock::text(text)]),
+        Ok(ToolOutput::Job(job)) => {
+            CallToolResult::structured(serde_json::to_value(&job).unwrap_or_default())
+        }
         Err(err) => {
             let mut out = CallToolResult::structured_error(
                 json!({"code": err.code.as_str(), "message": err.message}),
@@ -316,9 +320,16 @@ pub fn render(result: Result<ToolOutput, ToolError>) -> CallToolResult {
 
 impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
-            Implementation::new("robota-mcpd", env!("CARGO_PKG_VERSION")),
+        ServerConfig::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_tasks()
+                .build(),
         )
+        .with_server_info(Implementation::new(
+            "robota-mcpd",
+            env!("CARGO_PKG_VERSION"),
+        ))
     }
 
     fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
@@ -355,7 +366,133 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
                 .inflight
                 .register(caller.clone(), context.id.clone(), cancel.clone());
         let result = self.dispatch(&caller, request, cancel).await;
+        if let Ok(ToolOutput::Job(job)) = &result
+            && context
+                .client_capabilities()
+                .is_some_and(|c| c.supports_tasks())
+        {
+            return Ok(CallToolResponse::Task(CreateTaskResult::new(tasks::task(
+                job,
+            ))));
+        }
         Ok(render(result).into())
+    }
+
+    /// `tasks/get`: the job behind the task, read through the canonical `job.status` tool
+    /// (same store, same owner check, same policy).
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, ErrorData> {
+        let job = self
+            .job_tool("job.status", &request.task_id, &context)
+            .await?;
+        Ok(GetTaskResult::new(tasks::detailed(&job)))
+    }
+
+    /// `tasks/cancel`: `job.cancel` on the task's job; the state change shows in the next
+    /// `tasks/get`.
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.job_tool("job.cancel", &request.task_id, &context)
+            .await
+            .map(drop)
+    }
+}
+
+impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
+    /// Run a job tool for the task `task_id` as the request's caller.
+    async fn job_tool(
+        &self,
+        tool: &str,
+        task_id: &str,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<crate::jobs::JobRecord, ErrorData> {
+        let Some(caller) = self.caller(context) else {
+            tracing::error!("a tasks request reached the handler without an admitted caller");
+            return Err(ErrorData::internal_error("no admitted caller", None));
+        };
+        let unknown = || ErrorData::invalid_params(format!("no task {task_id:?} of yours"), None);
+        let job_id: i64 = task_id.parse().map_err(|_| unknown())?;
+        let mut args = crate::session::Args::new();
+        args.insert("job_id".into(), job_id.into());
+        let result = self
+            .shared
+            .session
+            .invoke_runtime_tool(&caller, tool, args, context.ct.clone())
+            .await;
+        match result {
+            Ok(ToolOutput::Structured(value)) => serde_json::from_value(value)
+                .map_err(|_| ErrorData::internal_error("the job record could not be read", None)),
+            Ok(_) => Err(ErrorData::internal_error(
+                "unexpected job tool result",
+                None,
+            )),
+            Err(e) if e.code == ToolErrorCode::InvalidArguments => Err(unknown()),
+            Err(e) => Err(ErrorData::invalid_request(
+                format!("{}: {}", e.code.as_str(), e.message),
+                None,
+            )),
+        }
+    }
+}
+
+/// Jobs seen as MCP Tasks (extension `io.modelcontextprotocol/tasks`): the task id is the
+/// job id; the job's state decides the task's status.
+mod tasks {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use rmcp::model::{CallToolResult, DetailedTask, Task, TaskPayload};
+
+    use crate::jobs::{JobRecord, JobState};
+
+    /// How often clients should poll `tasks/get`.
+    const POLL_INTERVAL_MS: u64 = 1000;
+
+    fn rfc3339(unix_secs: i64) -> String {
+        let t = UNIX_EPOCH + Duration::from_secs(u64::try_from(unix_secs).unwrap_or(0));
+        humantime::format_rfc3339_seconds(t).to_string()
+    }
+
+    pub fn task(job: &JobRecord) -> Task {
+        let mut task = Task::new(
+            job.job_id.to_string(),
+            rmcp::model::TaskStatus::Working,
+            rfc3339(job.created_at),
+            rfc3339(job.finished_at.unwrap_or(job.created_at)),
+        )
+        .with_poll_interval_ms(POLL_INTERVAL_MS);
+        if let Some(detail) = &job.detail {
+            task = task.with_status_message(detail.clone());
+        }
+        task
+    }
+
+    /// A finished job is a completed task whose result is the job record — an error
+    /// result unless it succeeded; a cancelled job is a cancelled task.
+    pub fn detailed(job: &JobRecord) -> DetailedTask {
+        let payload = match job.state {
+            JobState::Running => TaskPayload::Working,
+            JobState::Cancelled => TaskPayload::Cancelled,
+            _ => {
+                let value = serde_json::to_value(job).unwrap_or_default();
+                let result = if job.state == JobState::Succeeded {
+                    CallToolResult::structured(value)
+                } else {
+                    CallToolResult::structured_error(value)
+                };
+                let result = match serde_json::to_value(result) {
+                    Ok(serde_json::Value::Object(map)) => map,
+                    _ => Default::default(),
+                };
+                TaskPayload::Completed { result }
+            }
+        };
+        DetailedTask::new(task(job), payload)
     }
 }
 
@@ -387,14 +524,27 @@ mod tests {
     #[test]
     fn canonical_and_compat_profiles() {
         let canonical = names(WireNameProfile::Canonical, &[], "agent_submit").unwrap();
-        assert_eq!(
-            wire_list(&canonical),
-            ["agent_submit", "system.health", "system.info"]
+        let listed = wire_list(&canonical);
+        assert_eq!(listed[0], "agent_submit");
+        assert!(listed.iter().any(|n| n == "system.info"), "{listed:?}");
+        assert!(
+            listed
+                .iter()
+                .any(|n| n == "permissions.request_root_access"),
+            "{listed:?}"
         );
         let compat = names(WireNameProfile::Compat, &[], "agent_submit").unwrap();
-        assert_eq!(
-            wire_list(&compat),
-            ["agent_submit", "system_health", "system_info"]
+        let compat_listed = wire_list(&compat);
+        assert_eq!(compat_listed.len(), listed.len());
+        assert!(
+            compat_listed.iter().any(|n| n == "system_info"),
+            "{compat_listed:?}"
+        );
+        assert!(
+            compat_listed
+                .iter()
+                .all(|n| !n.contains('.') && n.len() <= 64),
+            "{compat_listed:?}"
         );
         assert_eq!(
             compat.resolve("system_info"),

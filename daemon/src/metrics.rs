@@ -8,7 +8,8 @@ use prometheus::{
     TextEncoder,
 };
 
-use crate::audit::{Carrier, Reason};
+use crate::audit::{Carrier, GrantEvent, Reason};
+use crate::jobs::{JobKind, JobState};
 use crate::session::ToolErrorCode;
 
 /// Outcome of one JWKS (or discovery) fetch.
@@ -52,6 +53,10 @@ struct Inner {
     active_turns: IntGauge,
     throttled: IntCounterVec,
     jwks_fetches: IntCounterVec,
+    jobs_started: IntCounterVec,
+    jobs_finished: IntCounterVec,
+    jobs_running: IntGauge,
+    grant_events: IntCounterVec,
 }
 
 /// Decrements the active-turns gauge when dropped.
@@ -110,6 +115,21 @@ impl Metrics {
             "Key-set and discovery fetches by outcome (ok, error, rejected).",
             &["outcome"],
         );
+        let jobs_started = counter(
+            "jobs_started_total",
+            "Jobs started, by kind (template, service, docker).",
+            &["kind"],
+        );
+        let jobs_finished = counter(
+            "jobs_finished_total",
+            "Jobs that ended, by kind and final state.",
+            &["kind", "state"],
+        );
+        let grant_events = counter(
+            "grant_events_total",
+            "Grant requests and decisions, by event.",
+            &["event"],
+        );
         let tool_duration = HistogramVec::new(
             HistogramOpts::new(
                 "tool_call_duration_seconds",
@@ -126,6 +146,11 @@ impl Metrics {
             IntGauge::new("active_turns", "Turns running now (0 or 1).").expect("valid gauge");
         registry
             .register(Box::new(active_turns.clone()))
+            .expect("unique gauge");
+        let jobs_running = IntGauge::new("jobs_running", "Jobs running in this process now.")
+            .expect("valid gauge");
+        registry
+            .register(Box::new(jobs_running.clone()))
             .expect("unique gauge");
         let build = IntCounterVec::new(
             Opts::new("build_info", "Build information; always 1."),
@@ -152,7 +177,34 @@ impl Metrics {
             active_turns,
             throttled,
             jwks_fetches,
+            jobs_started,
+            jobs_finished,
+            jobs_running,
+            grant_events,
         }))
+    }
+
+    pub fn job_started(&self, kind: JobKind) {
+        self.0
+            .jobs_started
+            .with_label_values(&[kind.as_str()])
+            .inc();
+        self.0.jobs_running.inc();
+    }
+
+    pub fn job_finished(&self, kind: JobKind, state: JobState) {
+        self.0
+            .jobs_finished
+            .with_label_values(&[kind.as_str(), state.as_str()])
+            .inc();
+        self.0.jobs_running.dec();
+    }
+
+    pub fn grant_event(&self, event: GrantEvent) {
+        self.0
+            .grant_events
+            .with_label_values(&[event.as_str()])
+            .inc();
     }
 
     pub fn refused(&self, carrier: Carrier, reason: Reason) {
@@ -305,6 +357,9 @@ mod tests {
         m.tool_call("system.info", None, Duration::from_millis(1));
         m.policy_denial("system.info", ToolErrorCode::PermissionDenied);
         m.jwks_fetch(FetchOutcome::Ok);
+        m.job_started(JobKind::Template);
+        m.job_finished(JobKind::Template, JobState::Succeeded);
+        m.grant_event(GrantEvent::Approved);
         let families = m.0.registry.gather();
         assert!(families.len() >= 9);
         for family in &families {
@@ -346,6 +401,27 @@ mod tests {
                 doc.contains(&format!("`{}`", code.as_str())),
                 "tool error {}",
                 code.as_str()
+            );
+        }
+        for kind in JobKind::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", kind.as_str())),
+                "job kind {}",
+                kind.as_str()
+            );
+        }
+        for state in JobState::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", state.as_str())),
+                "job state {}",
+                state.as_str()
+            );
+        }
+        for event in GrantEvent::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", event.as_str())),
+                "grant event {}",
+                event.as_str()
             );
         }
         for outcome in FetchOutcome::ALL {

@@ -111,6 +111,37 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         limit: Option<u32>,
     },
+    /// Jobs, newest first.
+    JobsList {
+        /// Only this caller's jobs (`bearer:ci`, `local:1000`, …).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
+        /// At most this many; default and ceiling 1000.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<u32>,
+    },
+    /// Cancel a running job as the operator (its process group is killed).
+    JobCancel {
+        job_id: i64,
+    },
+    /// Grants, newest first: pending and active ones, or every one with `all`.
+    GrantsList {
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        all: bool,
+    },
+    /// Approve a pending grant; `duration_secs` overrides the requested duration.
+    GrantApprove {
+        grant_id: i64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        duration_secs: Option<u64>,
+    },
+    GrantDeny {
+        grant_id: i64,
+    },
+    /// End a pending or approved grant now.
+    GrantRevoke {
+        grant_id: i64,
+    },
     /// Switch this connection to MCP: after the `mcp` reply, both directions carry
     /// newline-delimited JSON-RPC for the daemon's session, as caller `local:<peer uid>`.
     Mcp,
@@ -127,6 +158,11 @@ impl Command {
             Command::BearerIssue { .. } => &["label", "ttl_secs"],
             Command::BearerRevoke { .. } => &["label"],
             Command::Audit { .. } => &["since", "reason", "after_seq", "limit"],
+            Command::JobsList { .. } => &["owner", "limit"],
+            Command::JobCancel { .. } => &["job_id"],
+            Command::GrantsList { .. } => &["all"],
+            Command::GrantApprove { .. } => &["grant_id", "duration_secs"],
+            Command::GrantDeny { .. } | Command::GrantRevoke { .. } => &["grant_id"],
             Command::Status
             | Command::BearerList
             | Command::BearerRotate
@@ -194,6 +230,20 @@ pub enum Reply {
         /// The highest `seq` the daemon has assigned (pass it as `after_seq` to follow).
         last_seq: u64,
     },
+    Jobs {
+        jobs: Vec<JobRecord>,
+    },
+    /// The job as it is after the command (a cancel takes effect shortly after).
+    Job {
+        job: JobRecord,
+    },
+    Grants {
+        grants: Vec<GrantRecord>,
+    },
+    /// The grant as it is after the decision.
+    Grant {
+        grant: GrantRecord,
+    },
     /// The connection now carries MCP (see [`Command::Mcp`]).
     Mcp,
     Stopping,
@@ -202,21 +252,191 @@ pub enum Reply {
     },
 }
 
-/// One refusal: never token text, never the client address.
+impl Reply {
+    /// The `kind` tag this reply carries on the wire.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Reply::Status(_) => "status",
+            Reply::Bearer { .. } => "bearer",
+            Reply::Bearers { .. } => "bearers",
+            Reply::Revoked { .. } => "revoked",
+            Reply::Audit { .. } => "audit",
+            Reply::Jobs { .. } => "jobs",
+            Reply::Job { .. } => "job",
+            Reply::Grants { .. } => "grants",
+            Reply::Grant { .. } => "grant",
+            Reply::Mcp => "mcp",
+            Reply::Stopping => "stopping",
+            Reply::Restarted { .. } => "restarted",
+        }
+    }
+}
+
+/// The canonical job states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobState {
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+    TimedOut,
+    /// The process that ran the job died before recording its end; it was not re-run.
+    OutcomeUnknown,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+        JobState::TimedOut,
+        JobState::OutcomeUnknown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::TimedOut => "timed-out",
+            JobState::OutcomeUnknown => "outcome-unknown",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+
+    pub fn finished(self) -> bool {
+        self != JobState::Running
+    }
+}
+
+/// A durable job (SPEC §10), as `job.status`, `jobs list` and MCP Tasks show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub job_id: i64,
+    /// The caller that started it.
+    pub owner: String,
+    /// `template`, `service` or `docker`.
+    pub kind: String,
+    /// The template name, unit or container.
+    pub target: String,
+    /// `start`, `stop`, … for service and container actions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+    pub state: JobState,
+    /// Unix seconds.
+    pub created_at: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// How it ended, in a sentence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Output bytes kept (the `job.tail` cursor range) and bytes over the cap, dropped.
+    pub output_bytes: u64,
+    pub output_dropped: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GrantKind {
+    RootAccess,
+    Elevation,
+}
+
+impl GrantKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrantKind::RootAccess => "root-access",
+            GrantKind::Elevation => "elevation",
+        }
+    }
+}
+
+/// A grant's state as shown: `expired` is an approved grant past its expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GrantState {
+    Pending,
+    Approved,
+    Denied,
+    Revoked,
+    Expired,
+}
+
+impl GrantState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrantState::Pending => "pending",
+            GrantState::Approved => "approved",
+            GrantState::Denied => "denied",
+            GrantState::Revoked => "revoked",
+            GrantState::Expired => "expired",
+        }
+    }
+}
+
+/// A grant (SPEC §10): bound to one caller, time limited, revocable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantRecord {
+    pub grant_id: i64,
+    /// The caller it belongs to.
+    pub caller: String,
+    pub kind: GrantKind,
+    /// The caller's reason, as given.
+    pub reason: String,
+    /// Canonical tool-name patterns it covers.
+    pub scope: Vec<String>,
+    pub duration_secs: u64,
+    pub state: GrantState,
+    pub requested_at: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decided_at: Option<i64>,
+    /// `local:<uid>` of the operator, or the caller itself for its own revoke.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decided_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<i64>,
+}
+
+/// One audit record: a refusal, or a grant request or decision. Never token text, never
+/// the client address.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AuditRecord {
     /// Increasing across restarts of the daemon with the same state directory.
     pub seq: u64,
     /// Unix seconds.
     pub time: u64,
-    /// `loopback`, `remote`, `control` or `stdio`.
+    /// `loopback`, `remote`, `control` or `stdio`; `session` for a grant event raised by a
+    /// tool call.
     pub carrier: String,
-    /// The closed-set refusal reason (`wrong-host`, `bad-bearer`, `expired`, …).
+    /// The closed-set refusal reason (`wrong-host`, `bad-bearer`, `expired`, …), or the
+    /// grant event (`grant-requested`, `grant-approved`, `grant-denied`, `grant-revoked`).
     pub reason: String,
     /// Answered 429 because the client address failed too often.
     pub throttled: bool,
     /// `loopback`, `private`, `public` or `unknown`.
     pub address_class: String,
+    /// Grant events only: which grant, whose, and who acted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<GrantRef>,
+}
+
+/// The grant an audit record is about.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrantRef {
+    pub grant_id: i64,
+    /// The caller the grant belongs to (`bearer:ci`, `oauth:client/sub`, `local:1000`).
+    pub caller: String,
+    /// Who acted: the caller itself, or the operator as `local:<uid>`.
+    pub by: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -319,6 +539,12 @@ pub struct Status {
     pub catalog_size: usize,
     pub submission_tool: String,
     pub active_turn: bool,
+    /// Jobs running in the daemon process.
+    #[serde(default)]
+    pub running_jobs: usize,
+    /// Grant requests waiting for an operator.
+    #[serde(default)]
+    pub pending_grants: usize,
     pub bearer_count: usize,
     /// Refusals in the last hour, by audit reason.
     pub refusals_last_hour: BTreeMap<String, u64>,

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use robota_proto::{
-    BearerInfo, Command, ErrorCode, PROTOCOL_VERSION, Reply, Request, Response, Secret, Status,
-    exit,
+    BearerInfo, Command, ErrorCode, GrantKind, GrantRecord, GrantState, JobRecord, JobState,
+    PROTOCOL_VERSION, Reply, Request, Response, Secret, Status, exit,
 };
 use serde_json::Value;
 
@@ -33,7 +33,19 @@ fn all_commands() -> Vec<Command> {
                 after_seq: Some(3),
                 limit: Some(10),
             }),
-            Command::Audit { .. } => Some(Command::Mcp),
+            Command::Audit { .. } => Some(Command::JobsList {
+                owner: Some("bearer:ci".into()),
+                limit: Some(20),
+            }),
+            Command::JobsList { .. } => Some(Command::JobCancel { job_id: 42 }),
+            Command::JobCancel { .. } => Some(Command::GrantsList { all: true }),
+            Command::GrantsList { .. } => Some(Command::GrantApprove {
+                grant_id: 7,
+                duration_secs: Some(900),
+            }),
+            Command::GrantApprove { .. } => Some(Command::GrantDeny { grant_id: 7 }),
+            Command::GrantDeny { .. } => Some(Command::GrantRevoke { grant_id: 7 }),
+            Command::GrantRevoke { .. } => Some(Command::Mcp),
             Command::Mcp => Some(Command::Stop),
             Command::Stop => Some(Command::Restart),
             Command::Restart => None,
@@ -64,7 +76,13 @@ fn all_replies() -> Vec<Reply> {
                 records: Vec::new(),
                 last_seq: 0,
             }),
-            Reply::Audit { .. } => Some(Reply::Mcp),
+            Reply::Audit { .. } => Some(Reply::Jobs { jobs: vec![job()] }),
+            Reply::Jobs { .. } => Some(Reply::Job { job: job() }),
+            Reply::Job { .. } => Some(Reply::Grants {
+                grants: vec![grant()],
+            }),
+            Reply::Grants { .. } => Some(Reply::Grant { grant: grant() }),
+            Reply::Grant { .. } => Some(Reply::Mcp),
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
             Reply::Restarted { .. } => None,
@@ -82,6 +100,39 @@ fn chain<T>(first: T, next: fn(&T) -> Option<T>) -> Vec<T> {
     all
 }
 
+fn job() -> JobRecord {
+    JobRecord {
+        job_id: 42,
+        owner: "bearer:ci".into(),
+        kind: "template".into(),
+        target: "backup".into(),
+        action: None,
+        state: JobState::Running,
+        created_at: 0,
+        finished_at: None,
+        exit_code: None,
+        detail: None,
+        output_bytes: 0,
+        output_dropped: 0,
+    }
+}
+
+fn grant() -> GrantRecord {
+    GrantRecord {
+        grant_id: 7,
+        caller: "bearer:ci".into(),
+        kind: GrantKind::Elevation,
+        reason: "deploy".into(),
+        scope: vec!["file.write".into()],
+        duration_secs: 3600,
+        state: GrantState::Pending,
+        requested_at: 0,
+        decided_at: None,
+        decided_by: None,
+        expires_at: None,
+    }
+}
+
 fn status() -> Status {
     Status {
         version: "0.1.0".into(),
@@ -93,6 +144,8 @@ fn status() -> Status {
         catalog_size: 0,
         submission_tool: "agent_submit".into(),
         active_turn: false,
+        running_jobs: 0,
+        pending_grants: 0,
         bearer_count: 1,
         refusals_last_hour: Default::default(),
         key_set: None,
@@ -207,7 +260,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 9, "the command chain lost a link");
+    assert_eq!(commands.len(), 15, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -221,7 +274,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 8, "the reply chain lost a link");
+    assert_eq!(replies.len(), 12, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

@@ -8,12 +8,15 @@
 
 pub mod authz;
 pub mod daemon;
+pub mod docker;
 pub mod docs;
 pub mod http;
+pub mod mcp;
 pub mod notify;
 pub mod procs;
 pub mod remote;
 pub mod secrets;
+pub mod systemd;
 
 use std::future::Future;
 use std::path::PathBuf;

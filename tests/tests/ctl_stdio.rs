@@ -67,7 +67,29 @@ async fn lists_and_calls(discover: bool) {
         .expect("tools/list");
     let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
     names.sort_unstable();
-    assert_eq!(names, ["agent_submit", "system.health", "system.info"]);
+    // The whole canonical catalog of SPEC §10, plus the submission tool.
+    assert_eq!(
+        names,
+        [
+            "agent_submit",
+            "docker.action",
+            "docker.logs",
+            "file.read",
+            "file.write",
+            "job.cancel",
+            "job.start",
+            "job.status",
+            "job.tail",
+            "permissions.list_root_access",
+            "permissions.request_elevation",
+            "permissions.request_root_access",
+            "permissions.revoke_root_access",
+            "service.action",
+            "service.status",
+            "system.health",
+            "system.info",
+        ]
+    );
     let result = within(
         LIMIT,
         "system.info",

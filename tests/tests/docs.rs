@@ -151,6 +151,14 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "changes accounts on the build machine; needs the robota-mcpd group",
     ),
     (
+        "rm -f /var/lib/robota-mcpd/robota.db-wal /var/lib/robota-mcpd/robota.db-shm",
+        "restores into a stopped daemon's state directory; the harness daemon is running",
+    ),
+    (
+        "install -m 0600 ./robota-db.backup /var/lib/robota-mcpd/robota.db",
+        "restores into a stopped daemon's state directory; the harness daemon is running",
+    ),
+    (
         "chown -R robota-mcpd:robota-mcpd /var/lib/robota-mcpd",
         "needs the robota-mcpd user, which only the package creates",
     ),

@@ -11,12 +11,48 @@ use super::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
 /// Longest tool name (SPEC §2 grammar `[A-Za-z0-9_.-]{1,64}`).
 pub const MAX_NAME_LEN: usize = 64;
 
-/// MCP annotations of a tool (hints to clients; `read_only` also drives default policy).
+/// MCP annotations of a tool (hints to clients; `read_only` also drives default policy),
+/// and two properties only the daemon reads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Annotations {
     pub read_only: bool,
     pub destructive: bool,
     pub idempotent: bool,
+    /// Acts only on the caller's own records (its jobs, its grants): allowed by default
+    /// like a read-only tool.
+    pub self_service: bool,
+    /// Takes an optional `idempotency_key` argument: the same key from the same caller
+    /// returns the first result without a second effect (SPEC §10).
+    pub replay_safe: bool,
+}
+
+impl Annotations {
+    pub const READ_ONLY: Annotations = Annotations {
+        read_only: true,
+        destructive: false,
+        idempotent: true,
+        self_service: false,
+        replay_safe: false,
+    };
+
+    /// Allowed when no policy rule matches.
+    pub fn allowed_by_default(&self) -> bool {
+        self.read_only || self.self_service
+    }
+}
+
+/// The argument every replay-safe tool accepts.
+pub const IDEMPOTENCY_KEY: &str = "idempotency_key";
+
+/// Its schema: printable ASCII, 1 to 128 characters.
+pub fn idempotency_key_schema() -> Value {
+    json!({
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 128,
+        "pattern": "^[\\x21-\\x7e]+$",
+        "description": "Optional. Retrying with the same key returns the first result without a second effect; the same key with different arguments is an error."
+    })
 }
 
 /// What a catalog entry declares.

@@ -16,7 +16,9 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::host::Host;
 use crate::metrics::Metrics;
+use crate::store::IdemRecord;
 pub use catalog::{Annotations, Catalog, CatalogError, ToolSpec};
 pub use policy::Policy;
 pub use turn::TurnBackend;
@@ -117,6 +119,9 @@ impl fmt::Display for ToolError {
 pub enum ToolOutput {
     Structured(Value),
     Text(String),
+    /// Long work started: a durable job handle. Structured data for every client; an MCP
+    /// Task for 2026-07-28 clients that declared the Tasks extension.
+    Job(crate::jobs::JobRecord),
 }
 
 /// Runtime tools role: the catalog and invocation.
@@ -164,7 +169,8 @@ pub struct Session {
     submission: ToolSpec,
     policy: Policy,
     turns: TurnBackend,
-    host: Arc<dyn HostView>,
+    view: Arc<dyn HostView>,
+    host: Arc<Host>,
     metrics: Metrics,
     result_limit: u64,
 }
@@ -174,10 +180,11 @@ impl Session {
     /// name that collides with a runtime tool.
     pub fn new(
         config: &Config,
-        host: Arc<dyn HostView>,
+        view: Arc<dyn HostView>,
+        host: Arc<Host>,
         metrics: Metrics,
     ) -> Result<Self, CatalogError> {
-        let catalog = Catalog::new(crate::tools::first_party())?;
+        let catalog = Catalog::new(crate::tools::first_party(config, &host))?;
         let submission = catalog::submission_spec(&config.session.submission_tool);
         catalog.check_submission(&submission)?;
         Ok(Self {
@@ -185,6 +192,7 @@ impl Session {
             submission,
             policy: Policy::new(config.policy.clone()),
             turns: TurnBackend::new(config.session.turn.clone(), config.limits.tool_result),
+            view,
             host,
             metrics,
             result_limit: config.limits.tool_result,
@@ -201,6 +209,7 @@ impl Session {
                 serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX)
             }
             ToolOutput::Text(t) => t.len(),
+            ToolOutput::Job(_) => 0,
         };
         if size as u64 > self.result_limit {
             return Err(ToolError::new(
@@ -215,9 +224,30 @@ impl Session {
     }
 
     fn permit(&self, caller: &Caller, spec: &ToolSpec) -> Result<(), ToolError> {
-        let verdict = self
-            .policy
-            .decide(caller, &spec.name, spec.annotations.read_only);
+        let verdict = match self.policy.decide(
+            caller,
+            &spec.name,
+            spec.annotations.allowed_by_default(),
+        ) {
+            // Policy wants a grant: an approved, unexpired one of this very caller will do.
+            Err(e) if e.code == ToolErrorCode::InteractivePermissionRequired => {
+                match self.host.grants.covering(caller, &spec.name) {
+                    Ok(Some(grant)) => {
+                        tracing::debug!(grant_id = grant.grant_id, %caller, tool = %spec.name, "allowed by grant");
+                        Ok(())
+                    }
+                    Ok(None) => Err(e),
+                    Err(store) => {
+                        tracing::error!(error = %store, "cannot read grants");
+                        Err(ToolError::new(
+                            ToolErrorCode::Internal,
+                            "the grant store failed",
+                        ))
+                    }
+                }
+            }
+            other => other,
+        };
         if let Err(err) = &verdict {
             self.metrics.policy_denial(&spec.name, err.code);
         }
@@ -266,16 +296,148 @@ impl RuntimeTools for Session {
             let ctx = ToolContext {
                 caller,
                 cancel: cancel.clone(),
-                host: self.host.as_ref(),
+                host: self.view.as_ref(),
             };
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
-                result = entry.call(&ctx, args.clone()) => result,
+            let call = |args: Args| async {
+                tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
+                    result = entry.call(&ctx, args) => result,
+                }
+            };
+            if spec.annotations.replay_safe {
+                self.replay_safe(caller, &spec.name, args, call).await
+            } else {
+                call(args).await
             }
         }
         .await;
         self.finish(&spec.name, started, result)
+    }
+}
+
+/// Error codes that guarantee a call had no effect: its idempotency key is released, so a
+/// retry with the same key runs again. Every other outcome is kept as the key's result.
+const NO_EFFECT: [ToolErrorCode; 5] = [
+    ToolErrorCode::InvalidArguments,
+    ToolErrorCode::PermissionDenied,
+    ToolErrorCode::InteractivePermissionRequired,
+    ToolErrorCode::Busy,
+    ToolErrorCode::Unavailable,
+];
+
+fn encode_outcome(result: &Result<ToolOutput, ToolError>) -> String {
+    let value = match result {
+        Ok(ToolOutput::Structured(v)) => serde_json::json!({"structured": v}),
+        Ok(ToolOutput::Text(t)) => serde_json::json!({"text": t}),
+        Ok(ToolOutput::Job(job)) => serde_json::json!({"job": job}),
+        Err(e) => serde_json::json!({"error": {"code": e.code.as_str(), "message": e.message}}),
+    };
+    value.to_string()
+}
+
+fn decode_outcome(text: &str) -> Result<ToolOutput, ToolError> {
+    let corrupt = || ToolError::new(ToolErrorCode::Internal, "a stored result could not be read");
+    let value: Value = serde_json::from_str(text).map_err(|_| corrupt())?;
+    if let Some(v) = value.get("structured") {
+        return Ok(ToolOutput::Structured(v.clone()));
+    }
+    if let Some(t) = value.get("text").and_then(Value::as_str) {
+        return Ok(ToolOutput::Text(t.to_owned()));
+    }
+    if let Some(job) = value.get("job") {
+        return serde_json::from_value(job.clone())
+            .map(ToolOutput::Job)
+            .map_err(|_| corrupt());
+    }
+    let code = value["error"]["code"].as_str().unwrap_or_default();
+    let code = ToolErrorCode::ALL
+        .into_iter()
+        .find(|c| c.as_str() == code)
+        .ok_or_else(corrupt)?;
+    Err(ToolError::new(
+        code,
+        value["error"]["message"].as_str().unwrap_or_default(),
+    ))
+}
+
+/// SHA-256 of the arguments without the key (serde_json maps are sorted, so the text is
+/// canonical for equal arguments).
+fn args_digest(args: &Args) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(
+        Value::Object(args.clone()).to_string(),
+    ))
+}
+
+impl Session {
+    /// Run a replay-safe tool under its idempotency key, if the caller gave one.
+    async fn replay_safe<F, Fut>(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        mut args: Args,
+        call: F,
+    ) -> Result<ToolOutput, ToolError>
+    where
+        F: FnOnce(Args) -> Fut,
+        Fut: Future<Output = Result<ToolOutput, ToolError>>,
+    {
+        let Some(key) = args.remove(catalog::IDEMPOTENCY_KEY) else {
+            return call(args).await;
+        };
+        let key = key.as_str().unwrap_or_default().to_owned();
+        let digest = args_digest(&args);
+        let caller_text = caller.to_string();
+        let store = &self.host.store;
+        let internal = |e: crate::store::StoreError| {
+            tracing::error!(error = %e, "idempotency store failure");
+            ToolError::new(ToolErrorCode::Internal, "the idempotency store failed")
+        };
+        let mismatch = || {
+            ToolError::new(
+                ToolErrorCode::InvalidArguments,
+                "this idempotency key was first used with different arguments; use a new key for a different call",
+            )
+        };
+        match store
+            .idem_reserve(&caller_text, tool, &key, &digest)
+            .map_err(internal)?
+        {
+            IdemRecord::Reserved => {}
+            IdemRecord::Done { args_sha256, .. }
+            | IdemRecord::InProgress { args_sha256 }
+            | IdemRecord::Unknown { args_sha256 }
+                if args_sha256 != digest =>
+            {
+                return Err(mismatch());
+            }
+            IdemRecord::Done { result, .. } => {
+                tracing::debug!(%caller, tool, "replayed a result by idempotency key");
+                return decode_outcome(&result);
+            }
+            IdemRecord::InProgress { .. } => {
+                return Err(ToolError::new(
+                    ToolErrorCode::Busy,
+                    "a call with this idempotency key is still running; retry later for its result",
+                ));
+            }
+            IdemRecord::Unknown { .. } => {
+                return Err(ToolError::new(
+                    ToolErrorCode::Internal,
+                    "outcome unknown: the first call with this idempotency key was cut off by a daemon restart; check the target and retry with a new key",
+                ));
+            }
+        }
+        let result = call(args).await;
+        let kept = match &result {
+            Err(e) if NO_EFFECT.contains(&e.code) => store.idem_release(&caller_text, tool, &key),
+            outcome => store.idem_finish(&caller_text, tool, &key, &encode_outcome(outcome)),
+        };
+        if let Err(e) = kept {
+            tracing::error!(error = %e, "cannot record an idempotent call's outcome");
+        }
+        result
     }
 }
 
@@ -321,7 +483,8 @@ pub(crate) mod tests {
             ..Environment::default()
         };
         let config = parse(extra_config, &env).expect("test config");
-        Session::new(&config, Arc::new(NoCarriers), Metrics::new()).expect("session")
+        let host = Host::detached(&config).expect("host");
+        Session::new(&config, Arc::new(NoCarriers), host, Metrics::new()).expect("session")
     }
 
     fn args(v: Value) -> Args {

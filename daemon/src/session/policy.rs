@@ -49,8 +49,14 @@ impl Policy {
         Self { rules }
     }
 
-    /// Decide whether `caller` may call the tool with canonical name `tool`.
-    pub fn decide(&self, caller: &Caller, tool: &str, read_only: bool) -> Result<(), ToolError> {
+    /// Decide whether `caller` may call the tool with canonical name `tool`; with no
+    /// matching rule, `default_allowed` (read-only and self-service tools) decides.
+    pub fn decide(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        default_allowed: bool,
+    ) -> Result<(), ToolError> {
         let caller_text = caller.to_string();
         let decision = self
             .rules
@@ -62,7 +68,7 @@ impl Policy {
                     && rule.tools.iter().any(|p| glob_match::glob_match(p, tool))
             })
             .map(|rule| rule.decision)
-            .unwrap_or(if read_only {
+            .unwrap_or(if default_allowed {
                 Decision::Allow
             } else {
                 Decision::Deny
@@ -75,7 +81,11 @@ impl Policy {
             )),
             Decision::Grant => Err(ToolError::new(
                 ToolErrorCode::InteractivePermissionRequired,
-                format!("{tool} needs an operator-approved grant for {caller_text}"),
+                format!(
+                    "{tool} needs an operator-approved grant for {caller_text}: ask with \
+                     permissions.request_elevation (scope [\"{tool}\"]) or \
+                     permissions.request_root_access, then wait for an operator to approve it"
+                ),
             )),
         }
     }

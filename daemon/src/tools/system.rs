@@ -3,8 +3,9 @@
 use serde_json::{Value, json};
 use std::collections::HashSet;
 
+use super::internal;
 use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
-use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::session::{Args, ToolContext, ToolError, ToolOutput};
 
 /// Filesystems `system.health` reports on (deduplicated by device).
 const HEALTH_PATHS: [&str; 3] = ["/", "/var", "/tmp"];
@@ -21,17 +22,8 @@ fn read_only_spec(name: &str, description: &str) -> ToolSpec {
             .as_object()
             .cloned()
             .unwrap_or_default(),
-        annotations: Annotations {
-            read_only: true,
-            destructive: false,
-            idempotent: true,
-        },
+        annotations: Annotations::READ_ONLY,
     }
-}
-
-fn internal(what: &str, e: impl std::fmt::Display) -> ToolError {
-    tracing::warn!(error = %e, "{what} failed");
-    ToolError::new(ToolErrorCode::Internal, format!("{what} failed"))
 }
 
 pub struct Info;

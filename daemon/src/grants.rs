@@ -1,0 +1,475 @@
+//! Grants: operator-approved, time-limited permission for one caller to use tools that
+//! policy marks `decision = "grant"`.
+//!
+//! A caller asks with `permissions.request_root_access` (scope defaults to every
+//! grant-gated tool) or `permissions.request_elevation` (scope names tool patterns); an
+//! operator decides with `robota-mcpctl grants approve|deny|revoke`. A grant is bound to
+//! the caller identity that asked, lives in the store (it survives restarts), expires, and
+//! is checked on every call it covers. Every request and decision is an audit record.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rusqlite::{OptionalExtension, Row, params};
+
+use crate::audit::{Audit, GrantEvent};
+use crate::config::PermissionsTool;
+use crate::metrics::Metrics;
+use crate::session::{Caller, ToolError, ToolErrorCode};
+use crate::store::{Store, StoreError, now};
+
+/// Longest reason a caller may give.
+pub const MAX_REASON: usize = 500;
+/// Most tool patterns in one grant's scope.
+pub const MAX_SCOPE: usize = 32;
+
+pub use robota_proto::{GrantKind, GrantRecord as Grant, GrantState};
+
+fn parse_kind(text: &str) -> GrantKind {
+    if text == GrantKind::RootAccess.as_str() {
+        GrantKind::RootAccess
+    } else {
+        GrantKind::Elevation
+    }
+}
+
+/// Whether an approved grant covers a canonical tool name.
+fn covers(grant: &Grant, tool: &str) -> bool {
+    grant.state == GrantState::Approved
+        && grant.scope.iter().any(|p| glob_match::glob_match(p, tool))
+}
+
+const COLUMNS: &str = "id, caller, kind, reason, scope, duration_secs, state, requested_at, \
+                       decided_at, decided_by, expires_at";
+
+fn from_row(r: &Row<'_>, now: i64) -> rusqlite::Result<Grant> {
+    let state: String = r.get(6)?;
+    let expires_at: Option<i64> = r.get(10)?;
+    let state = match state.as_str() {
+        "approved" if expires_at.is_some_and(|t| t <= now) => GrantState::Expired,
+        "approved" => GrantState::Approved,
+        "denied" => GrantState::Denied,
+        "revoked" => GrantState::Revoked,
+        _ => GrantState::Pending,
+    };
+    let scope: String = r.get(4)?;
+    Ok(Grant {
+        grant_id: r.get(0)?,
+        caller: r.get(1)?,
+        kind: parse_kind(&r.get::<_, String>(2)?),
+        reason: r.get(3)?,
+        scope: serde_json::from_str(&scope).unwrap_or_default(),
+        duration_secs: r.get(5)?,
+        state,
+        requested_at: r.get(7)?,
+        decided_at: r.get(8)?,
+        decided_by: r.get(9)?,
+        expires_at,
+    })
+}
+
+/// Why an operator's decision was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    #[error("there is no grant {0}")]
+    NotFound(i64),
+    #[error("grant {id} is {state}, not {wanted}")]
+    WrongState {
+        id: i64,
+        state: &'static str,
+        wanted: &'static str,
+    },
+    #[error("{0}")]
+    BadDuration(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+pub struct Grants {
+    store: Arc<Store>,
+    audit: Arc<Audit>,
+    metrics: Metrics,
+    limits: PermissionsTool,
+}
+
+fn store_err(e: StoreError) -> ToolError {
+    tracing::error!(error = %e, "grant store failure");
+    ToolError::new(ToolErrorCode::Internal, "the grant store failed")
+}
+
+fn invalid(message: impl Into<String>) -> ToolError {
+    ToolError::new(ToolErrorCode::InvalidArguments, message)
+}
+
+impl Grants {
+    pub fn new(
+        store: Arc<Store>,
+        audit: Arc<Audit>,
+        metrics: Metrics,
+        limits: PermissionsTool,
+    ) -> Self {
+        Self {
+            store,
+            audit,
+            metrics,
+            limits,
+        }
+    }
+
+    pub fn max_duration(&self) -> Duration {
+        self.limits.max_duration
+    }
+
+    fn event(&self, event: GrantEvent, grant: &Grant, by: &str) {
+        self.metrics.grant_event(event);
+        self.audit.grant(event, grant.grant_id, &grant.caller, by);
+    }
+
+    /// A caller asks for a grant. Pending until an operator decides.
+    pub fn request(
+        &self,
+        caller: &Caller,
+        kind: GrantKind,
+        reason: &str,
+        scope: Vec<String>,
+        duration: Duration,
+    ) -> Result<Grant, ToolError> {
+        let reason = reason.trim();
+        if reason.is_empty() || reason.chars().count() > MAX_REASON {
+            return Err(invalid(format!(
+                "reason must be 1 to {MAX_REASON} characters"
+            )));
+        }
+        if scope.is_empty() || scope.len() > MAX_SCOPE {
+            return Err(invalid(format!(
+                "scope must list 1 to {MAX_SCOPE} tool patterns"
+            )));
+        }
+        if let Some(bad) = scope.iter().find(|p| {
+            p.is_empty()
+                || p.len() > 64
+                || !p
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
+        }) {
+            return Err(invalid(format!(
+                "scope entry {bad:?} is not a tool pattern"
+            )));
+        }
+        if duration.is_zero() || duration > self.limits.max_duration {
+            return Err(invalid(format!(
+                "duration must be between 1s and {}",
+                humantime::format_duration(self.limits.max_duration)
+            )));
+        }
+        let caller_text = caller.to_string();
+        let now = now();
+        let scope_json = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
+        let max_pending = self.limits.max_pending;
+        let id = self
+            .store
+            .with(|c| {
+                let tx = c.transaction()?;
+                let pending: usize = tx.query_row(
+                    "SELECT COUNT(*) FROM grants WHERE caller = ?1 AND state = 'pending'",
+                    [&caller_text],
+                    |r| r.get(0),
+                )?;
+                if pending >= max_pending {
+                    return Ok(None);
+                }
+                tx.execute(
+                    "INSERT INTO grants (caller, kind, reason, scope, duration_secs, state, requested_at) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6)",
+                    params![caller_text, kind.as_str(), reason, scope_json, duration.as_secs(), now],
+                )?;
+                let id = tx.last_insert_rowid();
+                tx.commit()?;
+                Ok(Some(id))
+            })
+            .map_err(store_err)?;
+        let Some(id) = id else {
+            return Err(ToolError::new(
+                ToolErrorCode::Busy,
+                format!(
+                    "you already have {max_pending} pending requests; wait for an operator to decide them"
+                ),
+            ));
+        };
+        let grant = self
+            .get(id)
+            .map_err(store_err)?
+            .ok_or_else(|| ToolError::new(ToolErrorCode::Internal, "the new grant vanished"))?;
+        self.event(GrantEvent::Requested, &grant, &caller_text);
+        Ok(grant)
+    }
+
+    pub fn get(&self, id: i64) -> Result<Option<Grant>, StoreError> {
+        let now = now();
+        self.store.with(|c| {
+            c.query_row(
+                &format!("SELECT {COLUMNS} FROM grants WHERE id = ?1"),
+                [id],
+                |r| from_row(r, now),
+            )
+            .optional()
+        })
+    }
+
+    /// Grants newest first: one caller's (when given), all of them, or only pending and
+    /// active ones (`current_only`).
+    pub fn list(&self, caller: Option<&str>, current_only: bool) -> Result<Vec<Grant>, StoreError> {
+        let now = now();
+        let all: Vec<Grant> = self.store.with(|c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {COLUMNS} FROM grants WHERE (?1 IS NULL OR caller = ?1) ORDER BY id DESC LIMIT 1000"
+            ))?;
+            stmt.query_map(params![caller], |r| from_row(r, now))?
+                .collect()
+        })?;
+        Ok(all
+            .into_iter()
+            .filter(|g| {
+                !current_only || matches!(g.state, GrantState::Pending | GrantState::Approved)
+            })
+            .collect())
+    }
+
+    /// Requests waiting for an operator.
+    pub fn pending_count(&self) -> Result<usize, StoreError> {
+        self.store.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM grants WHERE state = 'pending'",
+                [],
+                |r| r.get(0),
+            )
+        })
+    }
+
+    /// An approved, unexpired grant of exactly this caller that covers `tool`.
+    pub fn covering(&self, caller: &Caller, tool: &str) -> Result<Option<Grant>, StoreError> {
+        let now = now();
+        let caller_text = caller.to_string();
+        let approved: Vec<Grant> = self.store.with(|c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {COLUMNS} FROM grants WHERE caller = ?1 AND state = 'approved' AND expires_at > ?2"
+            ))?;
+            stmt.query_map(params![caller_text, now], |r| from_row(r, now))?
+                .collect()
+        })?;
+        Ok(approved.into_iter().find(|g| covers(g, tool)))
+    }
+
+    fn transition(
+        &self,
+        id: i64,
+        from: &[GrantState],
+        wanted: &'static str,
+        update: impl FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<usize>,
+    ) -> Result<Grant, DecideError> {
+        let grant = self.get(id)?.ok_or(DecideError::NotFound(id))?;
+        if !from.contains(&grant.state) {
+            return Err(DecideError::WrongState {
+                id,
+                state: grant.state.as_str(),
+                wanted,
+            });
+        }
+        let changed = self.store.with(|c| {
+            let tx = c.transaction()?;
+            let n = update(&tx)?;
+            tx.commit()?;
+            Ok(n)
+        })?;
+        let after = self.get(id)?.ok_or(DecideError::NotFound(id))?;
+        if changed == 0 {
+            // Raced with another decision: report what it is now.
+            return Err(DecideError::WrongState {
+                id,
+                state: after.state.as_str(),
+                wanted,
+            });
+        }
+        Ok(after)
+    }
+
+    /// Operator approval; `duration` overrides (never exceeds the maximum).
+    pub fn approve(
+        &self,
+        id: i64,
+        operator: &str,
+        duration: Option<Duration>,
+    ) -> Result<Grant, DecideError> {
+        let pending = self.get(id)?.ok_or(DecideError::NotFound(id))?;
+        let duration = duration.unwrap_or(Duration::from_secs(pending.duration_secs));
+        if duration.is_zero() || duration > self.limits.max_duration {
+            return Err(DecideError::BadDuration(format!(
+                "duration must be between 1s and {}",
+                humantime::format_duration(self.limits.max_duration)
+            )));
+        }
+        let now = now();
+        let expires = now + i64::try_from(duration.as_secs()).unwrap_or(i64::MAX / 2);
+        let grant = self.transition(id, &[GrantState::Pending], "pending", |tx| {
+            tx.execute(
+                "UPDATE grants SET state = 'approved', decided_at = ?2, decided_by = ?3, \
+                 expires_at = ?4, duration_secs = ?5 WHERE id = ?1 AND state = 'pending'",
+                params![id, now, operator, expires, duration.as_secs()],
+            )
+        })?;
+        self.event(GrantEvent::Approved, &grant, operator);
+        Ok(grant)
+    }
+
+    pub fn deny(&self, id: i64, operator: &str) -> Result<Grant, DecideError> {
+        let now = now();
+        let grant = self.transition(id, &[GrantState::Pending], "pending", |tx| {
+            tx.execute(
+                "UPDATE grants SET state = 'denied', decided_at = ?2, decided_by = ?3 \
+                 WHERE id = ?1 AND state = 'pending'",
+                params![id, now, operator],
+            )
+        })?;
+        self.event(GrantEvent::Denied, &grant, operator);
+        Ok(grant)
+    }
+
+    /// Revoke a pending or approved grant, by an operator or by its own caller.
+    pub fn revoke(&self, id: i64, by: &str) -> Result<Grant, DecideError> {
+        let now = now();
+        let grant = self.transition(
+            id,
+            &[GrantState::Pending, GrantState::Approved],
+            "pending or approved",
+            |tx| {
+                tx.execute(
+                    "UPDATE grants SET state = 'revoked', decided_at = ?2, decided_by = ?3 \
+                     WHERE id = ?1 AND state IN ('pending', 'approved')",
+                    params![id, now, by],
+                )
+            },
+        )?;
+        self.event(GrantEvent::Revoked, &grant, by);
+        Ok(grant)
+    }
+
+    /// A caller revokes its own grant; someone else's is "not found" to it.
+    pub fn revoke_own(&self, caller: &Caller, id: i64) -> Result<Grant, ToolError> {
+        let caller_text = caller.to_string();
+        match self.get(id).map_err(store_err)? {
+            Some(g) if g.caller == caller_text => {}
+            _ => return Err(invalid(format!("there is no grant {id} of yours"))),
+        }
+        self.revoke(id, &caller_text).map_err(|e| match e {
+            DecideError::Store(e) => store_err(e),
+            other => invalid(other.to_string()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grants(dir: &std::path::Path) -> Grants {
+        Grants::new(
+            Arc::new(Store::open(dir).unwrap()),
+            Arc::new(Audit::new()),
+            Metrics::new(),
+            PermissionsTool::default(),
+        )
+    }
+
+    #[test]
+    fn request_approve_cover_and_revoke() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let ci = Caller::Bearer("ci".into());
+        let other = Caller::Bearer("other".into());
+        let req = g
+            .request(
+                &ci,
+                GrantKind::Elevation,
+                "deploy",
+                vec!["file.write".into()],
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        assert_eq!(req.state, GrantState::Pending);
+        assert!(g.covering(&ci, "file.write").unwrap().is_none());
+        let ok = g.approve(req.grant_id, "local:0", None).unwrap();
+        assert_eq!(ok.state, GrantState::Approved);
+        assert!(g.covering(&ci, "file.write").unwrap().is_some());
+        assert!(g.covering(&ci, "file.read").unwrap().is_none());
+        assert!(g.covering(&other, "file.write").unwrap().is_none());
+        // Deciding twice is refused with the current state named.
+        let err = g.deny(req.grant_id, "local:0").unwrap_err();
+        assert!(err.to_string().contains("approved"), "{err}");
+        // Another caller cannot revoke it; its owner can.
+        assert!(g.revoke_own(&other, req.grant_id).is_err());
+        g.revoke_own(&ci, req.grant_id).unwrap();
+        assert!(g.covering(&ci, "file.write").unwrap().is_none());
+    }
+
+    #[test]
+    fn expiry_ends_a_grant() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let ci = Caller::Local(1000);
+        let req = g
+            .request(
+                &ci,
+                GrantKind::RootAccess,
+                "fix",
+                vec!["*".into()],
+                Duration::from_secs(60),
+            )
+            .unwrap();
+        g.approve(req.grant_id, "local:0", None).unwrap();
+        assert!(g.covering(&ci, "service.action").unwrap().is_some());
+        g.store
+            .with(|c| c.execute("UPDATE grants SET expires_at = ?1", [now() - 1]))
+            .unwrap();
+        assert!(g.covering(&ci, "service.action").unwrap().is_none());
+        assert_eq!(
+            g.get(req.grant_id).unwrap().unwrap().state,
+            GrantState::Expired
+        );
+        assert!(g.list(None, true).unwrap().is_empty());
+    }
+
+    #[test]
+    fn requests_are_validated_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let c = Caller::Local(1);
+        let d = Duration::from_secs(60);
+        assert!(
+            g.request(&c, GrantKind::Elevation, " ", vec!["x".into()], d)
+                .is_err()
+        );
+        assert!(g.request(&c, GrantKind::Elevation, "r", vec![], d).is_err());
+        assert!(
+            g.request(&c, GrantKind::Elevation, "r", vec!["a b".into()], d)
+                .is_err()
+        );
+        assert!(
+            g.request(
+                &c,
+                GrantKind::Elevation,
+                "r",
+                vec!["x".into()],
+                Duration::from_secs(90 * 24 * 3600)
+            )
+            .is_err()
+        );
+        for _ in 0..PermissionsTool::default().max_pending {
+            g.request(&c, GrantKind::Elevation, "r", vec!["x".into()], d)
+                .unwrap();
+        }
+        let err = g
+            .request(&c, GrantKind::Elevation, "r", vec!["x".into()], d)
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::Busy);
+    }
+}

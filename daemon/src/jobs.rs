@@ -1,0 +1,850 @@
+//! Durable jobs: long work returns a handle at once; state and output live in the store.
+//!
+//! The state machine is ours and canonical (SPEC §10): `running` → `succeeded` | `failed` |
+//! `cancelled` | `timed-out`, or `outcome-unknown` when the process that ran the job died
+//! before recording how it ended. A job is never re-run. Two kinds of work exist: a
+//! process from a `[jobs.<name>]` template (own process group, killed on cancel or
+//! time-out) and an in-process action (a service or container action).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use parking_lot::Mutex;
+use rusqlite::{OptionalExtension, Row, params};
+use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::JobTemplate;
+use crate::metrics::Metrics;
+use crate::session::{Caller, ToolError, ToolErrorCode};
+use crate::store::{Store, StoreError, now, runner};
+
+/// Largest page `job.tail` returns at once.
+pub const TAIL_PAGE_MAX: u64 = 256 * 1024;
+/// How long a cancelled or timed-out process group gets between SIGTERM and SIGKILL.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How long daemon shutdown waits for running jobs to record their end.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(3);
+
+pub use robota_proto::{JobRecord, JobState};
+
+/// What kind of work a job is (the `kind` of its record and of the metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobKind {
+    /// A `[jobs.<name>]` template (`job.start`).
+    Template,
+    /// A systemd unit action (`service.action`).
+    Service,
+    /// A container action (`docker.action`).
+    Docker,
+}
+
+impl JobKind {
+    pub const ALL: [JobKind; 3] = [JobKind::Template, JobKind::Service, JobKind::Docker];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Template => "template",
+            JobKind::Service => "service",
+            JobKind::Docker => "docker",
+        }
+    }
+}
+
+const JOB_COLUMNS: &str = "id, owner, kind, target, action, state, created_at, finished_at, \
+                           exit_code, detail, output_bytes, output_dropped";
+
+fn job_from_row(r: &Row<'_>) -> rusqlite::Result<JobRecord> {
+    Ok(JobRecord {
+        job_id: r.get(0)?,
+        owner: r.get(1)?,
+        kind: r.get(2)?,
+        target: r.get(3)?,
+        action: r.get(4)?,
+        state: JobState::parse(&r.get::<_, String>(5)?).unwrap_or(JobState::OutcomeUnknown),
+        created_at: r.get(6)?,
+        finished_at: r.get(7)?,
+        exit_code: r.get(8)?,
+        detail: r.get(9)?,
+        output_bytes: r.get(10)?,
+        output_dropped: r.get(11)?,
+    })
+}
+
+/// One page of a job's output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Tail {
+    pub job_id: i64,
+    pub state: JobState,
+    /// Chunks in the order they were written, each tagged with its stream.
+    pub chunks: Vec<TailChunk>,
+    /// Pass this back as `cursor` for the next page.
+    pub next_cursor: u64,
+    /// The job has finished and there is no output past `next_cursor`.
+    pub complete: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TailChunk {
+    pub offset: u64,
+    pub stream: String,
+    /// UTF-8 text (invalid sequences replaced).
+    pub text: String,
+}
+
+/// What a finished piece of work reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finish {
+    pub state: JobState,
+    pub exit_code: Option<i32>,
+    pub detail: String,
+}
+
+impl Finish {
+    pub fn succeeded(detail: impl Into<String>) -> Self {
+        Self {
+            state: JobState::Succeeded,
+            exit_code: None,
+            detail: detail.into(),
+        }
+    }
+
+    pub fn failed(detail: impl Into<String>) -> Self {
+        Self {
+            state: JobState::Failed,
+            exit_code: None,
+            detail: detail.into(),
+        }
+    }
+}
+
+pub type ActionFuture = Pin<Box<dyn Future<Output = Finish> + Send>>;
+
+/// The work a job does.
+pub enum Work {
+    /// A process from a job template.
+    Process(JobTemplate),
+    /// An in-process action; it may write output through the sink. Dropped (cancelled)
+    /// at the time limit or on `job.cancel`.
+    Action {
+        timeout: Duration,
+        run: Box<dyn FnOnce(OutputSink) -> ActionFuture + Send>,
+    },
+}
+
+/// Appends a job's output to the store, keeping at most `cap` bytes.
+#[derive(Clone)]
+pub struct OutputSink {
+    inner: Arc<Mutex<SinkState>>,
+    store: Arc<Store>,
+    job_id: i64,
+    cap: u64,
+}
+
+struct SinkState {
+    kept: u64,
+    dropped: u64,
+}
+
+impl OutputSink {
+    fn new(store: Arc<Store>, job_id: i64, cap: u64) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(SinkState {
+                kept: 0,
+                dropped: 0,
+            })),
+            store,
+            job_id,
+            cap,
+        }
+    }
+
+    /// Append bytes of `stream` (`stdout`, `stderr`, `log`).
+    pub fn write(&self, stream: &str, bytes: &[u8]) {
+        let mut state = self.inner.lock();
+        let room = self.cap.saturating_sub(state.kept);
+        let keep = bytes.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let dropped = (bytes.len() - keep) as u64;
+        let offset = state.kept;
+        state.kept += keep as u64;
+        state.dropped += dropped;
+        let (kept, total_dropped) = (state.kept, state.dropped);
+        let job_id = self.job_id;
+        let result = self.store.with(|c| {
+            let tx = c.transaction()?;
+            if keep > 0 {
+                tx.execute(
+                    "INSERT INTO job_output (job_id, offset, stream, data) VALUES (?1, ?2, ?3, ?4)",
+                    params![job_id, offset, stream, &bytes[..keep]],
+                )?;
+            }
+            tx.execute(
+                "UPDATE jobs SET output_bytes = ?2, output_dropped = ?3 WHERE id = ?1",
+                params![job_id, kept, total_dropped],
+            )?;
+            tx.commit()
+        });
+        drop(state);
+        if let Err(e) = result {
+            tracing::error!(job_id, error = %e, "cannot store job output");
+        }
+    }
+}
+
+/// The job table's owner for this process.
+pub struct Jobs {
+    store: Arc<Store>,
+    metrics: Metrics,
+    running: Mutex<HashMap<i64, CancellationToken>>,
+    max_running: usize,
+    tracker: TaskTracker,
+}
+
+fn store_err(e: StoreError) -> ToolError {
+    tracing::error!(error = %e, "job store failure");
+    ToolError::new(ToolErrorCode::Internal, "the job store failed")
+}
+
+fn not_found(id: i64) -> ToolError {
+    ToolError::new(
+        ToolErrorCode::InvalidArguments,
+        format!("there is no job {id} of yours"),
+    )
+}
+
+impl Jobs {
+    /// Take over the job table: jobs left `running` by a process that is gone become
+    /// `outcome-unknown` (their process groups, if still alive, are killed first).
+    pub fn open(
+        store: Arc<Store>,
+        max_running: usize,
+        metrics: Metrics,
+    ) -> Result<(Arc<Self>, usize), StoreError> {
+        let orphans: Vec<(i64, String, Option<u32>, Option<u64>)> = store.with(|c| {
+            let mut stmt = c.prepare(
+                "SELECT id, runner, pid, pid_start_time FROM jobs WHERE state = 'running'",
+            )?;
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+                .collect()
+        })?;
+        let mut recovered = 0;
+        for (id, job_runner, pid, pid_start) in orphans {
+            if runner::alive(&job_runner) {
+                continue;
+            }
+            if let (Some(pid), Some(start)) = (pid, pid_start)
+                && runner::start_time(pid) == Some(start)
+            {
+                tracing::warn!(
+                    job_id = id,
+                    pid,
+                    "killing the process group of an orphaned job"
+                );
+                let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
+            store.with(|c| {
+                c.execute(
+                    "UPDATE jobs SET state = 'outcome-unknown', finished_at = ?2, \
+                     detail = 'the daemon stopped while this job was running; it was not re-run' \
+                     WHERE id = ?1 AND state = 'running'",
+                    params![id, now()],
+                )
+            })?;
+            recovered += 1;
+        }
+        Ok((
+            Arc::new(Self {
+                store,
+                metrics,
+                running: Mutex::new(HashMap::new()),
+                max_running,
+                tracker: TaskTracker::new(),
+            }),
+            recovered,
+        ))
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// Jobs running in this process.
+    pub fn running_count(&self) -> usize {
+        self.running.lock().len()
+    }
+
+    /// Record a new job and start its work. Returns the record at once.
+    pub fn start(
+        self: &Arc<Self>,
+        owner: &Caller,
+        kind: JobKind,
+        target: &str,
+        action: Option<&str>,
+        work: Work,
+    ) -> Result<JobRecord, ToolError> {
+        let cancel = CancellationToken::new();
+        let id = {
+            let mut running = self.running.lock();
+            if running.len() >= self.max_running {
+                return Err(ToolError::new(
+                    ToolErrorCode::Busy,
+                    format!(
+                        "{} jobs are running, the most this host allows; try again later",
+                        running.len()
+                    ),
+                ));
+            }
+            let id = self
+                .store
+                .with(|c| {
+                    c.execute(
+                        "INSERT INTO jobs (owner, kind, target, action, state, created_at, runner) \
+                         VALUES (?1, ?2, ?3, ?4, 'running', ?5, ?6)",
+                        params![
+                            owner.to_string(),
+                            kind.as_str(),
+                            target,
+                            action,
+                            now(),
+                            runner::this()
+                        ],
+                    )?;
+                    Ok(c.last_insert_rowid())
+                })
+                .map_err(store_err)?;
+            running.insert(id, cancel.clone());
+            id
+        };
+        self.metrics.job_started(kind);
+        tracing::info!(job_id = id, %owner, kind = kind.as_str(), target, action, "job started");
+        let jobs = Arc::clone(self);
+        self.tracker.spawn(async move {
+            let finish = match work {
+                Work::Process(template) => jobs.run_process(id, &template, &cancel).await,
+                Work::Action { timeout, run } => {
+                    let sink = OutputSink::new(Arc::clone(&jobs.store), id, crate::config::JOB_OUTPUT_DEFAULT);
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => Finish { state: JobState::Cancelled, exit_code: None, detail: "cancelled".into() },
+                        () = tokio::time::sleep(timeout) => Finish {
+                            state: JobState::TimedOut,
+                            exit_code: None,
+                            detail: format!("did not finish within {}", humantime::format_duration(timeout)),
+                        },
+                        finish = run(sink) => finish,
+                    }
+                }
+            };
+            jobs.finish(id, kind, &finish);
+        });
+        self.get(id)
+            .map_err(store_err)?
+            .ok_or_else(|| ToolError::new(ToolErrorCode::Internal, "the new job vanished"))
+    }
+
+    fn finish(&self, id: i64, kind: JobKind, finish: &Finish) {
+        self.running.lock().remove(&id);
+        self.metrics.job_finished(kind, finish.state);
+        tracing::info!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished");
+        if let Err(e) = self.store.with(|c| {
+            c.execute(
+                "UPDATE jobs SET state = ?2, finished_at = ?3, exit_code = ?4, detail = ?5 \
+                 WHERE id = ?1 AND state = 'running'",
+                params![
+                    id,
+                    finish.state.as_str(),
+                    now(),
+                    finish.exit_code,
+                    finish.detail
+                ],
+            )
+        }) {
+            tracing::error!(job_id = id, error = %e, "cannot record the end of a job");
+        }
+    }
+
+    async fn run_process(&self, id: i64, t: &JobTemplate, cancel: &CancellationToken) -> Finish {
+        let mut command = tokio::process::Command::new(&t.argv[0]);
+        command
+            .args(&t.argv[1..])
+            .env_clear()
+            .envs(&t.env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        if !t.env.contains_key("PATH") {
+            command.env("PATH", "/usr/local/bin:/usr/bin:/bin");
+        }
+        if let Some(dir) = &t.working_dir {
+            command.current_dir(dir);
+        }
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                return Finish::failed(format!("could not start {}: {e}", t.argv[0]));
+            }
+        };
+        let pid = child.id();
+        if let Some(pid) = pid {
+            let start = runner::start_time(pid);
+            if let Err(e) = self.store.with(|c| {
+                c.execute(
+                    "UPDATE jobs SET pid = ?2, pid_start_time = ?3 WHERE id = ?1",
+                    params![id, pid, start],
+                )
+            }) {
+                tracing::error!(job_id = id, error = %e, "cannot record a job's pid");
+            }
+        }
+        let sink = OutputSink::new(Arc::clone(&self.store), id, t.output_cap);
+        let pump = |stream: Option<Box<dyn AsyncRead + Send + Unpin>>, name: &'static str| {
+            let sink = sink.clone();
+            async move {
+                let Some(mut stream) = stream else { return };
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    sink.write(name, &buf[..n]);
+                }
+            }
+        };
+        let stdout = pump(
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn AsyncRead + Send + Unpin>),
+            "stdout",
+        );
+        let stderr = pump(
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn AsyncRead + Send + Unpin>),
+            "stderr",
+        );
+        let run = async {
+            let ((), ()) = tokio::join!(stdout, stderr);
+            child.wait().await
+        };
+        let group = pid.map(|p| Pid::from_raw(p as i32));
+        let ended = tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(Finish { state: JobState::Cancelled, exit_code: None, detail: "cancelled; its process group was killed".into() }),
+            () = tokio::time::sleep(t.timeout) => Err(Finish {
+                state: JobState::TimedOut,
+                exit_code: None,
+                detail: format!("ran longer than {}; its process group was killed", humantime::format_duration(t.timeout)),
+            }),
+            status = run => Ok(status),
+        };
+        match ended {
+            Ok(Ok(status)) => {
+                // Anything the job left behind in its group goes with it.
+                if let Some(group) = group {
+                    let _ = killpg(group, Signal::SIGKILL);
+                }
+                match status.code() {
+                    Some(0) => Finish {
+                        state: JobState::Succeeded,
+                        exit_code: Some(0),
+                        detail: "exited with status 0".into(),
+                    },
+                    Some(code) => Finish {
+                        state: JobState::Failed,
+                        exit_code: Some(code),
+                        detail: format!("exited with status {code}"),
+                    },
+                    None => Finish::failed("was killed by a signal"),
+                }
+            }
+            Ok(Err(e)) => Finish::failed(format!("waiting for the job failed: {e}")),
+            Err(finish) => {
+                if let Some(group) = group {
+                    let _ = killpg(group, Signal::SIGTERM);
+                    if tokio::time::timeout(KILL_GRACE, child.wait())
+                        .await
+                        .is_err()
+                    {
+                        let _ = killpg(group, Signal::SIGKILL);
+                    }
+                    let _ = killpg(group, Signal::SIGKILL);
+                }
+                let _ = child.wait().await;
+                finish
+            }
+        }
+    }
+
+    pub fn get(&self, id: i64) -> Result<Option<JobRecord>, StoreError> {
+        self.store.with(|c| {
+            c.query_row(
+                &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"),
+                [id],
+                job_from_row,
+            )
+            .optional()
+        })
+    }
+
+    /// The job, if `caller` may see it: its owner, or the operator (`None`).
+    pub fn visible(&self, caller: Option<&Caller>, id: i64) -> Result<JobRecord, ToolError> {
+        match self.get(id).map_err(store_err)? {
+            Some(job) if caller.is_none_or(|c| c.to_string() == job.owner) => Ok(job),
+            _ => Err(not_found(id)),
+        }
+    }
+
+    /// A page of output from `cursor` (a byte offset), at most `max_bytes`.
+    pub fn tail(
+        &self,
+        caller: Option<&Caller>,
+        id: i64,
+        cursor: u64,
+        max_bytes: u64,
+    ) -> Result<Tail, ToolError> {
+        let job = self.visible(caller, id)?;
+        let max_bytes = max_bytes.clamp(1, TAIL_PAGE_MAX);
+        let rows: Vec<(u64, String, Vec<u8>)> = self
+            .store
+            .with(|c| {
+                // The chunk containing the cursor, then the ones after it.
+                let mut stmt = c.prepare(
+                    "SELECT offset, stream, data FROM job_output WHERE job_id = ?1 \
+                     AND offset + length(data) > ?2 ORDER BY offset LIMIT 256",
+                )?;
+                stmt.query_map(params![id, cursor], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })?
+                .collect()
+            })
+            .map_err(store_err)?;
+        let mut chunks = Vec::new();
+        let mut next = cursor.min(job.output_bytes);
+        let mut budget = max_bytes;
+        for (offset, stream, data) in rows {
+            if budget == 0 {
+                break;
+            }
+            let skip = usize::try_from(next.saturating_sub(offset)).unwrap_or(usize::MAX);
+            let data = data.get(skip..).unwrap_or_default();
+            let take = data
+                .len()
+                .min(usize::try_from(budget).unwrap_or(usize::MAX));
+            let piece = &data[..take];
+            chunks.push(TailChunk {
+                offset: offset + skip as u64,
+                stream,
+                text: String::from_utf8_lossy(piece).into_owned(),
+            });
+            next = offset + (skip + take) as u64;
+            budget -= take as u64;
+        }
+        Ok(Tail {
+            job_id: id,
+            state: job.state,
+            chunks,
+            next_cursor: next,
+            complete: job.state.finished() && next >= job.output_bytes,
+        })
+    }
+
+    /// Cancel a running job: its owner, or the operator (`None`).
+    pub fn cancel(&self, caller: Option<&Caller>, id: i64) -> Result<JobRecord, ToolError> {
+        let job = self.visible(caller, id)?;
+        if job.state.finished() {
+            return Ok(job);
+        }
+        match self.running.lock().get(&id) {
+            Some(token) => token.cancel(),
+            None => {
+                return Err(ToolError::new(
+                    ToolErrorCode::Unavailable,
+                    format!("job {id} is run by another robota-mcpd process; cancel it there"),
+                ));
+            }
+        }
+        Ok(job)
+    }
+
+    /// The most recent jobs, newest first; only `owner`'s when given.
+    pub fn list(&self, owner: Option<&str>, limit: usize) -> Result<Vec<JobRecord>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.store.with(|c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {JOB_COLUMNS} FROM jobs WHERE (?1 IS NULL OR owner = ?1) \
+                 ORDER BY id DESC LIMIT ?2"
+            ))?;
+            stmt.query_map(params![owner, limit], job_from_row)?
+                .collect()
+        })
+    }
+
+    /// Daemon shutdown: cancel what runs here and give it a moment to record its end.
+    /// Whatever has not recorded its end by then is `outcome-unknown` at the next start.
+    pub async fn shutdown(&self) {
+        for token in self.running.lock().values() {
+            token.cancel();
+        }
+        self.tracker.close();
+        let _ = tokio::time::timeout(SHUTDOWN_WAIT, self.tracker.wait()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn template(script: &str, timeout: Duration, cap: u64) -> JobTemplate {
+        JobTemplate {
+            name: "t".into(),
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: BTreeMap::new(),
+            working_dir: None,
+            timeout,
+            output_cap: cap,
+            description: None,
+        }
+    }
+
+    async fn wait_done(jobs: &Jobs, id: i64) -> JobRecord {
+        for _ in 0..200 {
+            let job = jobs.get(id).unwrap().unwrap();
+            if job.state.finished() {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("job {id} did not finish");
+    }
+
+    fn jobs(dir: &std::path::Path, max: usize) -> Arc<Jobs> {
+        Jobs::open(Arc::new(Store::open(dir).unwrap()), max, Metrics::new())
+            .unwrap()
+            .0
+    }
+
+    #[tokio::test]
+    async fn a_job_runs_records_output_and_pages_by_cursor() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 4);
+        let owner = Caller::Local(1000);
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template(
+                    "printf 0123456789; printf oops >&2; exit 3",
+                    Duration::from_secs(10),
+                    1024,
+                )),
+            )
+            .unwrap();
+        assert_eq!(job.state, JobState::Running);
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::Failed);
+        assert_eq!(done.exit_code, Some(3));
+        assert_eq!(done.output_bytes, 14);
+        let page = jobs.tail(Some(&owner), job.job_id, 0, 4).unwrap();
+        let text: String = page.chunks.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(text.len(), 4);
+        assert_eq!(page.next_cursor, 4);
+        assert!(!page.complete);
+        let mut all = text;
+        let mut cursor = page.next_cursor;
+        loop {
+            let page = jobs.tail(Some(&owner), job.job_id, cursor, 3).unwrap();
+            all.extend(page.chunks.iter().map(|c| c.text.as_str()));
+            cursor = page.next_cursor;
+            if page.complete {
+                break;
+            }
+        }
+        assert_eq!(all.len(), 14);
+        assert!(all.contains("0123456789") || all.contains("oops"));
+        // Another caller cannot see it.
+        let err = jobs
+            .tail(Some(&Caller::Local(1)), job.job_id, 0, 10)
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+    }
+
+    #[tokio::test]
+    async fn output_over_the_cap_is_counted_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 4);
+        let job = jobs
+            .start(
+                &Caller::Local(0),
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template(
+                    "head -c 5000 /dev/zero",
+                    Duration::from_secs(10),
+                    1000,
+                )),
+            )
+            .unwrap();
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::Succeeded);
+        assert_eq!(done.output_bytes, 1000);
+        assert_eq!(done.output_dropped, 4000);
+    }
+
+    #[tokio::test]
+    async fn cancel_and_time_out_kill_the_process_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 4);
+        let owner = Caller::Bearer("ci".into());
+        let marker = dir.path().join("grandchild-ran");
+        let script = format!("(sleep 1; touch {}) & sleep 30", marker.display());
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template(&script, Duration::from_secs(30), 1024)),
+            )
+            .unwrap();
+        // Another caller cannot cancel it.
+        assert!(jobs.cancel(Some(&Caller::Local(5)), job.job_id).is_err());
+        jobs.cancel(Some(&owner), job.job_id).unwrap();
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::Cancelled);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(
+            !marker.exists(),
+            "the background grandchild survived the cancel"
+        );
+
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template("sleep 30", Duration::from_millis(200), 1024)),
+            )
+            .unwrap();
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::TimedOut);
+    }
+
+    #[tokio::test]
+    async fn the_running_job_limit_answers_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 1);
+        let owner = Caller::Local(0);
+        let first = jobs
+            .start(
+                &owner,
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template("sleep 30", Duration::from_secs(30), 10)),
+            )
+            .unwrap();
+        let err = jobs
+            .start(
+                &owner,
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template("true", Duration::from_secs(30), 10)),
+            )
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::Busy);
+        jobs.cancel(None, first.job_id).unwrap();
+        wait_done(&jobs, first.job_id).await;
+    }
+
+    #[tokio::test]
+    async fn jobs_of_a_dead_process_become_outcome_unknown_and_are_not_rerun() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(dir.path()).unwrap());
+        store
+            .with(|c| {
+                c.execute(
+                    "INSERT INTO jobs (owner, kind, target, state, created_at, runner) \
+                     VALUES ('local:0', 'template', 't', 'running', 0, '1:1')",
+                    [],
+                )?;
+                // A job of this (live) process is left alone.
+                c.execute(
+                    "INSERT INTO jobs (owner, kind, target, state, created_at, runner) \
+                     VALUES ('local:0', 'template', 't', 'running', 0, ?1)",
+                    [runner::this()],
+                )
+            })
+            .unwrap();
+        let (jobs, recovered) = Jobs::open(store, 4, Metrics::new()).unwrap();
+        assert_eq!(recovered, 1);
+        let list = jobs.list(None, 10).unwrap();
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[1].state, JobState::OutcomeUnknown);
+        assert_eq!(list[0].state, JobState::Running);
+    }
+
+    #[tokio::test]
+    async fn actions_finish_time_out_and_write_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 4);
+        let owner = Caller::Local(0);
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Service,
+                "nginx.service",
+                Some("restart"),
+                Work::Action {
+                    timeout: Duration::from_secs(5),
+                    run: Box::new(|sink| {
+                        Box::pin(async move {
+                            sink.write("log", b"restarting");
+                            Finish::succeeded("done")
+                        })
+                    }),
+                },
+            )
+            .unwrap();
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::Succeeded);
+        assert_eq!(done.action.as_deref(), Some("restart"));
+        assert_eq!(done.output_bytes, 10);
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Service,
+                "x",
+                Some("stop"),
+                Work::Action {
+                    timeout: Duration::from_millis(100),
+                    run: Box::new(|_| {
+                        Box::pin(async {
+                            tokio::time::sleep(Duration::from_secs(30)).await;
+                            Finish::succeeded("never")
+                        })
+                    }),
+                },
+            )
+            .unwrap();
+        assert_eq!(wait_done(&jobs, job.job_id).await.state, JobState::TimedOut);
+    }
+}

@@ -1,0 +1,609 @@
+//! `docker.logs` and `docker.action`: containers through the Docker Engine API on its unix
+//! socket, only those whose names `[tools.docker] containers` allows.
+//!
+//! A container is named by its exact name. The allow-list is checked against the name the
+//! caller gives before the engine hears of it; the engine's own answer (`Name` in the
+//! inspect) must then be that very name, so an ID, an ID prefix or any other alias the
+//! engine resolves cannot reach a container the list does not allow.
+
+mod engine;
+mod logs;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use super::{allowed, arg_str, arg_u64, invalid, schema};
+use crate::config::DockerTool;
+use crate::host::Host;
+use crate::jobs::{Finish, Jobs, OutputSink, Work};
+use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
+use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use engine::{Engine, EngineError, Response};
+use logs::Collector;
+
+/// Connecting, sending and the engine's response head, for the read tool and the
+/// lookups before an action.
+const HEAD_LIMIT: Duration = Duration::from_secs(5);
+/// Reading a JSON body (an inspect, an error).
+const JSON_LIMIT: Duration = Duration::from_secs(5);
+/// Reading a log body.
+const LOGS_LIMIT: Duration = Duration::from_secs(20);
+/// Largest JSON body read (an inspect is a few KiB).
+const JSON_CAP: usize = 1024 * 1024;
+/// Log text `docker.logs` returns at most; older lines are dropped past it.
+const LOG_TEXT_CAP: usize = 1024 * 1024;
+/// Log bytes read from the engine at most; past it the read stops (result `truncated`).
+const LOG_BODY_CEILING: u64 = 64 * 1024 * 1024;
+/// `tail` bounds and default.
+const TAIL_MAX: u64 = 10_000;
+const TAIL_DEFAULT: u64 = 100;
+/// Longest container name accepted.
+const NAME_MAX: usize = 255;
+
+pub fn tools(config: &DockerTool, host: &Arc<Host>) -> Vec<Box<dyn HostTool>> {
+    let docker = Arc::new(Docker {
+        engine: Engine::new(config.socket.clone()),
+        containers: config.containers.clone(),
+        timeout: config.timeout,
+    });
+    vec![
+        Box::new(Logs(Arc::clone(&docker))),
+        Box::new(ActionTool {
+            docker,
+            jobs: Arc::clone(&host.jobs),
+        }),
+    ]
+}
+
+/// What both tools share: the engine and the allow-list.
+struct Docker {
+    engine: Engine,
+    containers: Vec<String>,
+    /// How long an action job may take.
+    timeout: Duration,
+}
+
+/// What the engine says about a container.
+#[derive(Debug)]
+struct Inspected {
+    tty: bool,
+}
+
+impl Docker {
+    fn socket(&self) -> &Path {
+        self.engine.socket()
+    }
+
+    /// The container argument, checked: grammar first, then the allow-list. Nothing is
+    /// sent to the engine for a name that fails either.
+    fn permitted<'a>(&self, args: &'a Args) -> Result<&'a str, ToolError> {
+        if self.containers.is_empty() {
+            return Err(ToolError::new(
+                ToolErrorCode::Unavailable,
+                "no containers are configured on this host ([tools.docker] containers is empty)",
+            ));
+        }
+        let name = arg_str(args, "container").unwrap_or_default();
+        check_name(name).map_err(invalid)?;
+        if !allowed(&self.containers, name) {
+            return Err(not_allowed(name));
+        }
+        Ok(name)
+    }
+
+    /// Looks the container up and checks the engine resolved `name` as the container's
+    /// own name.
+    async fn resolve(&self, name: &str) -> Result<Inspected, ToolError> {
+        let response = self
+            .engine
+            .request(Method::GET, &format!("/containers/{name}/json"), HEAD_LIMIT)
+            .await
+            .map_err(|e| self.engine_error(e))?;
+        let response = self.success(response, name).await?;
+        let value = response
+            .json(JSON_CAP, JSON_LIMIT)
+            .await
+            .map_err(|e| self.engine_error(e))?;
+        let Some(real) = value.get("Name").and_then(Value::as_str) else {
+            return Err(
+                self.engine_error(EngineError::Json(serde::de::Error::custom(
+                    "the inspect has no Name",
+                ))),
+            );
+        };
+        let real = real.strip_prefix('/').unwrap_or(real);
+        if real != name {
+            tracing::warn!(
+                requested = name,
+                resolved = real,
+                "the engine resolved a container argument to another container; refused"
+            );
+            return Err(not_allowed(name));
+        }
+        Ok(Inspected {
+            tty: value
+                .pointer("/Config/Tty")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        })
+    }
+
+    /// Passes a 2xx answer on; 404 is "no such container", anything else is logged with
+    /// the engine's message and answered `internal`.
+    async fn success(&self, response: Response, name: &str) -> Result<Response, ToolError> {
+        let status = response.status;
+        if status.is_success() {
+            return Ok(response);
+        }
+        let message = response.message(JSON_LIMIT).await;
+        if status == StatusCode::NOT_FOUND {
+            tracing::debug!(container = name, %message, "the engine has no such container");
+            return Err(invalid(format!("no such container: {name}")));
+        }
+        tracing::warn!(container = name, %status, %message, "the Docker engine refused a request");
+        Err(ToolError::new(
+            ToolErrorCode::Internal,
+            format!("the Docker engine answered {status}"),
+        ))
+    }
+
+    /// A failed exchange as a visible error; the detail goes to the log.
+    fn engine_error(&self, e: EngineError) -> ToolError {
+        let detail = crate::error_chain(&e);
+        tracing::warn!(socket = %self.socket().display(), error = %detail, "Docker Engine API request failed");
+        match e {
+            EngineError::Unreachable { .. } => ToolError::new(
+                ToolErrorCode::Unavailable,
+                format!(
+                    "the Docker Engine API is not reachable at {}",
+                    self.socket().display()
+                ),
+            ),
+            EngineError::NoAnswer(limit) | EngineError::SlowBody(limit) => ToolError::new(
+                ToolErrorCode::TimedOut,
+                format!(
+                    "the Docker engine did not answer within {}",
+                    humantime::format_duration(limit)
+                ),
+            ),
+            _ => ToolError::new(
+                ToolErrorCode::Internal,
+                "the Docker Engine API request failed",
+            ),
+        }
+    }
+
+    async fn logs(&self, args: &Args) -> Result<Value, ToolError> {
+        let name = self.permitted(args)?;
+        let tail = arg_u64(args, "tail").unwrap_or(TAIL_DEFAULT);
+        if !(1..=TAIL_MAX).contains(&tail) {
+            return Err(invalid(format!("tail must be between 1 and {TAIL_MAX}")));
+        }
+        let since = match args.get("since") {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(since(value, SystemTime::now()).map_err(invalid)?),
+        };
+        let flag =
+            |key: &str, default: bool| args.get(key).and_then(Value::as_bool).unwrap_or(default);
+        let (stdout, stderr, timestamps) = (
+            flag("stdout", true),
+            flag("stderr", true),
+            flag("timestamps", false),
+        );
+        if !stdout && !stderr {
+            return Err(invalid("at least one of stdout and stderr must be true"));
+        }
+
+        let container = self.resolve(name).await?;
+        let mut path = format!(
+            "/containers/{name}/logs?stdout={stdout}&stderr={stderr}&tail={tail}&timestamps={timestamps}"
+        );
+        if let Some(since) = since {
+            path.push_str(&format!("&since={since}"));
+        }
+        let response = self
+            .engine
+            .request(Method::GET, &path, HEAD_LIMIT)
+            .await
+            .map_err(|e| self.engine_error(e))?;
+        let mut response = self.success(response, name).await?;
+
+        let mut collector = Collector::new(container.tty, LOG_TEXT_CAP);
+        let deadline = tokio::time::Instant::now() + LOGS_LIMIT;
+        let mut read: u64 = 0;
+        let mut broke_off = None;
+        loop {
+            match response.chunk(deadline, LOGS_LIMIT).await {
+                Ok(Some(chunk)) => {
+                    read += chunk.len() as u64;
+                    collector.feed(&chunk);
+                    if read > LOG_BODY_CEILING {
+                        tracing::warn!(
+                            container = name,
+                            read,
+                            "log body over the ceiling; stopped reading"
+                        );
+                        collector.cut_short();
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e @ EngineError::SlowBody(_)) => return Err(self.engine_error(e)),
+                Err(e) => {
+                    tracing::warn!(container = name, error = %crate::error_chain(&e), "the log stream broke off");
+                    broke_off = Some("the engine's log stream broke off before its end".to_owned());
+                    collector.cut_short();
+                    break;
+                }
+            }
+        }
+        let collected = collector.finish();
+        let stream_error = broke_off.or_else(|| {
+            collected.error.as_ref().map(|e| {
+                tracing::warn!(container = name, error = %e, "malformed log stream");
+                format!("the engine's log stream is malformed: {e}")
+            })
+        });
+        let lines: Vec<Value> = collected
+            .lines
+            .iter()
+            .map(|l| json!({"stream": l.stream.as_str(), "text": l.text}))
+            .collect();
+        let mut out = json!({"container": name, "lines": lines, "truncated": collected.truncated || stream_error.is_some()});
+        if let Some(problem) = stream_error {
+            out["stream_error"] = Value::String(problem);
+        }
+        Ok(out)
+    }
+
+    /// The body of an action job: one POST, a line per step.
+    async fn act(&self, name: &str, action: Action, sink: &OutputSink) -> Finish {
+        let step = |text: String| sink.write("log", format!("{text}\n").as_bytes());
+        step(format!(
+            "asking the Docker engine to {} container {name}",
+            action.as_str()
+        ));
+        // The job's own time limit applies; this one only backs it up.
+        let limit = self.timeout + Duration::from_secs(5);
+        let path = format!("/containers/{name}/{}", action.as_str());
+        let response = match self.engine.request(Method::POST, &path, limit).await {
+            Ok(response) => response,
+            Err(e) => {
+                let visible = self.engine_error(e);
+                step(visible.message.clone());
+                return Finish::failed(visible.message);
+            }
+        };
+        let status = response.status;
+        step(format!("the engine answered {status}"));
+        let finish = match status {
+            StatusCode::NOT_MODIFIED => Finish::succeeded(match action {
+                Action::Start => format!("container {name} was already started"),
+                Action::Stop => format!("container {name} was already stopped"),
+                Action::Restart => format!("container {name}: the engine had nothing to do"),
+            }),
+            s if s.is_success() => Finish::succeeded(format!("container {name} {}", action.done())),
+            StatusCode::NOT_FOUND => {
+                let message = response.message(JSON_LIMIT).await;
+                tracing::info!(container = name, %message, "container vanished before its action");
+                Finish::failed(format!("no such container: {name}"))
+            }
+            _ => {
+                let message = response.message(JSON_LIMIT).await;
+                tracing::warn!(container = name, action = action.as_str(), %status, %message, "the Docker engine refused an action");
+                Finish::failed(format!(
+                    "the Docker engine could not {} container {name}: {message}",
+                    action.as_str()
+                ))
+            }
+        };
+        step(finish.detail.clone());
+        finish
+    }
+}
+
+fn not_allowed(name: &str) -> ToolError {
+    ToolError::new(
+        ToolErrorCode::PermissionDenied,
+        format!(
+            "container {name} is not among the containers [tools.docker] allows (name a container by its exact name)"
+        ),
+    )
+}
+
+/// A container name: `[a-zA-Z0-9][a-zA-Z0-9_.-]*`, at most 255 characters.
+fn check_name(name: &str) -> Result<(), String> {
+    let Some(first) = name.chars().next() else {
+        return Err("the container name is empty".into());
+    };
+    if name.len() > NAME_MAX {
+        return Err(format!(
+            "the container name is longer than {NAME_MAX} characters"
+        ));
+    }
+    if !first.is_ascii_alphanumeric() {
+        return Err(format!(
+            "container name {name:?} must start with a letter or a digit"
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "_.-".contains(*c)))
+    {
+        return Err(format!(
+            "container name {name:?} has the character {c:?}; names are [a-zA-Z0-9][a-zA-Z0-9_.-]*"
+        ));
+    }
+    Ok(())
+}
+
+/// `since`: unix seconds, or a duration (`"10m"`) meaning that long before `now`.
+fn since(value: &Value, now: SystemTime) -> Result<u64, String> {
+    const PROBLEM: &str = "since must be unix seconds (an integer) or a duration such as \"10m\"";
+    match value {
+        Value::Number(n) => n.as_u64().ok_or_else(|| PROBLEM.to_owned()),
+        Value::String(text) => {
+            let ago = humantime::parse_duration(text.trim())
+                .map_err(|e| format!("{PROBLEM}; {text:?}: {e}"))?;
+            let at = now.checked_sub(ago).unwrap_or(UNIX_EPOCH);
+            Ok(at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()))
+        }
+        _ => Err(PROBLEM.to_owned()),
+    }
+}
+
+fn container_schema(containers: &[String]) -> Value {
+    let description = if containers.is_empty() {
+        "A container's exact name. No containers are configured on this host.".to_owned()
+    } else {
+        format!(
+            "A container's exact name (not an ID); allowed on this host: {}.",
+            containers.join(", ")
+        )
+    };
+    json!({"type": "string", "minLength": 1, "maxLength": NAME_MAX, "description": description})
+}
+
+struct Logs(Arc<Docker>);
+
+impl HostTool for Logs {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec {
+            name: "docker.logs".into(),
+            description: "Recent log lines of a container this host allows, from the Docker engine: each line with its stream (stdout or stderr). At most 1 MiB of text; past it the oldest lines are dropped and truncated is true.".into(),
+            input_schema: schema(json!({
+                "type": "object",
+                "properties": {
+                    "container": container_schema(&self.0.containers),
+                    "tail": {"type": "integer", "minimum": 1, "maximum": TAIL_MAX,
+                             "description": "How many of the newest lines (default 100)."},
+                    "since": {"type": ["integer", "string"], "minimum": 0, "maxLength": 64,
+                              "description": "Only lines from then on: unix seconds, or a duration such as \"10m\" meaning that long ago."},
+                    "stdout": {"type": "boolean", "description": "Include stdout (default true)."},
+                    "stderr": {"type": "boolean", "description": "Include stderr (default true)."},
+                    "timestamps": {"type": "boolean", "description": "Prefix each line with the engine's RFC 3339 timestamp (default false)."}
+                },
+                "required": ["container"],
+                "additionalProperties": false
+            })),
+            annotations: Annotations::READ_ONLY,
+        }
+    }
+
+    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        Box::pin(async move { self.0.logs(&args).await.map(ToolOutput::Structured) })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Start,
+    Stop,
+    Restart,
+}
+
+impl Action {
+    const ALL: [Action; 3] = [Action::Start, Action::Stop, Action::Restart];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Action::Start => "start",
+            Action::Stop => "stop",
+            Action::Restart => "restart",
+        }
+    }
+
+    fn done(self) -> &'static str {
+        match self {
+            Action::Start => "started",
+            Action::Stop => "stopped",
+            Action::Restart => "restarted",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Action> {
+        Action::ALL.into_iter().find(|a| a.as_str() == text)
+    }
+}
+
+struct ActionTool {
+    docker: Arc<Docker>,
+    jobs: Arc<Jobs>,
+}
+
+impl HostTool for ActionTool {
+    fn spec(&self) -> ToolSpec {
+        let actions: Vec<&str> = Action::ALL.iter().map(|a| a.as_str()).collect();
+        ToolSpec {
+            name: "docker.action".into(),
+            description: format!(
+                "Start, stop or restart a container this host allows. Returns a job handle at once; follow it with job.status and job.tail. Not retried: if you lose the answer, check job.status or docker.logs before acting again. A job may take up to {}.",
+                humantime::format_duration(self.docker.timeout)
+            ),
+            input_schema: schema(json!({
+                "type": "object",
+                "properties": {
+                    "container": container_schema(&self.docker.containers),
+                    "action": {"type": "string", "enum": actions}
+                },
+                "required": ["container", "action"],
+                "additionalProperties": false
+            })),
+            annotations: Annotations {
+                read_only: false,
+                destructive: true,
+                idempotent: false,
+                self_service: false,
+                replay_safe: false,
+            },
+        }
+    }
+
+    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        Box::pin(async move {
+            let name = self.docker.permitted(&args)?.to_owned();
+            let action = arg_str(&args, "action")
+                .and_then(Action::parse)
+                .ok_or_else(|| invalid("action must be start, stop or restart"))?;
+            // The engine must know the container, under this very name, before a job exists.
+            self.docker.resolve(&name).await?;
+            let docker = Arc::clone(&self.docker);
+            let target = name.clone();
+            let job = self.jobs.start(
+                ctx.caller,
+                crate::jobs::JobKind::Docker,
+                &target,
+                Some(action.as_str()),
+                Work::Action {
+                    timeout: self.docker.timeout,
+                    run: Box::new(move |sink| {
+                        Box::pin(async move { docker.act(&name, action, &sink).await })
+                    }),
+                },
+            )?;
+            Ok(ToolOutput::Job(job))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_engine_grammar() {
+        for good in ["web", "worker-1", "a", "9lives", "svc_v1.2", "A-b_c.d"] {
+            assert_eq!(check_name(good), Ok(()), "{good}");
+        }
+        let cases = [
+            ("", "empty"),
+            ("/web", "start with"),
+            ("-web", "start with"),
+            (".web", "start with"),
+            ("web/../db", "'/'"),
+            ("web db", "' '"),
+            ("web?x=1", "'?'"),
+            ("wéb", "'é'"),
+            ("web\n", "'\\n'"),
+        ];
+        for (bad, why) in cases {
+            let problem = check_name(bad).expect_err(bad);
+            assert!(problem.contains(why), "{bad:?}: {problem}");
+        }
+        assert!(check_name(&"a".repeat(NAME_MAX)).is_ok());
+        assert!(
+            check_name(&"a".repeat(NAME_MAX + 1))
+                .unwrap_err()
+                .contains("longer")
+        );
+    }
+
+    fn docker(containers: &[&str]) -> Docker {
+        Docker {
+            engine: Engine::new("/nonexistent/docker.sock".into()),
+            containers: containers.iter().map(|s| s.to_string()).collect(),
+            timeout: Duration::from_secs(60),
+        }
+    }
+
+    fn args(container: &str) -> Args {
+        let mut a = Args::new();
+        a.insert("container".into(), json!(container));
+        a
+    }
+
+    #[test]
+    fn the_allow_list_is_checked_after_the_grammar() {
+        let d = docker(&["web", "worker-*"]);
+        assert_eq!(d.permitted(&args("web")), Ok("web"));
+        assert_eq!(d.permitted(&args("worker-7")), Ok("worker-7"));
+        let denied = d.permitted(&args("db")).unwrap_err();
+        assert_eq!(denied.code, ToolErrorCode::PermissionDenied);
+        assert!(
+            denied.message.contains("container db is not among"),
+            "{}",
+            denied.message
+        );
+        assert_eq!(
+            d.permitted(&args("webx")).unwrap_err().code,
+            ToolErrorCode::PermissionDenied
+        );
+        assert_eq!(
+            d.permitted(&args("worker-/x")).unwrap_err().code,
+            ToolErrorCode::InvalidArguments
+        );
+        assert_eq!(
+            d.permitted(&args("")).unwrap_err().code,
+            ToolErrorCode::InvalidArguments
+        );
+
+        let none = docker(&[]).permitted(&args("web")).unwrap_err();
+        assert_eq!(none.code, ToolErrorCode::Unavailable);
+    }
+
+    #[test]
+    fn since_takes_seconds_or_a_duration_ago() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        assert_eq!(since(&json!(1_600_000_000), now), Ok(1_600_000_000));
+        assert_eq!(since(&json!("10m"), now), Ok(1_700_000_000 - 600));
+        assert_eq!(since(&json!("1h 30m"), now), Ok(1_700_000_000 - 5400));
+        assert_eq!(since(&json!("100years"), now), Ok(0));
+        assert!(since(&json!("10"), now).is_err());
+        assert!(since(&json!("soon"), now).unwrap_err().contains("duration"));
+        assert!(since(&json!(-5), now).is_err());
+        assert!(since(&json!(true), now).is_err());
+    }
+
+    #[test]
+    fn specs_declare_what_they_are() {
+        let host_free = docker(&["web"]);
+        let shared = Arc::new(host_free);
+        let logs = Logs(Arc::clone(&shared)).spec();
+        assert_eq!(logs.annotations, Annotations::READ_ONLY);
+        assert!(
+            logs.input_schema["properties"]["container"]["description"]
+                .as_str()
+                .unwrap()
+                .contains("web")
+        );
+        assert_eq!(Action::parse("restart"), Some(Action::Restart));
+        assert_eq!(Action::parse("kill"), None);
+    }
+
+    #[tokio::test]
+    async fn an_absent_engine_is_unavailable() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = Docker {
+            engine: Engine::new(dir.path().join("docker.sock")),
+            containers: vec!["web".into()],
+            timeout: Duration::from_secs(60),
+        };
+        let err = d.logs(&args("web")).await.unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::Unavailable);
+        assert!(err.message.contains("docker.sock"), "{}", err.message);
+    }
+}

@@ -1,0 +1,1600 @@
+//! `file.read` and `file.write`: regular files under the configured roots only (SPEC §10).
+//!
+//! A path is first checked lexically (absolute, no `..`, no NUL, under one configured root;
+//! the longest matching root wins), then the kernel resolves it beneath a descriptor of
+//! that root with `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`. A symbolic link may
+//! lead elsewhere inside the root (relative targets only: an absolute target counts as an
+//! escape), never out of it. Only regular files are read or written: a FIFO, device,
+//! socket or directory is refused, and is looked at through an `O_PATH` descriptor first so
+//! that it is never opened.
+//!
+//! A final path component that is a symbolic link: `file.read` follows it (beneath the
+//! root); `file.write` refuses it, so a write always replaces a regular file in the
+//! directory the caller named and never re-targets or replaces a link.
+//!
+//! `file.write` never edits in place. It writes a temp file (`.<name>.<random>.robota-tmp`,
+//! created `O_EXCL`) in the target's directory, fsyncs it, renames it over the target (no
+//! replace when the target was absent) and fsyncs the directory: a reader, or a crash,
+//! sees the old content or the new, never a mix. Every step after resolution is an `*at`
+//! call on the directory's descriptor, so a symlink swapped in after the check cannot
+//! redirect the write. An overwritten file keeps its owner and its `rwx` permission bits
+//! (set-id and sticky bits are not carried over).
+
+use std::fs::File;
+use std::io::{self, Read as _, Write as _};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, RenameFlags, ResolveFlag};
+use nix::sys::stat::{FileStat, Mode, SFlag};
+use nix::unistd::{Gid, Uid, UnlinkatFlags};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::{arg_str, arg_u64, internal, invalid, schema};
+use crate::config::FileTool;
+use crate::session::catalog::{
+    Annotations, HostTool, IDEMPOTENCY_KEY, ToolFuture, ToolSpec, idempotency_key_schema,
+};
+use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+
+/// Longest path a caller may name (PATH_MAX).
+const MAX_PATH: usize = 4096;
+/// Every temp file's name ends with this.
+const TEMP_SUFFIX: &str = ".robota-tmp";
+/// Bytes of the target's name kept in a temp file's name (NAME_MAX is 255).
+const TEMP_NAME_KEEP: usize = 200;
+/// How often a resolution that `openat2` could not prove safe (`EAGAIN`, a concurrent
+/// rename) is retried before the caller is told to retry.
+const RESOLVE_RETRIES: usize = 16;
+/// Permission bits an overwritten file keeps.
+const KEPT_MODE_BITS: u32 = 0o777;
+/// Mode of a new file before the umask.
+const NEW_FILE_MODE: u32 = 0o666;
+
+pub fn tools(config: &FileTool) -> Vec<Box<dyn HostTool>> {
+    let files = Arc::new(Files::new(config));
+    vec![
+        Box::new(ReadTool(Arc::clone(&files))),
+        Box::new(WriteTool(files)),
+    ]
+}
+
+/// What the two tools share: the roots and the size caps.
+struct Files {
+    /// Read roots, then write roots (write roots are readable too), without repeats.
+    readable: Vec<PathBuf>,
+    writable: Vec<PathBuf>,
+    max_read: u64,
+    max_write: u64,
+}
+
+impl Files {
+    fn new(config: &FileTool) -> Self {
+        let mut readable: Vec<PathBuf> = Vec::new();
+        for root in config.read_roots.iter().chain(&config.write_roots) {
+            if !readable.contains(root) {
+                readable.push(root.clone());
+            }
+        }
+        Self {
+            readable,
+            writable: config.write_roots.clone(),
+            max_read: config.max_read,
+            max_write: config.max_write,
+        }
+    }
+}
+
+fn denied(message: String) -> ToolError {
+    ToolError::new(ToolErrorCode::PermissionDenied, message)
+}
+
+fn unavailable(message: impl Into<String>) -> ToolError {
+    ToolError::new(ToolErrorCode::Unavailable, message)
+}
+
+fn no_roots() -> ToolError {
+    unavailable("no file roots are configured on this host")
+}
+
+fn show_roots(roots: &[PathBuf]) -> String {
+    roots
+        .iter()
+        .map(|r| r.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `text` (UTF-8) or `base64` (standard alphabet, padded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Text,
+    Base64,
+}
+
+impl Encoding {
+    fn parse(args: &Args) -> Self {
+        match arg_str(args, "encoding") {
+            Some("base64") => Encoding::Base64,
+            _ => Encoding::Text,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Encoding::Text => "text",
+            Encoding::Base64 => "base64",
+        }
+    }
+}
+
+fn encoding_schema(what: &str) -> Value {
+    json!({
+        "type": "string",
+        "enum": ["text", "base64"],
+        "description": format!("How {what}: `text` (UTF-8, the default) or `base64`.")
+    })
+}
+
+fn path_schema() -> Value {
+    json!({
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_PATH,
+        "description": "Absolute path under one of this host's file roots; no `..` components."
+    })
+}
+
+/// A caller's path placed under the configured root it lies in.
+#[derive(Debug)]
+struct Target<'r> {
+    /// As the caller wrote it, for messages.
+    shown: String,
+    root: &'r Path,
+    /// The path's components below the root; empty for the root itself.
+    rel: PathBuf,
+}
+
+/// The lexical checks: absolute, no NUL, no `..`, under one of `roots` (the longest match).
+fn locate<'r>(path: &str, roots: &'r [PathBuf], which: &str) -> Result<Target<'r>, ToolError> {
+    if path.contains('\0') {
+        return Err(invalid("path must not contain a NUL character"));
+    }
+    if path.len() > MAX_PATH {
+        return Err(invalid(format!("path is longer than {MAX_PATH} bytes")));
+    }
+    if path.len() > 1 && (path.ends_with('/') || path.ends_with("/.")) {
+        return Err(invalid(format!(
+            "{path} ends with a directory separator, so it does not name a regular file"
+        )));
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        return Err(invalid(format!("path must be absolute, got {path:?}")));
+    }
+    if p.components().any(|c| c == Component::ParentDir) {
+        return Err(invalid(format!(
+            "path must not contain `..` components: {path}"
+        )));
+    }
+    let best = roots
+        .iter()
+        .filter_map(|root| p.strip_prefix(root).ok().map(|rest| (root, rest)))
+        .max_by_key(|(root, _)| root.components().count());
+    let Some((root, rest)) = best else {
+        return Err(denied(format!(
+            "{path} is outside the configured {which} roots ({})",
+            show_roots(roots)
+        )));
+    };
+    let rel = rest
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect();
+    Ok(Target {
+        shown: path.to_owned(),
+        root,
+        rel,
+    })
+}
+
+fn open_root(root: &Path) -> Result<OwnedFd, ToolError> {
+    nix::fcntl::open(
+        root,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| {
+        tracing::warn!(root = %root.display(), error = %e, "cannot open a file root");
+        unavailable(format!(
+            "the configured root {} cannot be opened on this host",
+            root.display()
+        ))
+    })
+}
+
+/// `openat2` beneath `dir`: symbolic links and `..` inside `rel`'s resolution may not
+/// leave `dir` (`EXDEV`), magic links (`/proc/*/fd/*`) are not followed.
+fn resolve(dir: BorrowedFd<'_>, rel: &Path, flags: OFlag) -> nix::Result<OwnedFd> {
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let how = OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let mut tries = 0;
+    loop {
+        match nix::fcntl::openat2(dir, rel, how) {
+            Err(Errno::EAGAIN) if tries < RESOLVE_RETRIES => tries += 1,
+            other => return other,
+        }
+    }
+}
+
+fn escapes(t: &Target<'_>) -> ToolError {
+    denied(format!(
+        "{} escapes the root {} through a symbolic link",
+        t.shown,
+        t.root.display()
+    ))
+}
+
+/// A failed resolution of `t`, as the caller sees it.
+fn resolve_error(t: &Target<'_>, e: Errno) -> ToolError {
+    match e {
+        Errno::ENOENT => invalid(format!("no such file: {}", t.shown)),
+        Errno::ENOTDIR => invalid(format!(
+            "no such file: {} (a component of the path is not a directory)",
+            t.shown
+        )),
+        Errno::EXDEV => escapes(t),
+        Errno::ELOOP => invalid(format!(
+            "{} cannot be resolved: too many symbolic links, or a link the daemon does not follow",
+            t.shown
+        )),
+        Errno::ENAMETOOLONG => invalid(format!("a component of {} is too long", t.shown)),
+        Errno::EAGAIN => ToolError::new(
+            ToolErrorCode::Busy,
+            format!("{} kept changing while it was resolved; retry", t.shown),
+        ),
+        Errno::ENOSYS => {
+            unavailable("the file tools need openat2, which this kernel lacks (Linux 5.6 or later)")
+        }
+        other => host_error(t, other, "open"),
+    }
+}
+
+/// A failed host operation on `t` (`what` is a verb: "open", "read", "write").
+fn host_error(t: &Target<'_>, e: Errno, what: &str) -> ToolError {
+    match e {
+        Errno::EACCES | Errno::EPERM => denied(format!(
+            "the host does not let the daemon {what} {}",
+            t.shown
+        )),
+        Errno::EROFS => denied(format!("{} is on a read-only filesystem", t.shown)),
+        Errno::ENOSPC | Errno::EDQUOT => {
+            unavailable(format!("no space left on the filesystem of {}", t.shown))
+        }
+        Errno::EISDIR => not_regular(t, "directory"),
+        other => internal(&format!("file {what}"), other),
+    }
+}
+
+fn io_error(t: &Target<'_>, e: &io::Error, what: &str) -> ToolError {
+    match e.raw_os_error() {
+        Some(code) => host_error(t, Errno::from_raw(code), what),
+        None => internal(&format!("file {what}"), e),
+    }
+}
+
+fn not_regular(t: &Target<'_>, kind: &str) -> ToolError {
+    invalid(format!(
+        "{} is not a regular file (it is a {kind})",
+        t.shown
+    ))
+}
+
+fn file_kind(st: &FileStat) -> SFlag {
+    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits())
+}
+
+fn ensure_regular(t: &Target<'_>, st: &FileStat) -> Result<(), ToolError> {
+    let kind = match file_kind(st) {
+        SFlag::S_IFREG => return Ok(()),
+        SFlag::S_IFDIR => "directory",
+        SFlag::S_IFIFO => "FIFO",
+        SFlag::S_IFSOCK => "socket",
+        SFlag::S_IFCHR => "character device",
+        SFlag::S_IFBLK => "block device",
+        SFlag::S_IFLNK => "symbolic link",
+        _ => "special file",
+    };
+    Err(not_regular(t, kind))
+}
+
+/// Opens `t` for reading when it is a regular file beneath its root. The kind is checked
+/// on an `O_PATH` descriptor first, which opens nothing; the real open then carries
+/// `O_NONBLOCK | O_NOCTTY`, so a FIFO or terminal swapped in meanwhile neither blocks nor
+/// becomes the daemon's terminal, and is refused by the second check.
+fn open_regular(root: BorrowedFd<'_>, t: &Target<'_>) -> Result<(File, FileStat), ToolError> {
+    let probe = resolve(root, &t.rel, OFlag::O_PATH).map_err(|e| resolve_error(t, e))?;
+    let st = nix::sys::stat::fstat(&probe).map_err(|e| host_error(t, e, "inspect"))?;
+    ensure_regular(t, &st)?;
+    let fd = resolve(
+        root,
+        &t.rel,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
+    )
+    .map_err(|e| resolve_error(t, e))?;
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| host_error(t, e, "inspect"))?;
+    ensure_regular(t, &st)?;
+    Ok((File::from(fd), st))
+}
+
+/// The whole file from its start, if it holds at most `limit` bytes.
+fn read_whole(file: &File, limit: u64) -> io::Result<Option<Vec<u8>>> {
+    let mut buf = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut buf)?;
+    Ok((buf.len() as u64 <= limit).then_some(buf))
+}
+
+/// Up to `length` bytes from `offset` (fewer at the end of the file).
+fn read_range(file: &File, offset: u64, length: u64) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0; usize::try_from(length).unwrap_or(usize::MAX)];
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    buf.truncate(filled);
+    Ok(buf)
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// `file.read` arguments (types already checked by the schema).
+#[derive(Debug, Clone)]
+struct ReadRequest {
+    path: String,
+    offset: u64,
+    length: Option<u64>,
+    encoding: Encoding,
+}
+
+impl ReadRequest {
+    fn parse(args: &Args) -> Self {
+        Self {
+            path: arg_str(args, "path").unwrap_or_default().to_owned(),
+            offset: arg_u64(args, "offset").unwrap_or(0),
+            length: arg_u64(args, "length"),
+            encoding: Encoding::parse(args),
+        }
+    }
+}
+
+impl Files {
+    fn read(&self, req: &ReadRequest) -> Result<Value, ToolError> {
+        if self.readable.is_empty() {
+            return Err(no_roots());
+        }
+        let length = match req.length {
+            Some(n) if n > self.max_read => {
+                return Err(invalid(format!(
+                    "length {n} is over the read limit of {} bytes (tools.file.max_read); read in pieces with offset",
+                    self.max_read
+                )));
+            }
+            Some(n) => n,
+            None => self.max_read,
+        };
+        let t = locate(&req.path, &self.readable, "read")?;
+        let root = open_root(t.root)?;
+        let (file, st) = open_regular(root.as_fd(), &t)?;
+        let stat_size = u64::try_from(st.st_size).unwrap_or(0);
+        // A file that fits the read limit is read whole: its hash describes exactly the
+        // bytes the range is cut from, even if it changes meanwhile.
+        let whole = if stat_size <= self.max_read {
+            read_whole(&file, self.max_read).map_err(|e| io_error(&t, &e, "read"))?
+        } else {
+            None
+        };
+        let (size, sha256, content) = match whole {
+            Some(bytes) => {
+                let start = usize::try_from(req.offset)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                let end = start
+                    .saturating_add(usize::try_from(length).unwrap_or(usize::MAX))
+                    .min(bytes.len());
+                let content = bytes[start..end].to_vec();
+                (bytes.len() as u64, Some(sha256_hex(&bytes)), content)
+            }
+            None if req.offset >= stat_size => (stat_size, None, Vec::new()),
+            None => {
+                let content =
+                    read_range(&file, req.offset, length).map_err(|e| io_error(&t, &e, "read"))?;
+                (stat_size, None, content)
+            }
+        };
+        let returned = content.len() as u64;
+        let content = match req.encoding {
+            Encoding::Base64 => BASE64.encode(&content),
+            Encoding::Text => String::from_utf8(content).map_err(|e| {
+                invalid(format!(
+                    "{} is not UTF-8 text (at byte {}); read it with encoding \"base64\"",
+                    t.shown,
+                    req.offset + e.utf8_error().valid_up_to() as u64
+                ))
+            })?,
+        };
+        Ok(json!({
+            "path": t.shown,
+            "size": size,
+            "offset": req.offset,
+            "length": returned,
+            "encoding": req.encoding.as_str(),
+            "content": content,
+            "sha256": sha256,
+            "eof": req.offset.saturating_add(returned) >= size,
+        }))
+    }
+}
+
+/// What `file.write` does with an existing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteMode {
+    /// Only a new file; an existing one is refused.
+    Create,
+    /// Replace the content (a missing file is created).
+    Overwrite,
+    /// Old content followed by the new, replaced atomically (a missing file is created).
+    Append,
+}
+
+impl WriteMode {
+    fn parse(args: &Args) -> Self {
+        match arg_str(args, "mode") {
+            Some("overwrite") => WriteMode::Overwrite,
+            Some("append") => WriteMode::Append,
+            _ => WriteMode::Create,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            WriteMode::Create => "create",
+            WriteMode::Overwrite => "overwrite",
+            WriteMode::Append => "append",
+        }
+    }
+}
+
+/// `file.write` arguments (types already checked by the schema; the session has taken the
+/// idempotency key out).
+#[derive(Debug, Clone)]
+struct WriteRequest {
+    path: String,
+    content: String,
+    encoding: Encoding,
+    mode: WriteMode,
+    expected_sha256: Option<String>,
+}
+
+impl WriteRequest {
+    fn parse(args: &Args) -> Self {
+        Self {
+            path: arg_str(args, "path").unwrap_or_default().to_owned(),
+            content: arg_str(args, "content").unwrap_or_default().to_owned(),
+            encoding: Encoding::parse(args),
+            mode: WriteMode::parse(args),
+            expected_sha256: arg_str(args, "expected_sha256").map(str::to_ascii_lowercase),
+        }
+    }
+}
+
+/// The file a write is about to replace.
+struct Current {
+    stat: FileStat,
+    /// Its bytes, when appending.
+    content: Option<Vec<u8>>,
+    /// Its SHA-256, when a precondition names one.
+    sha256: Option<String>,
+}
+
+/// A write refused because the final component is a symbolic link: an escape if the link
+/// leaves the root, else a plain refusal.
+fn symlink_refusal(root: BorrowedFd<'_>, t: &Target<'_>) -> ToolError {
+    match resolve(root, &t.rel, OFlag::O_PATH) {
+        Err(Errno::EXDEV) => escapes(t),
+        _ => invalid(format!(
+            "{} is a symbolic link; file.write replaces regular files only, so name the link's target",
+            t.shown
+        )),
+    }
+}
+
+/// A temp file beside the target; removed on drop unless it was renamed into place.
+struct TempFile<'d> {
+    dir: BorrowedFd<'d>,
+    name: String,
+    file: File,
+    renamed: bool,
+}
+
+/// `.<target name>.<16 hex>.robota-tmp`, at most 255 bytes.
+fn temp_name(target: &str) -> String {
+    let mut keep = target.len().min(TEMP_NAME_KEEP);
+    while !target.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let mut random = [0u8; 8];
+    if getrandom::fill(&mut random).is_err() {
+        // O_EXCL still refuses a collision; this only makes one unlikely.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        random = (nanos ^ u64::from(std::process::id())).to_le_bytes();
+    }
+    format!(".{}.{}{TEMP_SUFFIX}", &target[..keep], hex::encode(random))
+}
+
+impl<'d> TempFile<'d> {
+    fn create(dir: BorrowedFd<'d>, target: &str) -> nix::Result<Self> {
+        let mut last = Errno::EEXIST;
+        for _ in 0..8 {
+            let name = temp_name(target);
+            match nix::fcntl::openat(
+                dir,
+                name.as_str(),
+                OFlag::O_WRONLY
+                    | OFlag::O_CREAT
+                    | OFlag::O_EXCL
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(NEW_FILE_MODE),
+            ) {
+                Ok(fd) => {
+                    return Ok(Self {
+                        dir,
+                        name,
+                        file: File::from(fd),
+                        renamed: false,
+                    });
+                }
+                Err(Errno::EEXIST) => last = Errno::EEXIST,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Gives the temp file the overwritten file's owner and permission bits.
+    fn keep_identity(&self, old: &FileStat) -> nix::Result<()> {
+        let (uid, gid) = (Uid::from_raw(old.st_uid), Gid::from_raw(old.st_gid));
+        if uid != nix::unistd::geteuid() || gid != nix::unistd::getegid() {
+            // Best effort: an unprivileged daemon cannot give files away.
+            if let Err(e) = nix::unistd::fchown(&self.file, Some(uid), Some(gid)) {
+                tracing::warn!(error = %e, "cannot keep the owner of an overwritten file");
+            }
+        }
+        nix::sys::stat::fchmod(
+            &self.file,
+            Mode::from_bits_truncate(old.st_mode & KEPT_MODE_BITS),
+        )
+    }
+
+    /// Renames the temp file to `target`; without `replace`, an existing `target` is kept
+    /// and the rename fails with `EEXIST`.
+    fn install(&mut self, target: &str, replace: bool) -> nix::Result<()> {
+        let flags = if replace {
+            RenameFlags::empty()
+        } else {
+            RenameFlags::RENAME_NOREPLACE
+        };
+        match nix::fcntl::renameat2(self.dir, self.name.as_str(), self.dir, target, flags) {
+            Ok(()) => {
+                self.renamed = true;
+                Ok(())
+            }
+            // A filesystem without RENAME_NOREPLACE: link(2) never replaces either; the
+            // temp name is then removed on drop.
+            Err(Errno::EINVAL) if !replace => nix::unistd::linkat(
+                self.dir,
+                self.name.as_str(),
+                self.dir,
+                target,
+                AtFlags::empty(),
+            ),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for TempFile<'_> {
+    fn drop(&mut self) {
+        if !self.renamed
+            && let Err(e) =
+                nix::unistd::unlinkat(self.dir, self.name.as_str(), UnlinkatFlags::NoRemoveDir)
+        {
+            tracing::warn!(error = %e, temp = %self.name, "cannot remove a temp file");
+        }
+    }
+}
+
+impl Files {
+    fn write(&self, req: &WriteRequest) -> Result<Value, ToolError> {
+        if self.writable.is_empty() {
+            return Err(if self.readable.is_empty() {
+                no_roots()
+            } else {
+                unavailable("no file write roots are configured on this host")
+            });
+        }
+        let t = locate(&req.path, &self.writable, "write")?;
+        let data = match req.encoding {
+            Encoding::Text => req.content.as_bytes().to_vec(),
+            Encoding::Base64 => BASE64
+                .decode(req.content.as_bytes())
+                .map_err(|e| invalid(format!("content is not valid base64: {e}")))?,
+        };
+        if data.len() as u64 > self.max_write {
+            return Err(invalid(format!(
+                "content is {} bytes, over the write limit of {} bytes (tools.file.max_write)",
+                data.len(),
+                self.max_write
+            )));
+        }
+        let (Some(name), Some(parent)) =
+            (t.rel.file_name().and_then(|n| n.to_str()), t.rel.parent())
+        else {
+            return Err(not_regular(&t, "directory"));
+        };
+        let root = open_root(t.root)?;
+        let dir = resolve(root.as_fd(), parent, OFlag::O_RDONLY | OFlag::O_DIRECTORY).map_err(
+            |e| match e {
+                Errno::ENOENT | Errno::ENOTDIR => {
+                    invalid(format!("the directory of {} does not exist", t.shown))
+                }
+                other => resolve_error(&t, other),
+            },
+        )?;
+
+        let current = self.current(root.as_fd(), dir.as_fd(), &t, name, req, data.len())?;
+        if req.mode == WriteMode::Create && current.is_some() {
+            return Err(invalid(format!(
+                "{} already exists; use mode \"overwrite\" or \"append\" to change it",
+                t.shown
+            )));
+        }
+        if let Some(expected) = &req.expected_sha256 {
+            match &current {
+                None => {
+                    return Err(invalid(format!(
+                        "{} does not exist, so it cannot have the expected_sha256 {expected}; nothing was written",
+                        t.shown
+                    )));
+                }
+                Some(c) if c.sha256.as_deref() != Some(expected.as_str()) => {
+                    return Err(invalid(format!(
+                        "{} has sha256 {}, not the expected {expected}; nothing was written",
+                        t.shown,
+                        c.sha256.as_deref().unwrap_or("unknown")
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        let new = match current.as_ref().and_then(|c| c.content.as_ref()) {
+            Some(old) => [old.as_slice(), &data].concat(),
+            None => data,
+        };
+
+        let mut temp =
+            TempFile::create(dir.as_fd(), name).map_err(|e| host_error(&t, e, "write"))?;
+        temp.file
+            .write_all(&new)
+            .map_err(|e| io_error(&t, &e, "write"))?;
+        if let Some(c) = &current {
+            temp.keep_identity(&c.stat)
+                .map_err(|e| host_error(&t, e, "write"))?;
+        }
+        temp.file
+            .sync_all()
+            .map_err(|e| io_error(&t, &e, "write"))?;
+        temp.install(name, current.is_some()).map_err(|e| match e {
+            Errno::EEXIST if req.mode == WriteMode::Create => invalid(format!(
+                "{} already exists; use mode \"overwrite\" or \"append\" to change it",
+                t.shown
+            )),
+            Errno::EEXIST => invalid(format!(
+                "{} was created by someone else during this write; nothing was written, retry",
+                t.shown
+            )),
+            Errno::EISDIR | Errno::ENOTEMPTY => not_regular(&t, "directory"),
+            Errno::EBUSY => invalid(format!(
+                "{} is a mount point and cannot be replaced",
+                t.shown
+            )),
+            other => host_error(&t, other, "write"),
+        })?;
+        nix::unistd::fsync(&dir).map_err(|e| host_error(&t, e, "write"))?;
+        drop(temp);
+        Ok(json!({
+            "path": t.shown,
+            "size": new.len(),
+            "sha256": sha256_hex(&new),
+            "mode": req.mode.as_str(),
+        }))
+    }
+
+    /// The regular file `name` in `dir` as it is now, `None` when there is none. Reads its
+    /// content when appending (bounded by the write limit) and hashes it when a
+    /// precondition needs that.
+    fn current(
+        &self,
+        root: BorrowedFd<'_>,
+        dir: BorrowedFd<'_>,
+        t: &Target<'_>,
+        name: &str,
+        req: &WriteRequest,
+        adding: usize,
+    ) -> Result<Option<Current>, ToolError> {
+        let st = match nix::sys::stat::fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(e) => return Err(host_error(t, e, "inspect")),
+        };
+        if file_kind(&st) == SFlag::S_IFLNK {
+            return Err(symlink_refusal(root, t));
+        }
+        ensure_regular(t, &st)?;
+        let needs_bytes = req.mode == WriteMode::Append
+            || (req.mode == WriteMode::Overwrite && req.expected_sha256.is_some());
+        if !needs_bytes {
+            return Ok(Some(Current {
+                stat: st,
+                content: None,
+                sha256: None,
+            }));
+        }
+        let fd = match nix::fcntl::openat(
+            dir,
+            name,
+            OFlag::O_RDONLY
+                | OFlag::O_NOFOLLOW
+                | OFlag::O_NONBLOCK
+                | OFlag::O_NOCTTY
+                | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(Errno::ELOOP) => return Err(symlink_refusal(root, t)),
+            Err(e) => return Err(host_error(t, e, "open")),
+        };
+        let st = nix::sys::stat::fstat(&fd).map_err(|e| host_error(t, e, "inspect"))?;
+        ensure_regular(t, &st)?;
+        let file = File::from(fd);
+        let mut current = Current {
+            stat: st,
+            content: None,
+            sha256: None,
+        };
+        if req.mode == WriteMode::Append {
+            let room = self.max_write.saturating_sub(adding as u64);
+            let Some(old) = read_whole(&file, room).map_err(|e| io_error(t, &e, "read"))? else {
+                return Err(invalid(format!(
+                    "appending {adding} bytes to {} ({} bytes) would go over the write limit of {} bytes (tools.file.max_write)",
+                    t.shown, st.st_size, self.max_write
+                )));
+            };
+            current.sha256 = Some(sha256_hex(&old));
+            current.content = Some(old);
+        } else if req.expected_sha256.is_some() {
+            let mut hasher = Sha256::new();
+            io::copy(&mut &file, &mut hasher).map_err(|e| io_error(t, &e, "read"))?;
+            current.sha256 = Some(hex::encode(hasher.finalize()));
+        }
+        Ok(Some(current))
+    }
+}
+
+/// Runs blocking file work off the async threads.
+async fn blocking<F>(work: F) -> Result<ToolOutput, ToolError>
+where
+    F: FnOnce() -> Result<Value, ToolError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| internal("the file task", e))?
+        .map(ToolOutput::Structured)
+}
+
+struct ReadTool(Arc<Files>);
+
+impl HostTool for ReadTool {
+    fn spec(&self) -> ToolSpec {
+        let f = &self.0;
+        let roots = if f.readable.is_empty() {
+            "No file roots are configured on this host, so calls answer `unavailable`.".to_owned()
+        } else {
+            format!("Readable roots: {}.", show_roots(&f.readable))
+        };
+        ToolSpec {
+            name: "file.read".into(),
+            description: format!(
+                "Read a regular file under this host's file roots. {roots} Returns up to `length` bytes (default and ceiling {max} bytes) from `offset` as UTF-8 text or base64, the file's `size`, `eof`, and `sha256` of the whole file when it is at most {max} bytes (pass it to file.write as expected_sha256). Symbolic links are followed only while they stay inside the root (relative link targets only).",
+                max = f.max_read
+            ),
+            input_schema: schema(json!({
+                "type": "object",
+                "properties": {
+                    "path": path_schema(),
+                    "offset": {"type": "integer", "minimum": 0, "description": "Byte offset to start at (default 0)."},
+                    "length": {"type": "integer", "minimum": 0, "description": format!("Bytes to return at most (default and ceiling {}).", f.max_read)},
+                    "encoding": encoding_schema("to return the content"),
+                },
+                "required": ["path"],
+                "additionalProperties": false
+            })),
+            annotations: Annotations::READ_ONLY,
+        }
+    }
+
+    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        let files = Arc::clone(&self.0);
+        let req = ReadRequest::parse(&args);
+        Box::pin(blocking(move || files.read(&req)))
+    }
+}
+
+struct WriteTool(Arc<Files>);
+
+impl HostTool for WriteTool {
+    fn spec(&self) -> ToolSpec {
+        let f = &self.0;
+        let roots = if f.writable.is_empty() {
+            "No write roots are configured on this host, so calls answer `unavailable`.".to_owned()
+        } else {
+            format!("Write roots: {}.", show_roots(&f.writable))
+        };
+        ToolSpec {
+            name: "file.write".into(),
+            description: format!(
+                "Write a regular file under this host's write roots, atomically: readers see the old or the new content, never a mix. {roots} `mode` is `create` (default; the file must not exist), `overwrite` or `append` (both create a missing file). At most {max} bytes of content, and of the file after an append. `expected_sha256` makes the write conditional on the current content. Symbolic links as the last path component are refused.",
+                max = f.max_write
+            ),
+            input_schema: schema(json!({
+                "type": "object",
+                "properties": {
+                    "path": path_schema(),
+                    "content": {"type": "string", "description": "The bytes to write, encoded as `encoding` says."},
+                    "encoding": encoding_schema("`content` is encoded"),
+                    "mode": {
+                        "type": "string",
+                        "enum": ["create", "overwrite", "append"],
+                        "description": "`create` (default), `overwrite` or `append`."
+                    },
+                    "expected_sha256": {
+                        "type": "string",
+                        "pattern": "^[0-9a-fA-F]{64}$",
+                        "description": "Hex SHA-256 the file's current content must have (as file.read reports it); otherwise nothing is written."
+                    },
+                    IDEMPOTENCY_KEY: idempotency_key_schema(),
+                },
+                "required": ["path", "content"],
+                "additionalProperties": false
+            })),
+            annotations: Annotations {
+                read_only: false,
+                destructive: true,
+                idempotent: false,
+                self_service: false,
+                replay_safe: true,
+            },
+        }
+    }
+
+    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        let files = Arc::clone(&self.0);
+        let req = WriteRequest::parse(&args);
+        Box::pin(blocking(move || files.write(&req)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{PermissionsExt, symlink};
+    use std::time::{Duration, Instant};
+
+    /// A temp tree: `rw/` (write root), `ro/` (read root), `outside/secret`.
+    struct Tree {
+        dir: tempfile::TempDir,
+        files: Files,
+    }
+
+    const SECRET: &str = "outside secret";
+
+    impl Tree {
+        fn new() -> Self {
+            Self::with_limits(1024, 1024)
+        }
+
+        fn with_limits(max_read: u64, max_write: u64) -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            for sub in ["rw", "ro", "outside"] {
+                std::fs::create_dir(dir.path().join(sub)).unwrap();
+            }
+            std::fs::write(dir.path().join("outside/secret"), SECRET).unwrap();
+            let files = Files::new(&FileTool {
+                read_roots: vec![dir.path().join("ro")],
+                write_roots: vec![dir.path().join("rw")],
+                max_read,
+                max_write,
+            });
+            Tree { dir, files }
+        }
+
+        fn path(&self, rel: &str) -> String {
+            self.dir.path().join(rel).display().to_string()
+        }
+
+        fn read(&self, rel: &str, extra: Value) -> Result<Value, ToolError> {
+            let mut args = json!({"path": self.path(rel)});
+            merge(&mut args, extra);
+            self.files
+                .read(&ReadRequest::parse(args.as_object().unwrap()))
+        }
+
+        fn write(&self, rel: &str, content: &str, extra: Value) -> Result<Value, ToolError> {
+            let mut args = json!({"path": self.path(rel), "content": content});
+            merge(&mut args, extra);
+            self.files
+                .write(&WriteRequest::parse(args.as_object().unwrap()))
+        }
+
+        fn temp_files(&self, rel: &str) -> Vec<String> {
+            std::fs::read_dir(self.dir.path().join(rel))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(TEMP_SUFFIX))
+                .collect()
+        }
+    }
+
+    fn merge(args: &mut Value, extra: Value) {
+        if let Value::Object(extra) = extra {
+            args.as_object_mut().unwrap().extend(extra);
+        }
+    }
+
+    #[track_caller]
+    fn refused(result: Result<Value, ToolError>, code: ToolErrorCode, needle: &str) -> String {
+        let e = result.expect_err("expected a refusal");
+        assert_eq!(e.code, code, "{e}");
+        assert!(
+            e.message.contains(needle),
+            "{e:?} should mention {needle:?}"
+        );
+        e.message
+    }
+
+    #[test]
+    fn text_round_trip() {
+        let t = Tree::new();
+        let w = t.write("rw/a.txt", "héllo\n", json!({})).unwrap();
+        assert_eq!(w["size"], "héllo\n".len());
+        assert_eq!(w["sha256"], sha256_hex("héllo\n".as_bytes()));
+        assert_eq!(w["mode"], "create");
+        let r = t.read("rw/a.txt", json!({})).unwrap();
+        assert_eq!(r["content"], "héllo\n");
+        assert_eq!(r["encoding"], "text");
+        assert_eq!(r["size"], "héllo\n".len());
+        assert_eq!(r["length"], "héllo\n".len());
+        assert_eq!(r["offset"], 0);
+        assert_eq!(r["eof"], true);
+        assert_eq!(r["sha256"], w["sha256"]);
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/a.txt")).unwrap(),
+            "héllo\n"
+        );
+        assert!(t.temp_files("rw").is_empty());
+    }
+
+    #[test]
+    fn base64_round_trip_and_non_utf8_text_is_refused() {
+        let t = Tree::new();
+        let bytes = [0xff, 0x00, 0x80, b'a'];
+        t.write(
+            "rw/bin",
+            &BASE64.encode(bytes),
+            json!({"encoding": "base64"}),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read(t.path("rw/bin")).unwrap(), bytes);
+        let r = t.read("rw/bin", json!({"encoding": "base64"})).unwrap();
+        assert_eq!(
+            BASE64.decode(r["content"].as_str().unwrap()).unwrap(),
+            bytes
+        );
+        assert_eq!(r["sha256"], sha256_hex(&bytes));
+        refused(
+            t.read("rw/bin", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "base64",
+        );
+        refused(
+            t.write("rw/bad", "not base64!", json!({"encoding": "base64"})),
+            ToolErrorCode::InvalidArguments,
+            "not valid base64",
+        );
+        assert!(!Path::new(&t.path("rw/bad")).exists());
+    }
+
+    #[test]
+    fn ranges_report_eof_and_hash_the_whole_file() {
+        let t = Tree::new();
+        std::fs::write(t.path("ro/r.txt"), "0123456789").unwrap();
+        let r = t
+            .read("ro/r.txt", json!({"offset": 2, "length": 3}))
+            .unwrap();
+        assert_eq!(r["content"], "234");
+        assert_eq!(r["length"], 3);
+        assert_eq!(r["size"], 10);
+        assert_eq!(r["eof"], false);
+        assert_eq!(r["sha256"], sha256_hex(b"0123456789"));
+        let r = t
+            .read("ro/r.txt", json!({"offset": 7, "length": 30}))
+            .unwrap();
+        assert_eq!(
+            (r["content"].as_str(), r["eof"].as_bool()),
+            (Some("789"), Some(true))
+        );
+        let r = t.read("ro/r.txt", json!({"offset": 50})).unwrap();
+        assert_eq!(
+            (r["length"].as_u64(), r["eof"].as_bool()),
+            (Some(0), Some(true))
+        );
+    }
+
+    #[test]
+    fn a_file_over_the_read_limit_is_read_in_ranges_without_a_hash() {
+        let t = Tree::with_limits(16, 1024);
+        let text: String = (0..40).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        std::fs::write(t.path("ro/big"), &text).unwrap();
+        let r = t.read("ro/big", json!({})).unwrap();
+        assert_eq!(r["content"], text[..16]);
+        assert_eq!(r["size"], 40);
+        assert_eq!(r["sha256"], Value::Null);
+        assert_eq!(r["eof"], false);
+        let r = t.read("ro/big", json!({"offset": 32})).unwrap();
+        assert_eq!(r["content"], text[32..]);
+        assert_eq!(r["eof"], true);
+        let r = t.read("ro/big", json!({"offset": 40})).unwrap();
+        assert_eq!(
+            (r["length"].as_u64(), r["eof"].as_bool()),
+            (Some(0), Some(true))
+        );
+    }
+
+    #[test]
+    fn create_overwrite_append() {
+        let t = Tree::new();
+        t.write("rw/f", "one\n", json!({})).unwrap();
+        refused(
+            t.write("rw/f", "again\n", json!({"mode": "create"})),
+            ToolErrorCode::InvalidArguments,
+            "already exists",
+        );
+        assert_eq!(std::fs::read_to_string(t.path("rw/f")).unwrap(), "one\n");
+
+        std::fs::set_permissions(t.path("rw/f"), std::fs::Permissions::from_mode(0o640)).unwrap();
+        let w = t
+            .write("rw/f", "two\n", json!({"mode": "overwrite"}))
+            .unwrap();
+        assert_eq!(w["mode"], "overwrite");
+        assert_eq!(std::fs::read_to_string(t.path("rw/f")).unwrap(), "two\n");
+        let mode = std::fs::metadata(t.path("rw/f"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, 0o640, "overwrite keeps the permission bits");
+
+        let w = t
+            .write("rw/f", "three\n", json!({"mode": "append"}))
+            .unwrap();
+        assert_eq!(w["size"], 10);
+        assert_eq!(w["sha256"], sha256_hex(b"two\nthree\n"));
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/f")).unwrap(),
+            "two\nthree\n"
+        );
+        let mode = std::fs::metadata(t.path("rw/f"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, 0o640, "append keeps the permission bits");
+
+        t.write("rw/new-by-append", "x", json!({"mode": "append"}))
+            .unwrap();
+        t.write("rw/new-by-overwrite", "y", json!({"mode": "overwrite"}))
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/new-by-append")).unwrap(),
+            "x"
+        );
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/new-by-overwrite")).unwrap(),
+            "y"
+        );
+        std::fs::create_dir(t.path("rw/sub")).unwrap();
+        t.write("rw/sub/nested", "z", json!({})).unwrap();
+        assert!(t.temp_files("rw").is_empty() && t.temp_files("rw/sub").is_empty());
+    }
+
+    #[test]
+    fn expected_sha256_is_a_precondition() {
+        let t = Tree::new();
+        t.write("rw/c", "v1", json!({})).unwrap();
+        let wrong = "0".repeat(64);
+        let msg = refused(
+            t.write(
+                "rw/c",
+                "v2",
+                json!({"mode": "overwrite", "expected_sha256": wrong}),
+            ),
+            ToolErrorCode::InvalidArguments,
+            &sha256_hex(b"v1"),
+        );
+        assert!(msg.contains("nothing was written"), "{msg}");
+        assert_eq!(std::fs::read_to_string(t.path("rw/c")).unwrap(), "v1");
+        // Upper-case hex is the same digest.
+        let good = sha256_hex(b"v1").to_ascii_uppercase();
+        t.write(
+            "rw/c",
+            "v2",
+            json!({"mode": "overwrite", "expected_sha256": good}),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read_to_string(t.path("rw/c")).unwrap(), "v2");
+        t.write(
+            "rw/c",
+            "+",
+            json!({"mode": "append", "expected_sha256": sha256_hex(b"v2")}),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read_to_string(t.path("rw/c")).unwrap(), "v2+");
+        refused(
+            t.write(
+                "rw/absent",
+                "x",
+                json!({"mode": "overwrite", "expected_sha256": sha256_hex(b"")}),
+            ),
+            ToolErrorCode::InvalidArguments,
+            "does not exist",
+        );
+        assert!(!Path::new(&t.path("rw/absent")).exists());
+    }
+
+    #[test]
+    fn paths_must_be_absolute_plain_and_under_a_root() {
+        let t = Tree::new();
+        refused(
+            t.read("rw/../outside/secret", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "`..`",
+        );
+        refused(
+            t.write("rw/../outside/new", "x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "`..`",
+        );
+        let req = |path: &str| ReadRequest {
+            path: path.into(),
+            offset: 0,
+            length: None,
+            encoding: Encoding::Text,
+        };
+        let e = t.files.read(&req("rw/a")).unwrap_err();
+        assert!(e.message.contains("absolute"), "{e}");
+        let e = t
+            .files
+            .read(&req(&format!("{}\0x", t.path("rw/a"))))
+            .unwrap_err();
+        assert!(e.message.contains("NUL"), "{e}");
+        let msg = refused(
+            t.read("outside/secret", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "outside the configured read roots",
+        );
+        assert!(msg.contains(&t.path("outside/secret")), "{msg}");
+        refused(
+            t.write("ro/x", "x", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "outside the configured write roots",
+        );
+        refused(
+            t.write("outside/new", "x", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "outside",
+        );
+        assert!(!Path::new(&t.path("ro/x")).exists());
+        assert!(!Path::new(&t.path("outside/new")).exists());
+        // A sibling whose name merely starts like a root is not under it.
+        std::fs::create_dir(t.path("rw-sibling")).unwrap();
+        refused(
+            t.read("rw-sibling/x", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "outside",
+        );
+    }
+
+    #[test]
+    fn the_longest_root_wins() {
+        let roots = vec![PathBuf::from("/srv"), PathBuf::from("/srv/app/")];
+        let t = locate("/srv/app/./conf/x.toml", &roots, "read").unwrap();
+        assert_eq!(t.root, Path::new("/srv/app/"));
+        assert_eq!(t.rel, Path::new("conf/x.toml"));
+        let t = locate("/srv/application", &roots, "read").unwrap();
+        assert_eq!(
+            (t.root, t.rel.as_path()),
+            (Path::new("/srv"), Path::new("application"))
+        );
+        let t = locate("/srv", &roots, "read").unwrap();
+        assert!(t.rel.as_os_str().is_empty());
+    }
+
+    #[test]
+    fn symlinks_may_not_leave_the_root() {
+        let t = Tree::new();
+        symlink(t.path("outside/secret"), t.path("rw/abs-out")).unwrap();
+        symlink("../outside/secret", t.path("rw/rel-out")).unwrap();
+        symlink("../outside", t.path("rw/dir-out")).unwrap();
+        for link in ["rw/abs-out", "rw/rel-out", "rw/dir-out/secret"] {
+            refused(
+                t.read(link, json!({})),
+                ToolErrorCode::PermissionDenied,
+                "escapes the root",
+            );
+        }
+        refused(
+            t.write("rw/dir-out/new", "x", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "escapes the root",
+        );
+        refused(
+            t.write("rw/rel-out", "x", json!({"mode": "overwrite"})),
+            ToolErrorCode::PermissionDenied,
+            "escapes the root",
+        );
+        assert_eq!(
+            std::fs::read_to_string(t.path("outside/secret")).unwrap(),
+            SECRET
+        );
+        let outside: Vec<_> = std::fs::read_dir(t.path("outside")).unwrap().collect();
+        assert_eq!(outside.len(), 1, "nothing new outside the root");
+        // An absolute link to a file inside the root counts as an escape too.
+        std::fs::write(t.path("rw/in.txt"), "inside").unwrap();
+        symlink(t.path("rw/in.txt"), t.path("rw/abs-in")).unwrap();
+        refused(
+            t.read("rw/abs-in", json!({})),
+            ToolErrorCode::PermissionDenied,
+            "escapes",
+        );
+    }
+
+    #[test]
+    fn relative_links_inside_the_root_are_read_but_never_written_through() {
+        let t = Tree::new();
+        std::fs::create_dir(t.path("rw/d")).unwrap();
+        std::fs::write(t.path("rw/d/in.txt"), "inside").unwrap();
+        symlink("d/in.txt", t.path("rw/link")).unwrap();
+        symlink("d", t.path("rw/dlink")).unwrap();
+        assert_eq!(t.read("rw/link", json!({})).unwrap()["content"], "inside");
+        assert_eq!(
+            t.read("rw/dlink/in.txt", json!({})).unwrap()["content"],
+            "inside"
+        );
+        refused(
+            t.write("rw/link", "x", json!({"mode": "overwrite"})),
+            ToolErrorCode::InvalidArguments,
+            "symbolic link",
+        );
+        refused(
+            t.write("rw/link", "x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "symbolic link",
+        );
+        assert!(
+            std::fs::symlink_metadata(t.path("rw/link"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/d/in.txt")).unwrap(),
+            "inside"
+        );
+        // A directory link inside the root is a fine parent.
+        t.write("rw/dlink/new.txt", "via link", json!({})).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.path("rw/d/new.txt")).unwrap(),
+            "via link"
+        );
+    }
+
+    #[test]
+    fn only_regular_files() {
+        let t = Tree::new();
+        nix::unistd::mkfifo(t.path("rw/fifo").as_str(), Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::create_dir(t.path("rw/dir")).unwrap();
+        let started = Instant::now();
+        refused(
+            t.read("rw/fifo", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "not a regular file (it is a FIFO)",
+        );
+        refused(
+            t.write("rw/fifo", "x", json!({"mode": "overwrite"})),
+            ToolErrorCode::InvalidArguments,
+            "not a regular file",
+        );
+        refused(
+            t.write("rw/fifo", "x", json!({"mode": "append"})),
+            ToolErrorCode::InvalidArguments,
+            "FIFO",
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a FIFO must not block"
+        );
+        refused(
+            t.read("rw/dir", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "directory",
+        );
+        refused(
+            t.write("rw/dir", "x", json!({"mode": "overwrite"})),
+            ToolErrorCode::InvalidArguments,
+            "directory",
+        );
+        refused(
+            t.read("rw", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "directory",
+        );
+        refused(
+            t.write("rw", "x", json!({"mode": "overwrite"})),
+            ToolErrorCode::InvalidArguments,
+            "directory",
+        );
+        std::fs::write(t.path("rw/file"), "x").unwrap();
+        for slashed in ["rw/file/", "rw/file/.", "rw/"] {
+            refused(
+                t.read(slashed, json!({})),
+                ToolErrorCode::InvalidArguments,
+                "directory separator",
+            );
+            refused(
+                t.write(slashed, "y", json!({"mode": "overwrite"})),
+                ToolErrorCode::InvalidArguments,
+                "directory separator",
+            );
+        }
+        assert_eq!(std::fs::read_to_string(t.path("rw/file")).unwrap(), "x");
+        let sock = std::os::unix::net::UnixListener::bind(t.path("rw/sock")).unwrap();
+        refused(
+            t.read("rw/sock", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "socket",
+        );
+        drop(sock);
+        assert!(
+            std::fs::read_dir(t.path("rw/dir"))
+                .unwrap()
+                .next()
+                .is_none()
+        );
+        assert!(t.temp_files("rw").is_empty());
+    }
+
+    #[test]
+    fn missing_files_and_directories() {
+        let t = Tree::new();
+        refused(
+            t.read("rw/nope", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "no such file",
+        );
+        refused(
+            t.read("rw/nope/deeper", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "no such file",
+        );
+        std::fs::write(t.path("rw/plain"), "x").unwrap();
+        refused(
+            t.read("rw/plain/x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "no such file",
+        );
+        refused(
+            t.write("rw/nodir/f", "x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "directory of",
+        );
+        refused(
+            t.write("rw/plain/f", "x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "directory of",
+        );
+    }
+
+    #[test]
+    fn size_limits_are_named() {
+        let t = Tree::with_limits(8, 8);
+        std::fs::write(t.path("rw/s"), "12345").unwrap();
+        refused(
+            t.read("rw/s", json!({"length": 9})),
+            ToolErrorCode::InvalidArguments,
+            "read limit of 8 bytes",
+        );
+        assert_eq!(
+            t.read("rw/s", json!({"length": 8})).unwrap()["content"],
+            "12345"
+        );
+        refused(
+            t.write("rw/big", "123456789", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "write limit of 8 bytes",
+        );
+        assert!(!Path::new(&t.path("rw/big")).exists());
+        refused(
+            t.write("rw/s", "6789", json!({"mode": "append"})),
+            ToolErrorCode::InvalidArguments,
+            "write limit of 8 bytes",
+        );
+        assert_eq!(std::fs::read_to_string(t.path("rw/s")).unwrap(), "12345");
+        t.write("rw/s", "678", json!({"mode": "append"})).unwrap();
+        assert_eq!(std::fs::read_to_string(t.path("rw/s")).unwrap(), "12345678");
+    }
+
+    #[test]
+    fn without_roots_the_tools_are_unavailable() {
+        let files = Files::new(&FileTool::default());
+        let e = files
+            .read(&ReadRequest::parse(
+                json!({"path": "/etc/hostname"}).as_object().unwrap(),
+            ))
+            .unwrap_err();
+        assert_eq!(e.code, ToolErrorCode::Unavailable);
+        assert!(e.message.contains("no file roots are configured"), "{e}");
+        let e = files
+            .write(&WriteRequest::parse(
+                json!({"path": "/tmp/x", "content": ""})
+                    .as_object()
+                    .unwrap(),
+            ))
+            .unwrap_err();
+        assert_eq!(e.code, ToolErrorCode::Unavailable);
+        // With read roots only, writes are unavailable and reads work.
+        let t = Tree::new();
+        let ro = Files::new(&FileTool {
+            read_roots: vec![t.dir.path().join("ro")],
+            ..FileTool::default()
+        });
+        let e = ro
+            .write(&WriteRequest::parse(
+                json!({"path": t.path("ro/x"), "content": ""})
+                    .as_object()
+                    .unwrap(),
+            ))
+            .unwrap_err();
+        assert_eq!(e.code, ToolErrorCode::Unavailable);
+        assert!(e.message.contains("write roots"), "{e}");
+    }
+
+    #[test]
+    fn temp_names_are_hidden_bounded_and_removed_on_failure() {
+        let name = temp_name("config.toml");
+        assert!(
+            name.starts_with(".config.toml.") && name.ends_with(TEMP_SUFFIX),
+            "{name}"
+        );
+        assert_ne!(name, temp_name("config.toml"));
+        let long = "é".repeat(127);
+        assert!(temp_name(&long).len() <= 255);
+        let t = Tree::new();
+        let dir = nix::fcntl::open(
+            t.dir.path().join("rw").as_path(),
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+            Mode::empty(),
+        )
+        .unwrap();
+        let temp = TempFile::create(dir.as_fd(), "x").unwrap();
+        assert_eq!(t.temp_files("rw"), vec![temp.name.clone()]);
+        drop(temp);
+        assert!(
+            t.temp_files("rw").is_empty(),
+            "an abandoned temp file is removed"
+        );
+        // A no-replace install onto an existing name fails and leaves both files intact.
+        std::fs::write(t.path("rw/x"), "racer").unwrap();
+        let mut temp = TempFile::create(dir.as_fd(), "x").unwrap();
+        temp.file.write_all(b"mine").unwrap();
+        assert_eq!(temp.install("x", false), Err(Errno::EEXIST));
+        drop(temp);
+        assert_eq!(std::fs::read_to_string(t.path("rw/x")).unwrap(), "racer");
+        assert!(t.temp_files("rw").is_empty());
+    }
+
+    #[test]
+    fn specs_pass_the_catalog() {
+        let t = Tree::new();
+        let tools = tools(&FileTool {
+            read_roots: vec![t.dir.path().join("ro")],
+            write_roots: vec![t.dir.path().join("rw")],
+            ..FileTool::default()
+        });
+        let specs: Vec<ToolSpec> = tools.iter().map(|t| t.spec()).collect();
+        assert_eq!(specs[0].name, "file.read");
+        assert_eq!(specs[0].annotations, Annotations::READ_ONLY);
+        assert_eq!(specs[1].name, "file.write");
+        assert!(specs[1].annotations.replay_safe && specs[1].annotations.destructive);
+        assert!(!specs[1].annotations.read_only);
+        assert!(
+            specs[1].input_schema["properties"]
+                .get(IDEMPOTENCY_KEY)
+                .is_some()
+        );
+        assert!(specs[0].description.contains(&t.path("ro")));
+        crate::session::Catalog::new(tools).expect("the file tools pass catalog validation");
+    }
+
+    #[tokio::test]
+    async fn calls_run_through_the_host_tool() {
+        let t = Tree::new();
+        let tools = tools(&FileTool {
+            write_roots: vec![t.dir.path().join("rw")],
+            ..FileTool::default()
+        });
+        let caller = crate::session::Caller::Local(0);
+        let ctx = ToolContext {
+            caller: &caller,
+            cancel: Default::default(),
+            host: &crate::session::tests::NoCarriers,
+        };
+        let args = json!({"path": t.path("rw/h"), "content": "hi"});
+        let out = tools[1]
+            .call(&ctx, args.as_object().unwrap().clone())
+            .await
+            .unwrap();
+        let ToolOutput::Structured(w) = out else {
+            panic!("structured output expected")
+        };
+        let args = json!({"path": t.path("rw/h")});
+        let ToolOutput::Structured(r) = tools[0]
+            .call(&ctx, args.as_object().unwrap().clone())
+            .await
+            .unwrap()
+        else {
+            panic!("structured output expected")
+        };
+        assert_eq!(r["content"], "hi");
+        assert_eq!(r["sha256"], w["sha256"]);
+    }
+}
