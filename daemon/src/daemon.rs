@@ -696,6 +696,29 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
     notify::ready(&core.ready_status());
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "ready");
 
+    // The store forgets what is older than its retention, hourly (also at start).
+    tasks.push(tokio::spawn({
+        let store = core.host.store.clone();
+        let stop = listeners.clone();
+        async move {
+            let mut hourly = tokio::time::interval(crate::store::PRUNE_EVERY);
+            hourly.tick().await;
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = hourly.tick() => {
+                        let store = store.clone();
+                        match tokio::task::spawn_blocking(move || store.prune()).await {
+                            Ok(Err(e)) => tracing::error!(error = %e, "cannot prune the store"),
+                            Err(e) => tracing::error!(error = %e, "the store pruner failed"),
+                            Ok(Ok(())) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }));
+
     let mut watchdog = notify::watchdog_interval().map(tokio::time::interval);
     let result = loop {
         let tick = async {

@@ -22,6 +22,8 @@ use crate::store::{Store, StoreError, now};
 pub const MAX_REASON: usize = 500;
 /// Most tool patterns in one grant's scope.
 pub const MAX_SCOPE: usize = 32;
+/// Most grant requests one caller may make in an hour, withdrawn ones included.
+pub const REQUESTS_PER_HOUR: usize = 30;
 
 pub use robota_proto::{GrantKind, GrantRecord as Grant, GrantState};
 
@@ -175,7 +177,14 @@ impl Grants {
                     [&caller_text],
                     |r| r.get(0),
                 )?;
-                if pending >= max_pending {
+                // Withdrawn requests count too: request-and-revoke cannot flood the
+                // operator's list or the audit trail.
+                let recent: usize = tx.query_row(
+                    "SELECT COUNT(*) FROM grants WHERE caller = ?1 AND requested_at > ?2",
+                    params![caller_text, now - 3600],
+                    |r| r.get(0),
+                )?;
+                if pending >= max_pending || recent >= REQUESTS_PER_HOUR {
                     return Ok(None);
                 }
                 tx.execute(
@@ -192,7 +201,7 @@ impl Grants {
             return Err(ToolError::new(
                 ToolErrorCode::Busy,
                 format!(
-                    "you already have {max_pending} pending requests; wait for an operator to decide them"
+                    "you have {max_pending} pending requests or made {REQUESTS_PER_HOUR} in the last hour; wait for an operator to decide them"
                 ),
             ));
         };
@@ -220,19 +229,17 @@ impl Grants {
     /// active ones (`current_only`).
     pub fn list(&self, caller: Option<&str>, current_only: bool) -> Result<Vec<Grant>, StoreError> {
         let now = now();
-        let all: Vec<Grant> = self.store.with(|c| {
+        // The state filter is in SQL, so old decided grants can never push a pending or
+        // live one out of the newest-1000 window.
+        self.store.with(|c| {
             let mut stmt = c.prepare(&format!(
-                "SELECT {COLUMNS} FROM grants WHERE (?1 IS NULL OR caller = ?1) ORDER BY id DESC LIMIT 1000"
+                "SELECT {COLUMNS} FROM grants WHERE (?1 IS NULL OR caller = ?1) \
+                 AND (?2 = 0 OR state = 'pending' OR (state = 'approved' AND expires_at > ?3)) \
+                 ORDER BY id DESC LIMIT 1000"
             ))?;
-            stmt.query_map(params![caller], |r| from_row(r, now))?
+            stmt.query_map(params![caller, current_only, now], |r| from_row(r, now))?
                 .collect()
-        })?;
-        Ok(all
-            .into_iter()
-            .filter(|g| {
-                !current_only || matches!(g.state, GrantState::Pending | GrantState::Approved)
-            })
-            .collect())
+        })
     }
 
     /// Requests waiting for an operator.
@@ -471,5 +478,50 @@ mod tests {
             .request(&c, GrantKind::Elevation, "r", vec!["x".into()], d)
             .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::Busy);
+        // Request-and-withdraw is bounded too.
+        let other = Caller::Local(2);
+        for _ in 0..REQUESTS_PER_HOUR {
+            let req = g
+                .request(&other, GrantKind::Elevation, "r", vec!["x".into()], d)
+                .unwrap();
+            g.revoke_own(&other, req.grant_id).unwrap();
+        }
+        let err = g
+            .request(&other, GrantKind::Elevation, "r", vec!["x".into()], d)
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::Busy);
+    }
+
+    #[test]
+    fn current_grants_are_listed_however_many_old_ones_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let c = Caller::Local(1);
+        let live = g
+            .request(
+                &c,
+                GrantKind::Elevation,
+                "keep",
+                vec!["x".into()],
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        g.approve(live.grant_id, "local:0", None).unwrap();
+        g.store
+            .with(|conn| {
+                let tx = conn.transaction()?;
+                for _ in 0..1500 {
+                    tx.execute(
+                        "INSERT INTO grants (caller, kind, reason, scope, duration_secs, state, requested_at) \
+                         VALUES ('local:9', 'elevation', 'old', '[]', 60, 'denied', 0)",
+                        [],
+                    )?;
+                }
+                tx.commit()
+            })
+            .unwrap();
+        let current = g.list(None, true).unwrap();
+        assert_eq!(current.len(), 1);
+        assert_eq!(current[0].grant_id, live.grant_id);
     }
 }

@@ -208,6 +208,58 @@ pub struct Jobs {
     tracker: TaskTracker,
 }
 
+/// If job `id` is `running` in the store but the process that ran it is gone: kill what is
+/// left of its process group and mark it `outcome-unknown` (never re-run). Returns whether
+/// it did.
+fn settle_orphan(store: &Store, id: i64) -> Result<bool, StoreError> {
+    let row: Option<(String, Option<u32>, Option<u64>)> = store.with(|c| {
+        c.query_row(
+            "SELECT runner, pid, pid_start_time FROM jobs WHERE id = ?1 AND state = 'running'",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()
+    })?;
+    let Some((job_runner, pid, pid_start)) = row else {
+        return Ok(false);
+    };
+    if runner::alive(&job_runner) {
+        return Ok(false);
+    }
+    if let (Some(pid), Some(start)) = (pid, pid_start)
+        && group_is_the_jobs(pid, start)
+    {
+        tracing::warn!(
+            job_id = id,
+            pgid = pid,
+            "killing the process group of an orphaned job"
+        );
+        let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+    }
+    let changed = store.with(|c| {
+        c.execute(
+            "UPDATE jobs SET state = 'outcome-unknown', finished_at = ?2, \
+             detail = 'the process running this job stopped before it ended; it was not re-run' \
+             WHERE id = ?1 AND state = 'running'",
+            params![id, now()],
+        )
+    })?;
+    Ok(changed > 0)
+}
+
+/// Whether process group `pgid` still holds the job's processes: its leader is the job's
+/// (same start time), or the leader is gone and the members all started no earlier than
+/// it did (a pid stays allocated while its group exists, so such a group is the job's).
+fn group_is_the_jobs(pgid: u32, leader_start: u64) -> bool {
+    match runner::start_time(pgid) {
+        Some(start) => start == leader_start,
+        None => {
+            let members = runner::group_members(pgid);
+            !members.is_empty() && members.iter().all(|(_, start)| *start >= leader_start)
+        }
+    }
+}
+
 fn store_err(e: StoreError) -> ToolError {
     tracing::error!(error = %e, "job store failure");
     ToolError::new(ToolErrorCode::Internal, "the job store failed")
@@ -228,37 +280,15 @@ impl Jobs {
         max_running: usize,
         metrics: Metrics,
     ) -> Result<(Arc<Self>, usize), StoreError> {
-        let orphans: Vec<(i64, String, Option<u32>, Option<u64>)> = store.with(|c| {
-            let mut stmt = c.prepare(
-                "SELECT id, runner, pid, pid_start_time FROM jobs WHERE state = 'running'",
-            )?;
-            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-                .collect()
+        let orphans: Vec<i64> = store.with(|c| {
+            let mut stmt = c.prepare("SELECT id FROM jobs WHERE state = 'running'")?;
+            stmt.query_map([], |r| r.get(0))?.collect()
         })?;
         let mut recovered = 0;
-        for (id, job_runner, pid, pid_start) in orphans {
-            if runner::alive(&job_runner) {
-                continue;
+        for id in orphans {
+            if settle_orphan(&store, id)? {
+                recovered += 1;
             }
-            if let (Some(pid), Some(start)) = (pid, pid_start)
-                && runner::start_time(pid) == Some(start)
-            {
-                tracing::warn!(
-                    job_id = id,
-                    pid,
-                    "killing the process group of an orphaned job"
-                );
-                let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
-            }
-            store.with(|c| {
-                c.execute(
-                    "UPDATE jobs SET state = 'outcome-unknown', finished_at = ?2, \
-                     detail = 'the daemon stopped while this job was running; it was not re-run' \
-                     WHERE id = ?1 AND state = 'running'",
-                    params![id, now()],
-                )
-            })?;
-            recovered += 1;
         }
         Ok((
             Arc::new(Self {
@@ -330,15 +360,29 @@ impl Jobs {
             let finish = match work {
                 Work::Process(template) => jobs.run_process(id, &template, &cancel).await,
                 Work::Action { timeout, run } => {
-                    let sink = OutputSink::new(Arc::clone(&jobs.store), id, crate::config::JOB_OUTPUT_DEFAULT);
+                    let sink = OutputSink::new(
+                        Arc::clone(&jobs.store),
+                        id,
+                        crate::config::JOB_OUTPUT_DEFAULT,
+                    );
+                    // An action asks another system (systemd, the Docker engine) to act;
+                    // once asked, no longer waiting does not undo it. So a cancel, a
+                    // time-out or a daemon stop leaves its outcome unknown, never
+                    // "cancelled" (which would invite a blind retry).
+                    let gave_up = |why: String| Finish {
+                        state: JobState::OutcomeUnknown,
+                        exit_code: None,
+                        detail: format!(
+                            "{why}; the action may still take effect: check before retrying"
+                        ),
+                    };
                     tokio::select! {
                         biased;
-                        () = cancel.cancelled() => Finish { state: JobState::Cancelled, exit_code: None, detail: "cancelled".into() },
-                        () = tokio::time::sleep(timeout) => Finish {
-                            state: JobState::TimedOut,
-                            exit_code: None,
-                            detail: format!("did not finish within {}", humantime::format_duration(timeout)),
-                        },
+                        () = cancel.cancelled() => gave_up("stopped waiting on cancel".into()),
+                        () = tokio::time::sleep(timeout) => gave_up(format!(
+                            "no answer within {}",
+                            humantime::format_duration(timeout)
+                        )),
                         finish = run(sink) => finish,
                     }
                 }
@@ -434,11 +478,30 @@ impl Jobs {
                 .map(|s| Box::new(s) as Box<dyn AsyncRead + Send + Unpin>),
             "stderr",
         );
-        let run = async {
-            let ((), ()) = tokio::join!(stdout, stderr);
-            child.wait().await
-        };
         let group = pid.map(|p| Pid::from_raw(p as i32));
+        let run = async {
+            let mut pumps = std::pin::pin!(async {
+                let ((), ()) = tokio::join!(stdout, stderr);
+            });
+            let mut drained = false;
+            let status = tokio::select! {
+                status = child.wait() => status,
+                () = &mut pumps => {
+                    drained = true;
+                    child.wait().await
+                }
+            };
+            // The job is its leader: once it exits, anything it left behind in its group
+            // goes with it, and the output is drained (bounded: a process that left the
+            // group may hold the pipe open).
+            if let Some(group) = group {
+                let _ = killpg(group, Signal::SIGKILL);
+            }
+            if !drained {
+                let _ = tokio::time::timeout(KILL_GRACE, pumps).await;
+            }
+            status
+        };
         let ended = tokio::select! {
             biased;
             () = cancel.cancelled() => Err(Finish { state: JobState::Cancelled, exit_code: None, detail: "cancelled; its process group was killed".into() }),
@@ -450,25 +513,19 @@ impl Jobs {
             status = run => Ok(status),
         };
         match ended {
-            Ok(Ok(status)) => {
-                // Anything the job left behind in its group goes with it.
-                if let Some(group) = group {
-                    let _ = killpg(group, Signal::SIGKILL);
-                }
-                match status.code() {
-                    Some(0) => Finish {
-                        state: JobState::Succeeded,
-                        exit_code: Some(0),
-                        detail: "exited with status 0".into(),
-                    },
-                    Some(code) => Finish {
-                        state: JobState::Failed,
-                        exit_code: Some(code),
-                        detail: format!("exited with status {code}"),
-                    },
-                    None => Finish::failed("was killed by a signal"),
-                }
-            }
+            Ok(Ok(status)) => match status.code() {
+                Some(0) => Finish {
+                    state: JobState::Succeeded,
+                    exit_code: Some(0),
+                    detail: "exited with status 0".into(),
+                },
+                Some(code) => Finish {
+                    state: JobState::Failed,
+                    exit_code: Some(code),
+                    detail: format!("exited with status {code}"),
+                },
+                None => Finish::failed("was killed by a signal"),
+            },
             Ok(Err(e)) => Finish::failed(format!("waiting for the job failed: {e}")),
             Err(finish) => {
                 if let Some(group) = group {
@@ -488,6 +545,11 @@ impl Jobs {
     }
 
     pub fn get(&self, id: i64) -> Result<Option<JobRecord>, StoreError> {
+        // A job another process ran, and that process is gone (a `--stdio` process that
+        // ended, or a crashed daemon sharing the store): settle it now.
+        if !self.running.lock().contains_key(&id) {
+            settle_orphan(&self.store, id)?;
+        }
         self.store.with(|c| {
             c.query_row(
                 &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"),
@@ -520,8 +582,12 @@ impl Jobs {
             .store
             .with(|c| {
                 // The chunk containing the cursor, then the ones after it.
+                // Starts at the chunk holding the cursor, found through the primary key
+                // (no scan of the job's earlier output).
                 let mut stmt = c.prepare(
                     "SELECT offset, stream, data FROM job_output WHERE job_id = ?1 \
+                     AND offset >= COALESCE((SELECT MAX(offset) FROM job_output \
+                                             WHERE job_id = ?1 AND offset <= ?2), 0) \
                      AND offset + length(data) > ?2 ORDER BY offset LIMIT 256",
                 )?;
                 stmt.query_map(params![id, cursor], |r| {
@@ -566,9 +632,15 @@ impl Jobs {
         if job.state.finished() {
             return Ok(job);
         }
-        match self.running.lock().get(&id) {
+        let token = self.running.lock().get(&id).cloned();
+        match token {
             Some(token) => token.cancel(),
             None => {
+                // It may have ended since it was read; else another live process runs it.
+                let now = self.visible(caller, id)?;
+                if now.state.finished() {
+                    return Ok(now);
+                }
                 return Err(ToolError::new(
                     ToolErrorCode::Unavailable,
                     format!("job {id} is run by another robota-mcpd process; cancel it there"),
@@ -605,6 +677,7 @@ impl Jobs {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::os::unix::process::CommandExt;
 
     use super::*;
 
@@ -682,6 +755,88 @@ mod tests {
             .tail(Some(&Caller::Local(1)), job.job_id, 0, 10)
             .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+    }
+
+    #[tokio::test]
+    async fn a_job_ends_with_its_leader_even_when_a_child_holds_its_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let jobs = jobs(dir.path(), 4);
+        let started = std::time::Instant::now();
+        let job = jobs
+            .start(
+                &Caller::Local(0),
+                JobKind::Template,
+                "t",
+                None,
+                Work::Process(template(
+                    "sleep 60 & echo started; exit 0",
+                    Duration::from_secs(30),
+                    1024,
+                )),
+            )
+            .unwrap();
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::Succeeded, "{done:?}");
+        assert_eq!(done.output_bytes, 8);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn an_orphaned_group_whose_leader_died_is_killed_at_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(dir.path()).unwrap());
+        // A "job" whose leader exits at once, leaving a member in its group.
+        let mut leader = std::process::Command::new("/bin/sh")
+            .args(["-c", "sleep 60 & echo $!"])
+            .process_group(0)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pgid = leader.id();
+        let start = runner::start_time(pgid).unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let member: i32 = line.trim().parse().unwrap();
+        leader.wait().unwrap();
+        assert_eq!(
+            runner::group_members(pgid).len(),
+            1,
+            "the member outlives its leader"
+        );
+        store
+            .with(|c| {
+                c.execute(
+                    "INSERT INTO jobs (owner, kind, target, state, created_at, runner, pid, pid_start_time) \
+                     VALUES ('local:0', 'template', 't', 'running', 0, '1:1', ?1, ?2)",
+                    params![pgid, start],
+                )
+            })
+            .unwrap();
+        let (jobs, recovered) = Jobs::open(store, 4, Metrics::new()).unwrap();
+        assert_eq!(recovered, 1);
+        assert_eq!(
+            jobs.list(None, 1).unwrap()[0].state,
+            JobState::OutcomeUnknown
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while nix::sys::signal::kill(Pid::from_raw(member), None).is_ok()
+            && std::fs::read_to_string(format!("/proc/{member}/stat"))
+                .is_ok_and(|s| !s.contains(") Z"))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the orphaned member survived"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     #[tokio::test]
@@ -845,6 +1000,31 @@ mod tests {
                 },
             )
             .unwrap();
-        assert_eq!(wait_done(&jobs, job.job_id).await.state, JobState::TimedOut);
+        // Nobody knows whether the stop happened: never "timed-out" or "cancelled".
+        let done = wait_done(&jobs, job.job_id).await;
+        assert_eq!(done.state, JobState::OutcomeUnknown);
+        assert!(done.detail.unwrap().contains("may still take effect"));
+        let job = jobs
+            .start(
+                &owner,
+                JobKind::Docker,
+                "web",
+                Some("restart"),
+                Work::Action {
+                    timeout: Duration::from_secs(30),
+                    run: Box::new(|_| {
+                        Box::pin(async {
+                            tokio::time::sleep(Duration::from_secs(30)).await;
+                            Finish::succeeded("never")
+                        })
+                    }),
+                },
+            )
+            .unwrap();
+        jobs.cancel(Some(&owner), job.job_id).unwrap();
+        assert_eq!(
+            wait_done(&jobs, job.job_id).await.state,
+            JobState::OutcomeUnknown
+        );
     }
 }

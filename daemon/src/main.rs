@@ -160,5 +160,8 @@ async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
         _ = tokio::signal::ctrl_c() => {}
     }
     transport.stop().await;
+    // Jobs this process started end with it and record how (else they would wait as
+    // `running` until some process settles them as `outcome-unknown`).
+    host.jobs.shutdown().await;
     Ok(())
 }

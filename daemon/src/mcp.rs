@@ -446,7 +446,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
 mod tasks {
     use std::time::{Duration, UNIX_EPOCH};
 
-    use rmcp::model::{CallToolResult, DetailedTask, Task, TaskPayload};
+    use rmcp::model::{CallToolResult, DetailedTask, Task, TaskPayload, TaskStatus};
 
     use crate::jobs::{JobRecord, JobState};
 
@@ -459,9 +459,14 @@ mod tasks {
     }
 
     pub fn task(job: &JobRecord) -> Task {
+        let status = match job.state {
+            JobState::Running => TaskStatus::Working,
+            JobState::Cancelled => TaskStatus::Cancelled,
+            _ => TaskStatus::Completed,
+        };
         let mut task = Task::new(
             job.job_id.to_string(),
-            rmcp::model::TaskStatus::Working,
+            status,
             rfc3339(job.created_at),
             rfc3339(job.finished_at.unwrap_or(job.created_at)),
         )

@@ -74,8 +74,10 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX grants_by_caller ON grants (caller, state);",
 ];
 
-/// Finished jobs and idempotency records older than this are pruned at start-up.
+/// Finished jobs, idempotency records and ended grants older than this are pruned.
 pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How often a running daemon prunes.
+pub const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -236,7 +238,8 @@ impl Store {
         Ok(f(&mut self.conn.lock())?)
     }
 
-    /// Drop finished jobs and idempotency records older than [`RETENTION`].
+    /// Drop finished jobs (and their output), idempotency records and decided or expired
+    /// grants older than [`RETENTION`]. Run at start and hourly.
     pub fn prune(&self) -> Result<(), StoreError> {
         let cutoff = now() - i64::try_from(RETENTION.as_secs()).unwrap_or(i64::MAX);
         self.with(|c| {
@@ -246,6 +249,13 @@ impl Store {
             )?;
             c.execute(
                 "DELETE FROM idempotency WHERE created_at < ?1 AND state != 'pending'",
+                [cutoff],
+            )?;
+            // Decided grants and grants expired before the cutoff; pending ones stay for
+            // the operator.
+            c.execute(
+                "DELETE FROM grants WHERE (state IN ('denied', 'revoked') AND decided_at < ?1) \
+                 OR (state = 'approved' AND expires_at < ?1)",
                 [cutoff],
             )?;
             Ok(())
@@ -280,12 +290,12 @@ impl Store {
     ) -> Result<IdemRecord, StoreError> {
         self.with(|c| {
             let tx = c.transaction()?;
-            let existing: Option<(String, String, Option<String>)> = tx
+            let existing: Option<(String, String, Option<String>, String)> = tx
                 .query_row(
-                    "SELECT args_sha256, state, result FROM idempotency \
+                    "SELECT args_sha256, state, result, runner FROM idempotency \
                      WHERE caller = ?1 AND tool = ?2 AND key = ?3",
                     params![caller, tool, key],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
                 )
                 .optional()?;
             let record = match existing {
@@ -297,12 +307,16 @@ impl Store {
                     )?;
                     IdemRecord::Reserved
                 }
-                Some((args_sha256, state, result)) => match (state.as_str(), result) {
+                Some((args_sha256, state, result, owner)) => match (state.as_str(), result) {
                     ("done", Some(result)) => IdemRecord::Done {
                         args_sha256,
                         result,
                     },
-                    ("pending", _) => IdemRecord::InProgress { args_sha256 },
+                    // Pending in a process that is gone (a --stdio process that ended):
+                    // cut off, not in progress.
+                    ("pending", _) if runner::alive(&owner) => {
+                        IdemRecord::InProgress { args_sha256 }
+                    }
                     _ => IdemRecord::Unknown { args_sha256 },
                 },
             };
@@ -334,6 +348,18 @@ impl Store {
         self.with(|c| {
             c.execute(
                 "DELETE FROM idempotency WHERE caller = ?1 AND tool = ?2 AND key = ?3 AND state = 'pending'",
+                params![caller, tool, key],
+            )
+            .map(drop)
+        })
+    }
+
+    /// A reserved call was cut off (its future dropped): its outcome is unknown.
+    pub fn idem_mark_unknown(&self, caller: &str, tool: &str, key: &str) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE idempotency SET state = 'unknown' \
+                 WHERE caller = ?1 AND tool = ?2 AND key = ?3 AND state = 'pending'",
                 params![caller, tool, key],
             )
             .map(drop)
@@ -372,6 +398,25 @@ pub mod runner {
         // The command name (field 2) may contain spaces and parentheses: skip past its end.
         let rest = &stat[stat.rfind(')')? + 1..];
         rest.split_ascii_whitespace().nth(19)?.parse().ok()
+    }
+
+    /// Processes in process group `pgid` (pid, start time), from `/proc/*/stat`.
+    pub fn group_members(pgid: u32) -> Vec<(u32, u64)> {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter_map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                let fields: Vec<&str> = stat[stat.rfind(')')? + 1..]
+                    .split_ascii_whitespace()
+                    .collect();
+                // After the command name: state (3), ppid (4), pgrp (5), … starttime (22).
+                let pgrp: u32 = fields.get(2)?.parse().ok()?;
+                let start: u64 = fields.get(19)?.parse().ok()?;
+                (pgrp == pgid).then_some((pid, start))
+            })
+            .collect()
     }
 
     /// This process.

@@ -554,13 +554,23 @@ impl Daemon {
     }
 
     /// Scans every output the harness captured, the daemon's command line, its notify
-    /// messages and the readable files under its directories for any registered secret.
+    /// messages, its metrics and the readable files under its directories (audit file,
+    /// store, key cache) for any registered secret. Every daemon is also scanned when it
+    /// is dropped, so a test that forgets to call this is still covered.
     pub fn assert_no_secrets(&self) {
         let secrets = self.secrets();
         assert!(
             !secrets.is_empty(),
             "no secret registered: nothing to scan for"
         );
+        self.scan(&secrets, self.metrics_text());
+    }
+
+    fn scan(&self, secrets: &[String], metrics: Option<String>) {
+        if let Some(metrics) = metrics {
+            secrets::assert_no_secrets(secrets, &metrics, "metrics exposition");
+        }
+        let secrets = secrets.to_vec();
         secrets::assert_no_secrets(&secrets, &self.stderr_text(), "daemon stderr");
         secrets::assert_no_secrets(&secrets, &self.stdout_text(), "daemon stdout");
         secrets::assert_no_secrets(
@@ -584,14 +594,25 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if self.try_exit().is_some() {
-            return;
+        // The suite-wide secret scan: every daemon a test ran, whatever the test checked.
+        let secrets = self.secrets();
+        let scan = !std::thread::panicking() && !secrets.is_empty();
+        let metrics = if scan && self.try_exit().is_none() {
+            self.metrics_text()
+        } else {
+            None
+        };
+        if self.try_exit().is_none() {
+            let _ = kill(Pid::from_raw(self.pid), Signal::SIGTERM);
+            if self.wait_exit(Duration::from_secs(10)).is_none() {
+                let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = child.kill();
+                let _ = child.wait();
+            }
         }
-        let _ = kill(Pid::from_raw(self.pid), Signal::SIGTERM);
-        if self.wait_exit(Duration::from_secs(10)).is_none() {
-            let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = child.kill();
-            let _ = child.wait();
+        if scan {
+            // After the stop: the last log lines and files are written.
+            self.scan(&secrets, metrics);
         }
     }
 }

@@ -166,6 +166,14 @@ fn posts(engine: &FakeEngine) -> Vec<String> {
         .collect()
 }
 
+/// The engine's id of a container in the fake's table.
+fn id_of(engine: &FakeEngine, name: &str) -> String {
+    engine
+        .container(name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+        .id
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_are_demultiplexed_by_stream_and_line() {
     let d = Daemon::builder().extra(DOCKER).start();
@@ -189,14 +197,14 @@ async fn logs_are_demultiplexed_by_stream_and_line() {
         "{requests:?}"
     );
     assert!(
-        requests
-            .iter()
-            .any(|r| r.starts_with("GET /v1.41/containers/web/logs?")
-                && r.contains("stdout=true")
-                && r.contains("stderr=true")
-                && r.contains("tail=100")
-                && r.contains("timestamps=false")
-                && !r.contains("since=")),
+        requests.iter().any(|r| r.starts_with(&format!(
+            "GET /v1.41/containers/{}/logs?",
+            id_of(&engine, "web")
+        )) && r.contains("stdout=true")
+            && r.contains("stderr=true")
+            && r.contains("tail=100")
+            && r.contains("timestamps=false")
+            && !r.contains("since=")),
         "{requests:?}"
     );
 
@@ -391,7 +399,13 @@ async fn actions_are_jobs_with_the_engine_answer() {
     assert!(output.contains("restart container web"), "{output}");
     assert!(output.contains("204"), "{output}");
     assert!(output.contains("container web restarted"), "{output}");
-    assert_eq!(posts(&engine), ["POST /v1.41/containers/web/restart"]);
+    // After the by-name lookup every request names the container's id, so a container
+    // renamed or recreated in between is never the one acted on.
+    let web = id_of(&engine, "web");
+    assert_eq!(
+        posts(&engine),
+        [format!("POST /v1.41/containers/{web}/restart")]
+    );
 
     // Already running: the engine answers 304.
     let (done, output) = action(&client, "web", "start").await;
@@ -431,12 +445,15 @@ async fn actions_are_jobs_with_the_engine_answer() {
     assert_eq!(
         posts(&engine),
         [
-            "POST /v1.41/containers/web/restart",
-            "POST /v1.41/containers/web/start",
-            "POST /v1.41/containers/worker-2/start",
-            "POST /v1.41/containers/worker-2/stop",
-            "POST /v1.41/containers/worker-2/stop",
-            "POST /v1.41/containers/worker-3/start",
+            format!("POST /v1.41/containers/{web}/restart"),
+            format!("POST /v1.41/containers/{web}/start"),
+            format!(
+                "POST /v1.41/containers/{}/start",
+                id_of(&engine, "worker-2")
+            ),
+            format!("POST /v1.41/containers/{}/stop", id_of(&engine, "worker-2")),
+            format!("POST /v1.41/containers/{}/stop", id_of(&engine, "worker-2")),
+            "POST /v1.41/containers/aa33/start".to_owned(),
         ],
         "one POST per action, never retried"
     );

@@ -121,6 +121,19 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "creates /var/lib/robota-mcpd owned by a user this machine does not have",
     ),
     ("systemctl daemon-reload", "needs systemd as PID 1"),
+    // docs/fuzzing.md
+    (
+        "cargo +nightly fuzz run control_frame -- -max_total_time=300",
+        "runs libFuzzer for five minutes; needs a nightly toolchain and cargo-fuzz",
+    ),
+    (
+        "cargo +nightly fuzz run jwt -- -max_total_time=300",
+        "runs libFuzzer for five minutes; needs a nightly toolchain and cargo-fuzz",
+    ),
+    (
+        "cargo test --manifest-path fuzz/Cargo.toml --no-default-features --locked",
+        "a separate build of the fuzz workspace; .ci/run runs it on every push",
+    ),
     // docs/operations.md: systemd, accounts, journal
     (
         "systemctl status robota-mcpd",

@@ -780,6 +780,16 @@ async fn sigkill_during_overwrite_leaves_old_or_new_content() {
         started.elapsed()
     );
     assert_eq!(landed.len(), ITERATIONS);
+    // The kills must span the write: some before it finished (old content) and some after
+    // the rename (new content), or the loop proved nothing about the window in between.
+    assert!(
+        count(Landed::AfterRename) > 0,
+        "no kill landed after the rename: the delays never reached the end of the write"
+    );
+    assert!(
+        count(Landed::BeforeWrite) + count(Landed::MidWrite) > 0,
+        "no kill landed before the rename: the delays never hit the write"
+    );
     t.assert_outside_untouched("after the crash loop");
 }
 
@@ -860,4 +870,70 @@ async fn size_limits_are_enforced_and_named() {
     assert_eq!(std::fs::read(&big).expect("read").len(), 1000);
     c.close().await;
     d.assert_no_secrets();
+}
+
+/// A client that goes away in the middle of an idempotent append, then retries with the
+/// same key: the retry never reports `cancelled` (that would invite a retry with a new key
+/// and a second append); it gets the first call's real result, or "outcome unknown" when
+/// the call was cut off. Either way the content was appended at most once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_idempotent_write_is_never_reported_cancelled() {
+    let t = Tree::new();
+    let d = Daemon::start(&t.config("max_write = \"16MiB\"\n[limits]\nrequest_body = \"16MiB\"\n"));
+    let bearer = d.bearer();
+    let chunk = "y".repeat(4 * 1024 * 1024);
+    let c = McpClient::connect(&d, &bearer).await;
+    let addr = d.loopback_addr();
+    let mut outcomes = Vec::new();
+    for i in 0..6u32 {
+        let key = format!("append-{i}");
+        let target = t.rw(&format!("log-{i}.txt"));
+        std::fs::write(&target, "start\n").expect("seed");
+        let args =
+            json!({"path": target, "content": chunk, "mode": "append", "idempotency_key": key});
+        let message = tools_call(1, "file.write", args.clone());
+        let request = Request::mcp(addr.port(), Some(&bearer), &message).to_bytes();
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        within(Duration::from_secs(10), "send", stream.write_all(&request))
+            .await
+            .expect("send");
+        // Hang up at a varying moment: before, during or after the write.
+        tokio::time::sleep(Duration::from_millis(u64::from(i) * 15)).await;
+        drop(stream);
+        // Retry until the first call is settled (a running call answers `busy`).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let retry = loop {
+            let r = c.call("file.write", args.clone()).await;
+            if r.error_code() != Some("busy") {
+                break r;
+            }
+            assert!(Instant::now() < deadline, "the first call never settled");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_ne!(retry.error_code(), Some("cancelled"), "{retry:?}");
+        match retry.error_code() {
+            None => outcomes.push("replayed"),
+            Some("internal") => {
+                let message = retry.structured["message"].as_str().unwrap_or_default();
+                assert!(message.contains("outcome unknown"), "{message}");
+                outcomes.push("unknown");
+            }
+            Some(other) => panic!("unexpected retry answer {other}: {retry:?}"),
+        }
+        // One effect at most: the retry under the same key never appended again.
+        let size = std::fs::metadata(&target).expect("target").len() as usize;
+        assert!(
+            size == "start\n".len() || size == "start\n".len() + chunk.len(),
+            "iteration {i}: {size} bytes is not zero or one append"
+        );
+        if outcomes.last() == Some(&"replayed") {
+            assert_eq!(
+                size,
+                "start\n".len() + chunk.len(),
+                "a replayed success landed once"
+            );
+        }
+    }
+    eprintln!("interrupted idempotent appends: {outcomes:?}");
+    c.close().await;
 }

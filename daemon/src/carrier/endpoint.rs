@@ -37,13 +37,18 @@ pub struct Endpoint<S> {
 
 impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     /// `hosts` and `origin` configure rmcp's own checks consistently with our admission.
+    ///
+    /// `drained` must fire only once the carrier's drain is over: rmcp answers every
+    /// request still in its hands 500 the moment its token fires, which would take the
+    /// drain grace away from in-flight requests (a drain that runs out drops the
+    /// connections, and that cancels their handlers anyway).
     pub fn new(
         server: McpServer<S>,
         bounds: &HttpLimits,
         body_limit: u64,
         hosts: Vec<String>,
         origin: String,
-        shutdown: &CancellationToken,
+        drained: &CancellationToken,
     ) -> Self {
         let config = StreamableHttpServerConfig::default()
             .with_legacy_session_mode(false)
@@ -53,7 +58,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .with_allowed_origins([origin])
             .enforce_origin_validation()
             .with_max_request_body_bytes(usize::try_from(body_limit).unwrap_or(usize::MAX))
-            .with_cancellation_token(shutdown.child_token());
+            .with_cancellation_token(drained.child_token());
         let inflight = server.inflight().clone();
         let service = StreamableHttpService::new(
             move || Ok(server.clone()),

@@ -42,7 +42,14 @@ impl fmt::Display for Caller {
         match self {
             Caller::Local(uid) => write!(f, "local:{uid}"),
             Caller::Bearer(label) => write!(f, "bearer:{label}"),
-            Caller::OAuth { client_id, subject } => write!(f, "oauth:{client_id}/{subject}"),
+            // `%` and `/` in the client id are escaped, so `oauth:a/b/c` has exactly one
+            // reading (client `a`, subject `b/c`): grants, jobs and idempotency keys are
+            // keyed by this text.
+            Caller::OAuth { client_id, subject } => write!(
+                f,
+                "oauth:{}/{subject}",
+                client_id.replace('%', "%25").replace('/', "%2F")
+            ),
         }
     }
 }
@@ -99,12 +106,22 @@ pub struct ToolError {
     pub message: String,
 }
 
+/// Longest message a visible tool error carries. Messages may quote caller input (a tool
+/// name, a path, a schema violation); the cap keeps an answer from growing with it.
+pub const MAX_ERROR_MESSAGE: usize = 1024;
+
 impl ToolError {
     pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
+        let mut message = message.into();
+        if message.len() > MAX_ERROR_MESSAGE {
+            let mut end = MAX_ERROR_MESSAGE;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+            message.push('…');
         }
+        Self { code, message }
     }
 }
 
@@ -298,17 +315,18 @@ impl RuntimeTools for Session {
                 cancel: cancel.clone(),
                 host: self.view.as_ref(),
             };
-            let call = |args: Args| async {
-                tokio::select! {
-                    biased;
-                    () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
-                    result = entry.call(&ctx, args) => result,
-                }
-            };
             if spec.annotations.replay_safe {
-                self.replay_safe(caller, &spec.name, args, call).await
-            } else {
-                call(args).await
+                // Not raced against the cancel token: a replay-safe write that was already
+                // under way would land anyway, and its key must record what really
+                // happened. (A dropped request future marks the key's outcome unknown.)
+                return self
+                    .replay_safe(caller, &spec.name, args, |args| entry.call(&ctx, args))
+                    .await;
+            }
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
+                result = entry.call(&ctx, args) => result,
             }
         }
         .await;
@@ -429,7 +447,12 @@ impl Session {
                 ));
             }
         }
+        let mut interrupted = Interrupted {
+            store,
+            key: Some((caller_text.clone(), tool.to_owned(), key.clone())),
+        };
         let result = call(args).await;
+        interrupted.key = None;
         let kept = match &result {
             Err(e) if NO_EFFECT.contains(&e.code) => store.idem_release(&caller_text, tool, &key),
             outcome => store.idem_finish(&caller_text, tool, &key, &encode_outcome(outcome)),
@@ -438,6 +461,23 @@ impl Session {
             tracing::error!(error = %e, "cannot record an idempotent call's outcome");
         }
         result
+    }
+}
+
+/// Marks a reserved idempotency key's outcome unknown if the call's future is dropped
+/// before it finished (the client went away mid-call; the effect may still land).
+struct Interrupted<'a> {
+    store: &'a crate::store::Store,
+    key: Option<(String, String, String)>,
+}
+
+impl Drop for Interrupted<'_> {
+    fn drop(&mut self) {
+        if let Some((caller, tool, key)) = self.key.take()
+            && let Err(e) = self.store.idem_mark_unknown(&caller, &tool, &key)
+        {
+            tracing::error!(error = %e, "cannot mark an interrupted call's key");
+        }
     }
 }
 
@@ -581,6 +621,39 @@ pub(crate) mod tests {
         assert_eq!(err.code, ToolErrorCode::ResultTooLarge);
     }
 
+    #[tokio::test]
+    async fn error_messages_quoting_caller_input_are_capped() {
+        let s = session("");
+        let name = "\u{e9}".repeat(300 * 1024);
+        let err = s
+            .invoke_runtime_tool(
+                &Caller::Local(0),
+                &name,
+                Args::new(),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::UnknownTool);
+        assert!(
+            err.message.len() <= MAX_ERROR_MESSAGE + '…'.len_utf8(),
+            "{}",
+            err.message.len()
+        );
+        assert!(err.message.ends_with('…'));
+        let err = s
+            .invoke_runtime_tool(
+                &Caller::Local(0),
+                "system.info",
+                args(serde_json::json!({"\"".repeat(100_000): 1})),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+        assert!(err.message.len() <= MAX_ERROR_MESSAGE + '…'.len_utf8());
+    }
+
     #[test]
     fn caller_identities_render_as_the_spec_writes_them() {
         assert_eq!(Caller::Local(1000).to_string(), "local:1000");
@@ -593,5 +666,16 @@ pub(crate) mod tests {
             subject: "alice".into(),
         };
         assert_eq!(c.to_string(), "oauth:client-a/alice");
+        // A `/` in the client id cannot make two principals one identity.
+        let a = Caller::OAuth {
+            client_id: "a/b".into(),
+            subject: "c".into(),
+        };
+        let b = Caller::OAuth {
+            client_id: "a".into(),
+            subject: "b/c".into(),
+        };
+        assert_ne!(a.to_string(), b.to_string());
+        assert_eq!(a.to_string(), "oauth:a%2Fb/c");
     }
 }

@@ -535,6 +535,9 @@ struct TempFile<'d> {
     renamed: bool,
 }
 
+/// Held from reading a file's current content to renaming its replacement in place.
+static WRITES: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 /// `.<target name>.<16 hex>.robota-tmp`, at most 255 bytes.
 fn temp_name(target: &str) -> String {
     let mut keep = target.len().min(TEMP_NAME_KEEP);
@@ -582,19 +585,25 @@ impl<'d> TempFile<'d> {
         Err(last)
     }
 
-    /// Gives the temp file the overwritten file's owner and permission bits.
-    fn keep_identity(&self, old: &FileStat) -> nix::Result<()> {
+    /// Gives the (still empty) temp file the overwritten file's owner and permission
+    /// bits. Returns whether the owner and group could be kept: an unprivileged daemon
+    /// cannot give files away, and the caller is told so.
+    fn keep_identity(&self, old: &FileStat) -> nix::Result<bool> {
         let (uid, gid) = (Uid::from_raw(old.st_uid), Gid::from_raw(old.st_gid));
-        if uid != nix::unistd::geteuid() || gid != nix::unistd::getegid() {
-            // Best effort: an unprivileged daemon cannot give files away.
-            if let Err(e) = nix::unistd::fchown(&self.file, Some(uid), Some(gid)) {
-                tracing::warn!(error = %e, "cannot keep the owner of an overwritten file");
-            }
+        let mut kept = true;
+        if (uid != nix::unistd::geteuid() || gid != nix::unistd::getegid())
+            && let Err(e) = nix::unistd::fchown(&self.file, Some(uid), Some(gid))
+        {
+            // The group alone may still be possible (a member of that group).
+            kept = false;
+            let group = nix::unistd::fchown(&self.file, None, Some(gid));
+            tracing::warn!(error = %e, group_kept = group.is_ok(), "cannot keep the owner of an overwritten file");
         }
         nix::sys::stat::fchmod(
             &self.file,
             Mode::from_bits_truncate(old.st_mode & KEPT_MODE_BITS),
-        )
+        )?;
+        Ok(kept)
     }
 
     /// Renames the temp file to `target`; without `replace`, an existing `target` is kept
@@ -673,6 +682,9 @@ impl Files {
             },
         )?;
 
+        // From reading the current file to the rename, writes are serialized: two appends,
+        // or two writes with the same expected_sha256, must not both win.
+        let _serial = WRITES.lock();
         let current = self.current(root.as_fd(), dir.as_fd(), &t, name, req, data.len())?;
         if req.mode == WriteMode::Create && current.is_some() {
             return Err(invalid(format!(
@@ -705,13 +717,17 @@ impl Files {
 
         let mut temp =
             TempFile::create(dir.as_fd(), name).map_err(|e| host_error(&t, e, "write"))?;
+        // Owner and mode before the content: the bytes never sit in a file more open than
+        // the one they replace.
+        let owner_kept = match &current {
+            Some(c) => temp
+                .keep_identity(&c.stat)
+                .map_err(|e| host_error(&t, e, "write"))?,
+            None => true,
+        };
         temp.file
             .write_all(&new)
             .map_err(|e| io_error(&t, &e, "write"))?;
-        if let Some(c) = &current {
-            temp.keep_identity(&c.stat)
-                .map_err(|e| host_error(&t, e, "write"))?;
-        }
         temp.file
             .sync_all()
             .map_err(|e| io_error(&t, &e, "write"))?;
@@ -731,13 +747,21 @@ impl Files {
             )),
             other => host_error(&t, other, "write"),
         })?;
-        nix::unistd::fsync(&dir).map_err(|e| host_error(&t, e, "write"))?;
+        // The new content is in place: a failure from here on is not "no effect".
+        nix::unistd::fsync(&dir).map_err(|e| {
+            tracing::error!(error = %e, path = %t.shown, "directory fsync failed after the rename");
+            ToolError::new(
+                ToolErrorCode::Internal,
+                format!("{} was written, but its directory could not be synced: durability is not confirmed", t.shown),
+            )
+        })?;
         drop(temp);
         Ok(json!({
             "path": t.shown,
             "size": new.len(),
             "sha256": sha256_hex(&new),
             "mode": req.mode.as_str(),
+            "owner_kept": owner_kept,
         }))
     }
 

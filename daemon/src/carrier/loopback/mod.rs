@@ -97,13 +97,15 @@ impl Carrier for LoopbackCarrier {
     ) {
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         let expected = Expected::new(&self.config.path, port);
+        // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
+        let drained = CancellationToken::new();
         let endpoint = Endpoint::new(
             server,
             &self.config.bounds,
             self.limits.request_body,
             vec![expected.authority.clone()],
             expected.origin.clone(),
-            &shutdown,
+            &drained,
         );
         let handler = Loopback {
             shared: Arc::new(Shared {
@@ -115,6 +117,7 @@ impl Carrier for LoopbackCarrier {
             }),
         };
         server::serve(listener, self.config.bounds, None, handler, shutdown).await;
+        drained.cancel();
     }
 }
 

@@ -114,13 +114,15 @@ impl Carrier for RemoteCarrier {
         shutdown: CancellationToken,
     ) {
         let url = &self.config.public_url;
+        // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
+        let drained = CancellationToken::new();
         let endpoint = Endpoint::new(
             server,
             &self.config.bounds,
             self.limits.request_body,
             url.authorities(),
             url.origin_with_port(),
-            &shutdown,
+            &drained,
         );
         let metadata =
             admission::metadata_document(url, &self.config.issuer, &self.config.scopes).to_string();
@@ -137,6 +139,7 @@ impl Carrier for RemoteCarrier {
         };
         let bounds = self.config.bounds;
         server::serve(bound.listener, bounds, bound.tls, handler, shutdown).await;
+        drained.cancel();
     }
 }
 

@@ -70,6 +70,9 @@ struct Docker {
 /// What the engine says about a container.
 #[derive(Debug)]
 struct Inspected {
+    /// The engine's id of the container the name resolved to: every later request names
+    /// it, so a container renamed or recreated in between is never acted on.
+    id: String,
     tty: bool,
 }
 
@@ -124,7 +127,20 @@ impl Docker {
             );
             return Err(not_allowed(name));
         }
+        let id = value
+            .get("Id")
+            .and_then(Value::as_str)
+            .filter(|id| {
+                !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric())
+            })
+            .ok_or_else(|| {
+                self.engine_error(EngineError::Json(serde::de::Error::custom(
+                    "the inspect has no usable Id",
+                )))
+            })?
+            .to_owned();
         Ok(Inspected {
+            id,
             tty: value
                 .pointer("/Config/Tty")
                 .and_then(Value::as_bool)
@@ -199,8 +215,9 @@ impl Docker {
         }
 
         let container = self.resolve(name).await?;
+        let id = &container.id;
         let mut path = format!(
-            "/containers/{name}/logs?stdout={stdout}&stderr={stderr}&tail={tail}&timestamps={timestamps}"
+            "/containers/{id}/logs?stdout={stdout}&stderr={stderr}&tail={tail}&timestamps={timestamps}"
         );
         if let Some(since) = since {
             path.push_str(&format!("&since={since}"));
@@ -261,7 +278,7 @@ impl Docker {
     }
 
     /// The body of an action job: one POST, a line per step.
-    async fn act(&self, name: &str, action: Action, sink: &OutputSink) -> Finish {
+    async fn act(&self, name: &str, id: &str, action: Action, sink: &OutputSink) -> Finish {
         let step = |text: String| sink.write("log", format!("{text}\n").as_bytes());
         step(format!(
             "asking the Docker engine to {} container {name}",
@@ -269,13 +286,27 @@ impl Docker {
         ));
         // The job's own time limit applies; this one only backs it up.
         let limit = self.timeout + Duration::from_secs(5);
-        let path = format!("/containers/{name}/{}", action.as_str());
+        let path = format!("/containers/{id}/{}", action.as_str());
         let response = match self.engine.request(Method::POST, &path, limit).await {
             Ok(response) => response,
-            Err(e) => {
+            // Never connected: nothing was asked.
+            Err(e @ EngineError::Unreachable { .. }) => {
                 let visible = self.engine_error(e);
                 step(visible.message.clone());
                 return Finish::failed(visible.message);
+            }
+            // The request may have reached the engine: it may have acted.
+            Err(e) => {
+                let visible = self.engine_error(e);
+                step(visible.message.clone());
+                return Finish {
+                    state: crate::jobs::JobState::OutcomeUnknown,
+                    exit_code: None,
+                    detail: format!(
+                        "{}; the engine may have acted: check the container before retrying",
+                        visible.message
+                    ),
+                };
             }
         };
         let status = response.status;
@@ -470,7 +501,7 @@ impl HostTool for ActionTool {
                 .and_then(Action::parse)
                 .ok_or_else(|| invalid("action must be start, stop or restart"))?;
             // The engine must know the container, under this very name, before a job exists.
-            self.docker.resolve(&name).await?;
+            let id = self.docker.resolve(&name).await?.id;
             let docker = Arc::clone(&self.docker);
             let target = name.clone();
             let job = self.jobs.start(
@@ -481,7 +512,7 @@ impl HostTool for ActionTool {
                 Work::Action {
                     timeout: self.docker.timeout,
                     run: Box::new(move |sink| {
-                        Box::pin(async move { docker.act(&name, action, &sink).await })
+                        Box::pin(async move { docker.act(&name, &id, action, &sink).await })
                     }),
                 },
             )?;

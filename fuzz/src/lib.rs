@@ -1,0 +1,299 @@
+//! The checks behind the fuzz targets: each takes arbitrary bytes, feeds them to one parser
+//! on the admission path, and asserts an invariant that must hold for *every* input (not
+//! only "does not panic"). `fuzz_targets/*.rs` wrap them for libFuzzer; the tests below
+//! replay the committed corpus through them on a stable toolchain.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::OnceLock;
+use std::time::SystemTime;
+
+use http::{HeaderMap, HeaderName, HeaderValue, Uri};
+use robota_mcpd::audit::Reason;
+use robota_mcpd::carrier::loopback::admission::{Expected, admit};
+use robota_mcpd::carrier::parse_bearer;
+use robota_mcpd::carrier::remote::admission::{Credentials, PublicUrl, Route, credentials, route};
+use robota_mcpd::carrier::remote::forwarded::{client_address, parse_net};
+use robota_mcpd::config::{Environment, parse};
+use robota_mcpd::metrics::Metrics;
+use robota_mcpd::oauth::jwt::SUPPORTED_ALGORITHMS;
+use robota_mcpd::oauth::{JwtConfig, JwtVerifier, KeySource, MAX_TOKEN_BYTES, Verifier};
+use robota_proto::Request;
+
+/// The one loopback bearer the loopback target's lookup knows.
+const SECRET: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// `b64token` characters (RFC 6750) and trailing `=`.
+fn is_b64token(t: &str) -> bool {
+    let body = t.trim_end_matches('=');
+    !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~+/".contains(&b))
+}
+
+/// A request head from bytes: the first line is the request target, every further line
+/// `name: value` (lines that are not a valid header are skipped).
+fn head(data: &[u8]) -> Option<(Uri, HeaderMap)> {
+    let mut lines = data.split(|b| *b == b'\n');
+    let uri = Uri::try_from(lines.next()?).ok()?;
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        let Some(colon) = line.iter().position(|b| *b == b':') else {
+            continue;
+        };
+        let (name, value) = line.split_at(colon);
+        let value = value[1..].trim_ascii_start();
+        if let (Ok(name), Ok(value)) =
+            (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
+        {
+            headers.append(name, value);
+        }
+    }
+    Some((uri, headers))
+}
+
+/// The control protocol: decoding never panics, and whatever decodes re-encodes to a
+/// frame that decodes to the same request.
+pub fn control_frame(data: &[u8]) {
+    if let Ok(request) = Request::decode(data) {
+        let again = serde_json::to_vec(&request).expect("a decoded request encodes");
+        assert_eq!(
+            Request::decode(&again).expect("a re-encoded request decodes"),
+            request
+        );
+    }
+}
+
+/// `Authorization: Bearer`: a token comes back only when the value is `Bearer` (any case),
+/// spaces and one `b64token`, and it is a slice of the input.
+pub fn bearer(data: &[u8]) {
+    if let Some(token) = parse_bearer(data) {
+        assert!(is_b64token(token), "{token:?}");
+        let text = std::str::from_utf8(data).expect("a token comes from UTF-8");
+        assert!(text.ends_with(token));
+        let scheme = text.split(' ').next().unwrap_or_default();
+        assert!(scheme.eq_ignore_ascii_case("bearer"), "{text:?}");
+    }
+}
+
+/// Loopback admission admits only the endpoint path with the one known bearer.
+pub fn loopback_admission(data: &[u8]) {
+    let Some((uri, headers)) = head(data) else {
+        return;
+    };
+    let expected = Expected {
+        path: "/mcp".into(),
+        authority: "127.0.0.1:8765".into(),
+        origin: "http://127.0.0.1:8765".into(),
+    };
+    let lookup = |token: &str| (token == SECRET).then(|| "default".to_owned());
+    if let Ok(label) = admit(&uri, &headers, &expected, lookup) {
+        assert_eq!(label, "default");
+        assert_eq!(uri.path(), "/mcp");
+        let auth = headers.get_all(http::header::AUTHORIZATION);
+        assert_eq!(auth.iter().count(), 1, "exactly one Authorization header");
+        for origin in headers.get_all(http::header::ORIGIN) {
+            assert_eq!(origin, "http://127.0.0.1:8765");
+        }
+    }
+}
+
+/// Remote routing: the endpoint only on its path, a token only from exactly one
+/// well-formed `Authorization` header.
+pub fn remote_admission(data: &[u8]) {
+    let Some((uri, headers)) = head(data) else {
+        return;
+    };
+    let url = PublicUrl::parse("https://mcp.example.com/mcp").expect("valid public URL");
+    match route(&uri, &headers, &url) {
+        Ok(Route::Endpoint) => assert_eq!(uri.path(), "/mcp"),
+        Ok(Route::Metadata) => {
+            assert_eq!(uri.path(), "/.well-known/oauth-protected-resource/mcp")
+        }
+        Ok(Route::NotFound) | Err(_) => {}
+    }
+    if let Credentials::Token(token) = credentials(&headers) {
+        assert_eq!(
+            headers.get_all(http::header::AUTHORIZATION).iter().count(),
+            1
+        );
+        assert!(is_b64token(token), "{token:?}");
+    }
+}
+
+/// `X-Forwarded-For`: the client address is the peer, or an address written in one of the
+/// headers; an untrusted peer is always itself. Also: CIDR parsing never panics.
+pub fn forwarded(data: &[u8]) {
+    let Some((&selector, rest)) = data.split_first() else {
+        return;
+    };
+    let peer = match selector % 3 {
+        0 => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        1 => IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+        _ => IpAddr::V6(Ipv6Addr::LOCALHOST),
+    };
+    let text = String::from_utf8_lossy(rest);
+    let mut lines = text.lines();
+    let proxies: Vec<_> = lines
+        .next()
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(parse_net)
+        .collect();
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        if let Ok(value) = HeaderValue::from_str(line) {
+            headers.append("x-forwarded-for", value);
+        }
+    }
+    let client = client_address(peer, &headers, &proxies);
+    if !proxies.iter().any(|net| net.contains(&peer)) {
+        assert_eq!(client, peer, "an untrusted peer is the client");
+    } else if client != peer {
+        let written = headers.get_all("x-forwarded-for").iter().any(|v| {
+            v.to_str()
+                .unwrap_or_default()
+                .split(',')
+                .any(|hop| hop.trim().parse::<IpAddr>().is_ok_and(|ip| ip == client))
+        });
+        let mapped = match client {
+            IpAddr::V4(v4) => IpAddr::V6(v4.to_ipv6_mapped()),
+            v6 => v6,
+        };
+        let written_mapped = headers.get_all("x-forwarded-for").iter().any(|v| {
+            v.to_str()
+                .unwrap_or_default()
+                .split(',')
+                .any(|hop| hop.trim().parse::<IpAddr>().is_ok_and(|ip| ip == mapped))
+        });
+        assert!(
+            written || written_mapped,
+            "{client} is neither the peer nor a hop"
+        );
+    }
+}
+
+/// The configuration parser never panics, and every problem it reports names a key path.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let env = Environment {
+        runtime_directory: Some("/run/robota-mcpd".into()),
+        state_directory: Some("/var/lib/robota-mcpd".into()),
+        ..Environment::default()
+    };
+    if let Err(issues) = parse(text, &env) {
+        assert!(!issues.is_empty());
+        for issue in issues {
+            assert!(!issue.problem.is_empty(), "{issue}");
+        }
+    }
+}
+
+/// A verifier holding one Ed25519 key, built once per process.
+fn verifier() -> &'static (tokio::runtime::Runtime, JwtVerifier) {
+    static VERIFIER: OnceLock<(tokio::runtime::Runtime, JwtVerifier)> = OnceLock::new();
+    VERIFIER.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("robota-fuzz-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let jwks = dir.join("jwks.json");
+        std::fs::write(
+            &jwks,
+            r#"{"keys":[{"kty":"OKP","crv":"Ed25519","kid":"k1","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#,
+        )
+        .expect("jwks");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let verifier = JwtVerifier::build(
+            JwtConfig {
+                issuer: "https://issuer.example".into(),
+                audiences: vec!["https://mcp.example/mcp".into()],
+                algorithms: SUPPORTED_ALGORITHMS.to_vec(),
+                required_scopes: vec![],
+                allowed_subjects: vec!["alice".into()],
+                allowed_clients: vec![],
+                keys: KeySource::JwksFile(jwks),
+                ca_file: None,
+                cache_path: dir.join("jwks-cache.json"),
+                start_without_keys: false,
+            },
+            Metrics::new(),
+        )
+        .expect("verifier");
+        runtime.block_on(verifier.load()).expect("key set");
+        (runtime, verifier)
+    })
+}
+
+/// JWT pre-checks and verification: nothing without the private key is ever accepted;
+/// over 8192 bytes is `oversize`, without exactly two dots `malformed`.
+pub fn jwt(data: &[u8]) {
+    let Ok(token) = std::str::from_utf8(data) else {
+        return;
+    };
+    let (runtime, verifier) = verifier();
+    let got = runtime.block_on(verifier.verify(token, SystemTime::now()));
+    assert!(got.is_err(), "accepted {token:?}");
+    if token.len() > MAX_TOKEN_BYTES {
+        assert_eq!(got.err(), Some(Reason::Oversize));
+    } else if token.matches('.').count() != 2 {
+        assert_eq!(got.err(), Some(Reason::Malformed));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Every committed corpus file through its check (the CI run of the fuzz targets).
+    fn replay(target: &str, check: fn(&[u8])) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("corpus")
+            .join(target);
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.expect("corpus entry").path();
+            let data = std::fs::read(&path).expect("corpus file");
+            check(&data);
+            seen += 1;
+        }
+        assert!(seen > 0, "the {target} corpus is empty");
+    }
+
+    #[test]
+    fn control_frame_corpus() {
+        replay("control_frame", super::control_frame);
+    }
+
+    #[test]
+    fn bearer_corpus() {
+        replay("bearer", super::bearer);
+    }
+
+    #[test]
+    fn loopback_admission_corpus() {
+        replay("loopback_admission", super::loopback_admission);
+    }
+
+    #[test]
+    fn remote_admission_corpus() {
+        replay("remote_admission", super::remote_admission);
+    }
+
+    #[test]
+    fn forwarded_corpus() {
+        replay("forwarded", super::forwarded);
+    }
+
+    #[test]
+    fn config_corpus() {
+        replay("config", super::config);
+    }
+
+    #[test]
+    fn jwt_corpus() {
+        replay("jwt", super::jwt);
+    }
+}
