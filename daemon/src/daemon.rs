@@ -678,7 +678,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
             listener,
             bounds,
             None,
-            metrics::Endpoint(metrics.clone()),
+            metrics::Endpoint {
+                metrics: metrics.clone(),
+                audit: core.audit.clone(),
+            },
             listeners.clone(),
         )));
     }

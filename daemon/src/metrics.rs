@@ -57,6 +57,7 @@ struct Inner {
     jobs_finished: IntCounterVec,
     jobs_running: IntGauge,
     grant_events: IntCounterVec,
+    audit_unpersisted: IntGauge,
 }
 
 /// Decrements the active-turns gauge when dropped.
@@ -152,6 +153,14 @@ impl Metrics {
         registry
             .register(Box::new(jobs_running.clone()))
             .expect("unique gauge");
+        let audit_unpersisted = IntGauge::new(
+            "audit_unpersisted_records",
+            "Audit records kept in memory only because the audit file writer fell behind.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(audit_unpersisted.clone()))
+            .expect("unique gauge");
         let build = IntCounterVec::new(
             Opts::new("build_info", "Build information; always 1."),
             &["version"],
@@ -181,7 +190,15 @@ impl Metrics {
             jobs_finished,
             jobs_running,
             grant_events,
+            audit_unpersisted,
         }))
+    }
+
+    /// Audit records that never reached the audit file (read at every scrape).
+    pub fn audit_unpersisted(&self, records: u64) {
+        self.0
+            .audit_unpersisted
+            .set(i64::try_from(records).unwrap_or(i64::MAX));
     }
 
     pub fn job_started(&self, kind: JobKind) {
@@ -281,7 +298,10 @@ impl Metrics {
 
 /// The `/metrics` listener's request handler.
 #[derive(Clone)]
-pub struct Endpoint(pub Metrics);
+pub struct Endpoint {
+    pub metrics: Metrics,
+    pub audit: Arc<crate::audit::Audit>,
+}
 
 impl crate::carrier::http::Handler for Endpoint {
     async fn handle(
@@ -301,8 +321,9 @@ impl crate::carrier::http::Handler for Endpoint {
             );
             return response;
         }
+        self.metrics.audit_unpersisted(self.audit.dropped());
         let mut response = hyper::Response::new(
-            http_body_util::Full::new(bytes::Bytes::from(self.0.render())).boxed(),
+            http_body_util::Full::new(bytes::Bytes::from(self.metrics.render())).boxed(),
         );
         response.headers_mut().insert(
             http::header::CONTENT_TYPE,
