@@ -1,0 +1,728 @@
+//! The load generator, the same for every server: keep-alive HTTP/1.1 clients on hyper 1's
+//! client connection API, either closed-loop (each client sends its next request as soon
+//! as the last answer is read: throughput cells) or paced (a fixed request rate: the flood
+//! scenario). Every answer is checked: 200 with a JSON-RPC result and no tool error.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_TYPE, HOST};
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::procfs::{CpuMark, CpuShare};
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// The MCP revision every request declares.
+pub const PROTOCOL_VERSION: &str = "2025-11-25";
+
+/// A JSON-RPC `tools/list` request body.
+pub fn tools_list_body() -> Bytes {
+    Bytes::from_static(br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}"#)
+}
+
+/// A JSON-RPC `tools/call` of `system.info` (no arguments).
+pub fn tools_call_body() -> Bytes {
+    Bytes::from_static(
+        br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"system.info","arguments":{}}}"#,
+    )
+}
+
+/// Where the credential of each request comes from.
+#[derive(Debug, Clone)]
+pub enum Auth {
+    None,
+    /// Client `i` always sends `values[i % len]` (a loopback bearer, a cached JWT).
+    PerClient(Arc<Vec<HeaderValue>>),
+    /// Every request takes the next value of the pool (a fresh JWT per request).
+    Pool(Arc<TokenPool>),
+}
+
+/// Credentials handed out one per request, in turn, shared by every cell that uses them
+/// so that no value is sent twice until the pool wraps around.
+#[derive(Debug)]
+pub struct TokenPool {
+    values: Vec<HeaderValue>,
+    next: AtomicUsize,
+}
+
+impl TokenPool {
+    pub fn new(values: Vec<HeaderValue>) -> TokenPool {
+        TokenPool {
+            values,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// How many values were handed out so far.
+    pub fn used(&self) -> usize {
+        self.next.load(Ordering::Relaxed)
+    }
+
+    fn take(&self) -> Option<HeaderValue> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.values.get(i % self.values.len().max(1)).cloned()
+    }
+}
+
+impl Auth {
+    fn value(&self, client: usize) -> Option<HeaderValue> {
+        match self {
+            Auth::None => None,
+            Auth::PerClient(values) => values.get(client % values.len().max(1)).cloned(),
+            Auth::Pool(pool) => pool.take(),
+        }
+    }
+}
+
+/// `Authorization: Bearer <token>` as a header value.
+pub fn bearer(token: &str) -> HeaderValue {
+    HeaderValue::from_str(&format!("Bearer {token}")).unwrap_or_else(|e| {
+        panic!("a bearer token must be header text: {e}");
+    })
+}
+
+/// The request every client of a cell sends: `POST <path>` with the MCP headers, the same
+/// bytes to every server but for `Host` and the credential.
+#[derive(Debug)]
+pub struct Template {
+    pub addr: SocketAddr,
+    pub host: HeaderValue,
+    pub path: &'static str,
+    pub body: Bytes,
+    pub auth: Auth,
+}
+
+impl Template {
+    pub fn new(addr: SocketAddr, host: &str, body: Bytes, auth: Auth) -> Template {
+        Template {
+            addr,
+            host: HeaderValue::from_str(host).unwrap_or_else(|e| panic!("host {host:?}: {e}")),
+            path: "/mcp",
+            body,
+            auth,
+        }
+    }
+
+    /// The loopback form of a host: `127.0.0.1:<port>`.
+    pub fn local(addr: SocketAddr, body: Bytes, auth: Auth) -> Template {
+        Template::new(addr, &addr.to_string(), body, auth)
+    }
+
+    fn request(&self, client: usize) -> Request<Full<Bytes>> {
+        let mut builder = Request::builder()
+            .method(Method::POST)
+            .uri(self.path)
+            .header(HOST, self.host.clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(
+                ACCEPT,
+                HeaderValue::from_static("application/json, text/event-stream"),
+            )
+            .header(
+                "mcp-protocol-version",
+                HeaderValue::from_static(PROTOCOL_VERSION),
+            );
+        if let Some(v) = self.auth.value(client) {
+            builder = builder.header(AUTHORIZATION, v);
+        }
+        builder
+            .body(Full::new(self.body.clone()))
+            .unwrap_or_else(|e| panic!("request from the template: {e}"))
+    }
+}
+
+/// One client connection, re-established when the server closes it.
+struct Client {
+    addr: SocketAddr,
+    sender: Option<SendRequest<Full<Bytes>>>,
+}
+
+impl Client {
+    fn new(addr: SocketAddr) -> Client {
+        Client { addr, sender: None }
+    }
+
+    async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>, String> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| format!("nodelay: {e}"))?;
+        let (sender, conn) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+
+    /// Opens the connection now if there is none (so that it is idle and open).
+    async fn open(&mut self) -> Result<(), String> {
+        if self.sender.as_ref().is_none_or(|s| s.is_closed()) {
+            self.sender = Some(Self::connect(self.addr).await?);
+        }
+        Ok(())
+    }
+
+    /// Sends `req` and reads the whole answer.
+    async fn send(&mut self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), String> {
+        self.open().await?;
+        let Some(sender) = self.sender.as_mut() else {
+            return Err("no connection".into());
+        };
+        if sender.ready().await.is_err() {
+            // Closed while idle: one fresh connection.
+            self.sender = Some(Self::connect(self.addr).await?);
+        }
+        let result = self.exchange(req).await;
+        if result.is_err() {
+            self.sender = None;
+        }
+        result
+    }
+
+    async fn exchange(&mut self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), String> {
+        let Some(sender) = self.sender.as_mut() else {
+            return Err("no connection".into());
+        };
+        let response = sender
+            .send_request(req)
+            .await
+            .map_err(|e| format!("request: {e}"))?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| format!("response body: {e}"))?
+            .to_bytes();
+        if parts
+            .headers
+            .get(CONNECTION)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"))
+        {
+            self.sender = None;
+        }
+        Ok((parts.status, body))
+    }
+}
+
+/// Whether an answer is a success: 200, a JSON-RPC result, no tool error. `full` also
+/// parses the body as JSON (done on a sample of the answers, to keep the generator's CPU
+/// share small; the byte checks run on every answer).
+pub fn check(status: StatusCode, body: &[u8], full: bool) -> Result<(), String> {
+    if status != StatusCode::OK {
+        return Err(format!("status {status}"));
+    }
+    if memchr::memmem::find(body, b"\"result\":").is_none() {
+        return Err(format!("no JSON-RPC result: {}", snippet(body)));
+    }
+    if memchr::memmem::find(body, b"\"isError\":true").is_some() {
+        return Err(format!("tool error: {}", snippet(body)));
+    }
+    if full {
+        let message = json_message(body).ok_or_else(|| format!("not JSON: {}", snippet(body)))?;
+        if message.get("jsonrpc").and_then(|v| v.as_str()) != Some("2.0")
+            || message.get("error").is_some()
+            || !message.get("result").is_some_and(|r| r.is_object())
+        {
+            return Err(format!("not a JSON-RPC result: {}", snippet(body)));
+        }
+    }
+    Ok(())
+}
+
+/// The JSON message of a plain JSON body, or of the first `data:` line of an SSE body.
+fn json_message(body: &[u8]) -> Option<serde_json::Value> {
+    if let Ok(v) = serde_json::from_slice(body) {
+        return Some(v);
+    }
+    let text = std::str::from_utf8(body).ok()?;
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .find_map(|d| serde_json::from_str(d.trim()).ok())
+}
+
+fn snippet(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&body[..body.len().min(160)]).into_owned();
+    if body.len() > 160 {
+        format!("{text}…")
+    } else {
+        text
+    }
+}
+
+/// One request on a new connection; the answer's JSON-RPC message once it passed [`check`].
+pub async fn one(template: Arc<Template>) -> Result<serde_json::Value, String> {
+    let mut conn = Client::new(template.addr);
+    let (status, body) = conn.send(template.request(0)).await?;
+    check(status, &body, true)?;
+    json_message(&body).ok_or_else(|| format!("not JSON: {}", snippet(&body)))
+}
+
+/// Latency samples of one cell, in nanoseconds, sorted.
+#[derive(Debug, Clone, Default)]
+pub struct Latencies(Vec<u64>);
+
+impl Latencies {
+    pub fn from_unsorted(mut samples: Vec<u64>) -> Latencies {
+        samples.sort_unstable();
+        Latencies(samples)
+    }
+
+    /// Nearest-rank percentile (`p` in 0..=100).
+    pub fn percentile(&self, p: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = ((p / 100.0) * self.0.len() as f64).ceil() as usize;
+        let i = rank.clamp(1, self.0.len()) - 1;
+        Duration::from_nanos(self.0[i])
+    }
+
+    pub fn max(&self) -> Duration {
+        Duration::from_nanos(self.0.last().copied().unwrap_or(0))
+    }
+}
+
+/// The outcome of one closed-loop cell.
+#[derive(Debug, Clone)]
+pub struct CellResult {
+    /// Successful answers completed inside the measurement window.
+    pub completed: u64,
+    /// Failed answers over the whole cell, warm-up included.
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub window: Duration,
+    pub latencies: Latencies,
+    pub cpu: CpuShare,
+}
+
+impl CellResult {
+    pub fn throughput(&self) -> f64 {
+        self.completed as f64 / self.window.as_secs_f64()
+    }
+
+    /// Server CPU time per answered request.
+    pub fn server_cpu_per_request(&self) -> Duration {
+        self.per_request(self.cpu.server)
+    }
+
+    /// Load-generator CPU time per answered request.
+    pub fn generator_cpu_per_request(&self) -> Duration {
+        self.per_request(self.cpu.generator)
+    }
+
+    fn per_request(&self, cpu: Duration) -> Duration {
+        if self.completed == 0 {
+            return Duration::ZERO;
+        }
+        cpu / u32::try_from(self.completed).unwrap_or(u32::MAX)
+    }
+}
+
+/// How one closed-loop cell runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    pub clients: usize,
+    pub warmup: Duration,
+    pub duration: Duration,
+    /// The server process, for its CPU time.
+    pub server_pid: Option<i32>,
+}
+
+/// Every 64th answer of a client (and its first) is parsed in full.
+const FULL_CHECK_EVERY: u64 = 64;
+
+#[derive(Default)]
+struct ClientTally {
+    completed: u64,
+    errors: u64,
+    first_error: Option<String>,
+    samples: Vec<u64>,
+}
+
+/// `plan.clients` keep-alive clients send `template` back to back for the warm-up and
+/// then the measured window; answers completing inside the window count.
+pub async fn closed_loop(template: Arc<Template>, plan: Plan) -> CellResult {
+    let begin = Instant::now();
+    let measure_from = begin + plan.warmup;
+    let end = measure_from + plan.duration;
+    let monitor = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let first = CpuMark::now(plan.server_pid);
+        tokio::time::sleep_until(end.into()).await;
+        CpuMark::now(plan.server_pid).share_since(&first)
+    });
+    let mut tasks = Vec::with_capacity(plan.clients);
+    for client in 0..plan.clients {
+        let template = template.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tally = ClientTally::default();
+            let mut conn = Client::new(template.addr);
+            let mut n: u64 = 0;
+            while Instant::now() < end {
+                let req = template.request(client);
+                let t0 = Instant::now();
+                let answer = conn.send(req).await;
+                let t1 = Instant::now();
+                let full = n.is_multiple_of(FULL_CHECK_EVERY);
+                n += 1;
+                match answer.and_then(|(status, body)| check(status, &body, full)) {
+                    Ok(()) => {
+                        if t1 >= measure_from && t1 < end {
+                            tally.completed += 1;
+                            tally.samples.push(nanos(t1 - t0));
+                        }
+                    }
+                    Err(e) => {
+                        tally.errors += 1;
+                        tally.first_error.get_or_insert(e);
+                        // Do not spin on a dead server.
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            }
+            tally
+        }));
+    }
+    let mut samples = Vec::new();
+    let mut result = CellResult {
+        completed: 0,
+        errors: 0,
+        first_error: None,
+        window: plan.duration,
+        latencies: Latencies::default(),
+        cpu: CpuShare::default(),
+    };
+    for task in tasks {
+        let tally = task.await.unwrap_or_else(|e| panic!("client task: {e}"));
+        result.completed += tally.completed;
+        result.errors += tally.errors;
+        if result.first_error.is_none() {
+            result.first_error = tally.first_error;
+        }
+        samples.extend(tally.samples);
+    }
+    result.latencies = Latencies::from_unsorted(samples);
+    result.cpu = monitor
+        .await
+        .unwrap_or_else(|e| panic!("CPU monitor task: {e}"));
+    result
+}
+
+/// Sends `total` requests from `clients` keep-alive clients as fast as they are answered;
+/// returns (successes, failures, first failure).
+pub async fn fixed_count(
+    template: Arc<Template>,
+    clients: usize,
+    total: u64,
+) -> (u64, u64, Option<String>) {
+    let left = Arc::new(AtomicU64::new(total));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let (template, left) = (template.clone(), left.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = Client::new(template.addr);
+            let mut tally = ClientTally::default();
+            let mut n = 0u64;
+            while left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1))
+                .is_ok()
+            {
+                let answer = conn.send(template.request(client)).await;
+                let full = n.is_multiple_of(FULL_CHECK_EVERY);
+                n += 1;
+                match answer.and_then(|(status, body)| check(status, &body, full)) {
+                    Ok(()) => tally.completed += 1,
+                    Err(e) => {
+                        tally.errors += 1;
+                        tally.first_error.get_or_insert(e);
+                    }
+                }
+            }
+            tally
+        }));
+    }
+    let (mut ok, mut failed, mut first) = (0, 0, None);
+    for task in tasks {
+        let tally = task.await.unwrap_or_else(|e| panic!("client task: {e}"));
+        ok += tally.completed;
+        failed += tally.errors;
+        if first.is_none() {
+            first = tally.first_error;
+        }
+    }
+    (ok, failed, first)
+}
+
+/// Sends one request per `X-Forwarded-For` value, each on a new connection, from
+/// `clients` concurrent clients, and counts the answers by status (for refusals, which
+/// close their connection).
+pub async fn statuses(
+    template: Arc<Template>,
+    forwarded_for: Arc<Vec<HeaderValue>>,
+    clients: usize,
+) -> (BTreeMap<u16, u64>, u64, Option<String>) {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let (template, forwarded_for, next) =
+            (template.clone(), forwarded_for.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut counts: BTreeMap<u16, u64> = BTreeMap::new();
+            let (mut failed, mut first) = (0u64, None);
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(address) = forwarded_for.get(i) else {
+                    break;
+                };
+                let mut req = template.request(client);
+                req.headers_mut().insert(X_FORWARDED_FOR, address.clone());
+                let mut conn = Client::new(template.addr);
+                match conn.send(req).await {
+                    Ok((status, _)) => *counts.entry(status.as_u16()).or_default() += 1,
+                    Err(e) => {
+                        failed += 1;
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            (counts, failed, first)
+        }));
+    }
+    let mut counts = BTreeMap::new();
+    let (mut failed, mut first) = (0, None);
+    for task in tasks {
+        let (c, f, e) = task.await.unwrap_or_else(|e| panic!("client task: {e}"));
+        for (status, n) in c {
+            *counts.entry(status).or_default() += n;
+        }
+        failed += f;
+        if first.is_none() {
+            first = e;
+        }
+    }
+    (counts, failed, first)
+}
+
+/// `n` connections that each carried one successful request and now sit idle, open.
+pub struct IdleConnections {
+    clients: Vec<Client>,
+    template: Arc<Template>,
+}
+
+impl IdleConnections {
+    pub async fn open(template: Arc<Template>, n: usize) -> Result<IdleConnections, String> {
+        let mut clients = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut c = Client::new(template.addr);
+            let (status, body) = c.send(template.request(i)).await?;
+            check(status, &body, true)?;
+            clients.push(c);
+        }
+        Ok(IdleConnections { clients, template })
+    }
+
+    /// One more request on every connection; fails unless each is still open (a closed
+    /// one would be replaced by a new connection, which is what this detects).
+    pub async fn still_open(&mut self) -> Result<(), String> {
+        for (i, c) in self.clients.iter_mut().enumerate() {
+            if c.sender.as_ref().is_none_or(|s| s.is_closed()) {
+                return Err(format!("connection {i} was closed while idle"));
+            }
+            let Some(sender) = c.sender.as_mut() else {
+                return Err(format!("connection {i} is gone"));
+            };
+            sender
+                .ready()
+                .await
+                .map_err(|e| format!("connection {i} was closed while idle: {e}"))?;
+            let (status, body) = c.exchange(self.template.request(i)).await?;
+            check(status, &body, true)?;
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of one paced stream.
+#[derive(Debug, Clone, Default)]
+pub struct PacedResult {
+    /// Requests sent.
+    pub sent: u64,
+    /// Answers that passed [`check`] (when the stream checks answers).
+    pub ok: u64,
+    /// Answers by status.
+    pub statuses: BTreeMap<u16, u64>,
+    /// Transport failures (no answer).
+    pub failed: u64,
+    pub first_error: Option<String>,
+    /// Send slots dropped because the task was behind its schedule.
+    pub skipped: u64,
+    pub latencies: Latencies,
+    pub window: Duration,
+}
+
+impl PacedResult {
+    pub fn rate(&self) -> f64 {
+        self.sent as f64 / self.window.as_secs_f64()
+    }
+
+    /// Adds `other`'s counts, samples and window to these.
+    pub fn merge(&mut self, other: PacedResult) {
+        self.sent += other.sent;
+        self.ok += other.ok;
+        self.failed += other.failed;
+        self.skipped += other.skipped;
+        for (status, n) in other.statuses {
+            *self.statuses.entry(status).or_default() += n;
+        }
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+        let mut samples = std::mem::take(&mut self.latencies.0);
+        samples.extend(other.latencies.0);
+        self.latencies = Latencies::from_unsorted(samples);
+        self.window += other.window;
+    }
+}
+
+/// How a paced stream runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// Requests per second over all tasks.
+    pub rate: f64,
+    pub tasks: usize,
+    pub duration: Duration,
+    /// Check every answer as a success ([`check`]); else only count statuses.
+    pub check: bool,
+    /// Open a new connection for every request (refusals close theirs anyway).
+    pub fresh_connections: bool,
+}
+
+/// `pace.tasks` clients together send `pace.rate` requests per second for
+/// `pace.duration`. A client behind its schedule skips slots rather than bursting.
+pub async fn paced(template: Arc<Template>, pace: Pace) -> PacedResult {
+    let start = Instant::now() + Duration::from_millis(5);
+    let end = start + pace.duration;
+    let interval = Duration::from_secs_f64(pace.tasks as f64 / pace.rate);
+    let mut tasks = Vec::new();
+    for client in 0..pace.tasks {
+        let template = template.clone();
+        // Spread the tasks' schedules over one interval.
+        let offset = interval.mul_f64(client as f64 / pace.tasks as f64);
+        tasks.push(tokio::spawn(async move {
+            let mut r = PacedResult::default();
+            let mut samples = Vec::new();
+            let mut conn = Client::new(template.addr);
+            let mut n: u64 = 0;
+            let mut slot = start + offset;
+            while slot < end {
+                tokio::time::sleep_until(slot.into()).await;
+                let now = Instant::now();
+                if now > slot + interval {
+                    // Behind by a whole slot: drop the missed ones.
+                    let behind = (now - slot).as_nanos() / interval.as_nanos().max(1);
+                    r.skipped += u64::try_from(behind).unwrap_or(u64::MAX);
+                    slot += interval * u32::try_from(behind).unwrap_or(u32::MAX);
+                    continue;
+                }
+                if pace.fresh_connections {
+                    conn = Client::new(template.addr);
+                }
+                let req = template.request(client);
+                let t0 = Instant::now();
+                let answer = conn.send(req).await;
+                let t1 = Instant::now();
+                r.sent += 1;
+                match answer {
+                    Ok((status, body)) => {
+                        *r.statuses.entry(status.as_u16()).or_default() += 1;
+                        if pace.check {
+                            match check(status, &body, n.is_multiple_of(FULL_CHECK_EVERY)) {
+                                Ok(()) => r.ok += 1,
+                                Err(e) => {
+                                    r.first_error.get_or_insert(e);
+                                }
+                            }
+                        }
+                        samples.push(nanos(t1 - t0));
+                    }
+                    Err(e) => {
+                        r.failed += 1;
+                        r.first_error.get_or_insert(e);
+                    }
+                }
+                n += 1;
+                slot += interval;
+            }
+            (r, samples)
+        }));
+    }
+    let mut total = PacedResult {
+        window: pace.duration,
+        ..PacedResult::default()
+    };
+    let mut samples = Vec::new();
+    for task in tasks {
+        let (r, s) = task.await.unwrap_or_else(|e| panic!("paced task: {e}"));
+        total.sent += r.sent;
+        total.ok += r.ok;
+        total.failed += r.failed;
+        total.skipped += r.skipped;
+        for (status, n) in r.statuses {
+            *total.statuses.entry(status).or_default() += n;
+        }
+        if total.first_error.is_none() {
+            total.first_error = r.first_error;
+        }
+        samples.extend(s);
+    }
+    total.latencies = Latencies::from_unsorted(samples);
+    total
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_checked() {
+        let ok = br#"{"jsonrpc":"2.0","id":1,"result":{"tools":[]}}"#;
+        assert!(check(StatusCode::OK, ok, true).is_ok());
+        assert!(check(StatusCode::UNAUTHORIZED, ok, true).is_err());
+        let tool_error = br#"{"jsonrpc":"2.0","id":1,"result":{"isError":true,"content":[]}}"#;
+        assert!(check(StatusCode::OK, tool_error, false).is_err());
+        let rpc_error = br#"{"jsonrpc":"2.0","id":1,"error":{"code":-32601,"message":"x"}}"#;
+        assert!(check(StatusCode::OK, rpc_error, false).is_err());
+        let sse = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n";
+        assert!(check(StatusCode::OK, sse, true).is_ok());
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let l = Latencies::from_unsorted((1..=100).rev().collect());
+        assert_eq!(l.percentile(50.0), Duration::from_nanos(50));
+        assert_eq!(l.percentile(99.0), Duration::from_nanos(99));
+        assert_eq!(l.max(), Duration::from_nanos(100));
+        assert_eq!(Latencies::default().percentile(99.0), Duration::ZERO);
+    }
+}

@@ -1,0 +1,428 @@
+//! `robota-bench`: robota-mcpd's throughput, latency and process figures next to a plain
+//! hyper server and a stock rmcp server, all driven by one load generator in one run.
+//!
+//! The lifecycle: check the daemon binaries, start every server (the baselines as child
+//! processes of this binary, robota-mcpd as the real release binary), run the throughput
+//! matrix, the bad-token flood, the process figures, then print the report and, with
+//! `--write-docs`, write it to `docs/benchmarks.md`.
+
+// A benchmark's output is its report, printed on stdout.
+#![allow(clippy::print_stdout)]
+#![forbid(unsafe_code)]
+
+mod figures;
+mod flood;
+mod load;
+mod matrix;
+mod mcpd;
+mod procfs;
+mod report;
+mod servers;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use http::HeaderValue;
+
+use crate::flood::FloodLevel;
+use crate::load::{Auth, TokenPool};
+use crate::matrix::{Call, Server, Target, Timing};
+use crate::report::{Figures, MatrixRun, Report};
+
+/// Benchmarks robota-mcpd against a plain hyper server and a stock rmcp server.
+///
+/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl`.
+#[derive(Debug, Parser)]
+#[command(name = "robota-bench")]
+struct Args {
+    /// Also write the report to docs/benchmarks.md (needs the full run: no selection).
+    #[arg(long)]
+    write_docs: bool,
+    /// Measured seconds per cell.
+    #[arg(long, default_value_t = 3.0)]
+    duration: f64,
+    /// Warm-up seconds per cell.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// Rounds of the whole matrix (the best round of each cell is reported).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Servers of the matrix.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Server::Hello, Server::Stock, Server::Loopback, Server::RemoteCached, Server::RemoteUncached])]
+    servers: Vec<Server>,
+    /// Requests of the matrix.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Call::ToolsList, Call::ToolsCall])]
+    calls: Vec<Call>,
+    /// Concurrent clients of the matrix.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 32])]
+    clients: Vec<usize>,
+    /// Parts to run.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Part::Matrix, Part::Flood, Part::Figures])]
+    parts: Vec<Part>,
+    /// Valid-client rates (requests/s) of the flood scenario; the flood is ten times each.
+    #[arg(long, value_delimiter = ',', default_values_t = [100.0, 500.0])]
+    flood_rates: Vec<f64>,
+    /// Seconds per phase of the flood scenario.
+    #[arg(long, default_value_t = 5.0)]
+    flood_duration: f64,
+    /// KEY=VALUE added to the environment of every server of the matrix (experiments,
+    /// e.g. GLIBC_TUNABLES); not for the documented run.
+    #[arg(long = "server-env", value_parser = key_value)]
+    server_env: Vec<(String, String)>,
+    /// Seconds to wait at most for other processes to quiet down before starting.
+    #[arg(long, default_value_t = 120)]
+    wait_quiet: u64,
+    /// Fresh tokens minted for the uncached remote cells.
+    #[arg(long, default_value_t = 100_000)]
+    token_pool: usize,
+    #[command(subcommand)]
+    internal: Option<Internal>,
+}
+
+/// The parts of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    Matrix,
+    Flood,
+    Figures,
+}
+
+impl Args {
+    /// Whether this is the full run the docs describe.
+    fn is_full(&self) -> bool {
+        self.servers.len() == 5
+            && self.calls.len() == 2
+            && self.clients.contains(&1)
+            && self.clients.contains(&32)
+            && self.parts.len() == 3
+            && self.server_env.is_empty()
+    }
+}
+
+/// The baselines, run by the harness as its own child processes.
+#[derive(Debug, Subcommand)]
+enum Internal {
+    /// Serve the plain hyper baseline on 127.0.0.1:0.
+    #[command(hide = true)]
+    ServeHello,
+    /// Serve the stock rmcp baseline on 127.0.0.1:0 with the tools in FILE.
+    #[command(hide = true)]
+    ServeRmcp {
+        #[arg(long)]
+        tools: PathBuf,
+    },
+}
+
+/// Tokens kept by the clients of the cached remote cells (one each).
+const CACHED_TOKENS: usize = 32;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match &args.internal {
+        Some(Internal::ServeHello) => return child_exit(servers::serve_hello()),
+        Some(Internal::ServeRmcp { tools }) => return child_exit(servers::serve_rmcp(tools)),
+        None => {}
+    }
+    if args.write_docs && !args.is_full() {
+        eprintln!(
+            "robota-bench: --write-docs needs the full run (no --servers/--calls/--clients/--parts selection)"
+        );
+        return ExitCode::from(2);
+    }
+    if let Err(e) = mcpd::check_binaries() {
+        eprintln!("robota-bench: {e}");
+        return ExitCode::from(2);
+    }
+    let started = Instant::now();
+    let machine = procfs::Machine::describe(&workspace_root());
+    // A CI run sharing the machine makes every number pessimistic: wait for a lull.
+    let foreign_before = procfs::wait_quiet(0.10, Duration::from_secs(args.wait_quiet));
+    eprintln!(
+        "robota-bench: daemon binaries from {}; other processes use {:.0}% of the machine",
+        mcpd::binary_dir().display(),
+        foreign_before * 100.0
+    );
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("robota-bench: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let keys = mcpd::KeySet::generate();
+
+    let matrix = if args.parts.contains(&Part::Matrix) {
+        match throughput(&rt, &args, &keys) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("robota-bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    let flood_duration = Duration::from_secs_f64(args.flood_duration);
+    let flood = if args.parts.contains(&Part::Flood) {
+        bad_token_flood(&rt, &keys, &args.flood_rates, flood_duration)
+    } else {
+        Vec::new()
+    };
+    let figures = args
+        .parts
+        .contains(&Part::Figures)
+        .then(|| process_figures(&rt, &keys));
+
+    let report = Report {
+        machine,
+        foreign_before,
+        matrix,
+        flood,
+        flood_duration,
+        figures,
+        elapsed: started.elapsed(),
+    };
+    let text = report.markdown();
+    println!("{text}");
+    if args.write_docs {
+        let path = docs_path();
+        if let Err(e) = std::fs::write(&path, &text) {
+            eprintln!("robota-bench: write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        eprintln!("robota-bench: wrote {}", path.display());
+    }
+    ExitCode::SUCCESS
+}
+
+/// Starts the selected servers and runs the matrix over them.
+fn throughput(
+    rt: &tokio::runtime::Runtime,
+    args: &Args,
+    keys: &mcpd::KeySet,
+) -> Result<MatrixRun, String> {
+    let timing = Timing {
+        warmup: Duration::from_secs_f64(args.warmup),
+        duration: Duration::from_secs_f64(args.duration),
+        rounds: args.rounds.max(1),
+    };
+    eprintln!("robota-bench: starting the servers");
+    // The loopback daemon always runs: its tool list is the stock server's.
+    let env = &args.server_env;
+    let loopback = mcpd::loopback_daemon_with(env);
+    let host_bearer = mcpd::host_bearer(&loopback);
+    let tools = rt
+        .block_on(tools_list(loopback.loopback_addr(), host_bearer.clone()))
+        .map_err(|e| format!("the daemon's tools/list failed: {e}"))?;
+    let tool_count = tools["tools"].as_array().map_or(0, Vec::len);
+    let tools_dir = tempfile::Builder::new()
+        .prefix("robota-bench-tools-")
+        .tempdir()
+        .map_err(|e| format!("tempdir: {e}"))?;
+    let tools_file = tools_dir.path().join("tools.json");
+    let tools_text = tools.to_string();
+    std::fs::write(&tools_file, &tools_text)
+        .map_err(|e| format!("write {}: {e}", tools_file.display()))?;
+    let wants = |s: Server| args.servers.contains(&s);
+    let hello =
+        wants(Server::Hello).then(|| servers::ChildServer::spawn("hello", &["serve-hello"], env));
+    let tools_arg = tools_file.display().to_string();
+    let stock = wants(Server::Stock).then(|| {
+        servers::ChildServer::spawn("stock rmcp", &["serve-rmcp", "--tools", &tools_arg], env)
+    });
+    let remote = (wants(Server::RemoteCached) || wants(Server::RemoteUncached))
+        .then(|| keys.remote_daemon_with(&[], env));
+    let cached: Vec<HeaderValue> = (0..CACHED_TOKENS)
+        .map(|n| load::bearer(&keys.token(n)))
+        .collect();
+    let pool_size = if wants(Server::RemoteUncached) {
+        args.token_pool
+    } else {
+        0
+    };
+    eprintln!("robota-bench: minting {pool_size} ES256 tokens");
+    // Pool tokens are numbered after the cached ones: distinct `jti`, distinct digests.
+    let pool = Arc::new(TokenPool::new(
+        keys.tokens(pool_size + CACHED_TOKENS)
+            .split_off(CACHED_TOKENS),
+    ));
+    let mut targets = Vec::new();
+    let local = |server, addr: std::net::SocketAddr, auth, pid| Target {
+        server,
+        addr,
+        host: addr.to_string(),
+        auth,
+        pid,
+    };
+    if let Some(h) = &hello {
+        targets.push(local(Server::Hello, h.addr, Auth::None, h.pid()));
+    }
+    if let Some(s) = &stock {
+        targets.push(local(Server::Stock, s.addr, Auth::None, s.pid()));
+    }
+    if wants(Server::Loopback) {
+        targets.push(local(
+            Server::Loopback,
+            loopback.loopback_addr(),
+            Auth::PerClient(Arc::new(vec![host_bearer])),
+            loopback.pid(),
+        ));
+    }
+    if let Some(r) = &remote {
+        let remote = |server, auth| Target {
+            server,
+            addr: r.remote_addr(),
+            host: mcpd::PUBLIC_HOST.into(),
+            auth,
+            pid: r.pid(),
+        };
+        if wants(Server::RemoteCached) {
+            targets.push(remote(
+                Server::RemoteCached,
+                Auth::PerClient(Arc::new(cached)),
+            ));
+        }
+        if wants(Server::RemoteUncached) {
+            targets.push(remote(Server::RemoteUncached, Auth::Pool(pool.clone())));
+        }
+    }
+    for t in &targets {
+        eprintln!("  {:<32} {} pid {}", t.server.label(), t.addr, t.pid);
+    }
+    eprintln!("robota-bench: throughput matrix");
+    let rows = rt.block_on(matrix::run(&targets, &args.calls, &args.clients, timing));
+    Ok(MatrixRun {
+        timing,
+        rows,
+        pool: (pool.len(), pool.used()),
+        tool_mean: tool_mean(&loopback),
+        tools_list_bytes: tools_text.len(),
+        tool_count,
+    })
+}
+
+/// One flood level per rate, each on a fresh remote daemon (an empty throttle).
+fn bad_token_flood(
+    rt: &tokio::runtime::Runtime,
+    keys: &mcpd::KeySet,
+    rates: &[f64],
+    duration: Duration,
+) -> Vec<FloodLevel> {
+    eprintln!("robota-bench: bad-token flood");
+    let mut levels = Vec::new();
+    for &rate in rates {
+        let d = keys.remote_daemon(&[]);
+        eprintln!("  valid {rate}/s against robota-mcpd pid {}", d.pid());
+        let valid = load::bearer(&keys.token(1_000_000));
+        let bad: Vec<HeaderValue> = (0..16)
+            .map(|n| load::bearer(&keys.bad_signature_token(n)))
+            .collect();
+        let level = rt.block_on(flood::run_level(
+            d.remote_addr(),
+            d.pid(),
+            valid,
+            bad,
+            rate,
+            duration,
+        ));
+        eprintln!(
+            "  valid {rate}/s: alone p99 {:.3} ms, flooded p99 {:.3} ms ({}/{} ok), flood {:?} at {:.0}/s",
+            matrix::ms(level.unloaded.latencies.percentile(99.0)),
+            matrix::ms(level.loaded.latencies.percentile(99.0)),
+            level.loaded.ok,
+            level.loaded.sent,
+            level.flood.statuses,
+            level.flood.rate(),
+        );
+        levels.push(level);
+    }
+    levels
+}
+
+fn process_figures(rt: &tokio::runtime::Runtime, keys: &mcpd::KeySet) -> Figures {
+    eprintln!("robota-bench: process figures");
+    let starts = vec![
+        figures::start_times(
+            "loopback only (harness default)",
+            robota_e2e::Daemon::builder,
+        ),
+        figures::start_times("with the remote carrier (jwks_file, 4 keys)", || {
+            keys.remote_config(&[]).builder()
+        }),
+    ];
+    let memory = figures::memory(rt);
+    let growth = figures::throttle_growth(rt, keys);
+    Figures {
+        starts,
+        memory,
+        growth,
+    }
+}
+
+/// `KEY=VALUE` → (KEY, VALUE).
+fn key_value(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got {text:?}"))
+}
+
+fn child_exit(result: std::io::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("robota-bench: baseline server: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (the parent of `bench/`).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// `docs/benchmarks.md` of this workspace.
+fn docs_path() -> PathBuf {
+    workspace_root().join("docs").join("benchmarks.md")
+}
+
+/// The daemon's `tools/list` result, to give the stock server the same tools.
+async fn tools_list(
+    addr: std::net::SocketAddr,
+    bearer: HeaderValue,
+) -> Result<serde_json::Value, String> {
+    let template = Arc::new(load::Template::local(
+        addr,
+        load::tools_list_body(),
+        Auth::PerClient(Arc::new(vec![bearer])),
+    ));
+    let mut answer = load::one(template).await?;
+    match answer.get_mut("result") {
+        Some(result) => Ok(result.take()),
+        None => Err(format!("no result in {answer}")),
+    }
+}
+
+/// Mean duration of `system.info` in the daemon, from its own histogram.
+fn tool_mean(d: &robota_e2e::Daemon) -> Option<Duration> {
+    let text = d.metrics_text()?;
+    let label = "tool=\"system.info\"";
+    let sum = robota_e2e::metric_sum(
+        &text,
+        &["robota_mcpd_tool_call_duration_seconds_sum", label],
+    );
+    let count = robota_e2e::metric_sum(
+        &text,
+        &["robota_mcpd_tool_call_duration_seconds_count", label],
+    );
+    (count > 0.0).then(|| Duration::from_secs_f64(sum / count))
+}

@@ -1,0 +1,166 @@
+//! robota-mcpd under test: the real release binary started by the e2e harness (config in
+//! a temp dir, `READY=1` on a private notify socket, port 0, addresses from
+//! `robota-mcpctl --json status`), and for the remote carrier an ES256 key set of four
+//! keys in a `jwks_file` plus the tokens the load generator sends.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use http::HeaderValue;
+use jsonwebtoken::Algorithm;
+use robota_e2e::authz::{SigningKey, TokenBuilder, now_secs};
+use robota_e2e::remote::RemoteConfig;
+use robota_e2e::{Daemon, DaemonBuilder};
+use serde_json::json;
+use tempfile::TempDir;
+
+use crate::load::bearer;
+
+/// The remote carrier's public URL; requests carry its authority as `Host`, as a reverse
+/// proxy in front of a plain-HTTP `[remote]` listener would pass it.
+pub const PUBLIC_URL: &str = "https://mcp.example.com/mcp";
+pub const PUBLIC_HOST: &str = "mcp.example.com";
+pub const ISSUER: &str = "https://auth.example.com";
+
+/// Fails early, with the command to run, when the daemon binaries are missing.
+pub fn check_binaries() -> Result<(), String> {
+    let dir = robota_e2e::bin_dir();
+    for name in ["robota-mcpd", "robota-mcpctl"] {
+        if !dir.join(name).is_file() {
+            return Err(format!(
+                "{} is missing: build it first with `cargo build --release -p robota-mcpd -p robota-mcpctl`",
+                dir.join(name).display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The directory of the daemon binaries this run uses.
+pub fn binary_dir() -> PathBuf {
+    robota_e2e::bin_dir()
+}
+
+/// A daemon with the harness's config: the loopback carrier only.
+pub fn loopback_daemon() -> Daemon {
+    loopback_daemon_with(&[])
+}
+
+/// [`loopback_daemon`] with extra environment variables (experiments: allocator tunables).
+pub fn loopback_daemon_with(env: &[(String, String)]) -> Daemon {
+    with_env(Daemon::builder(), env).start()
+}
+
+fn with_env(builder: DaemonBuilder, env: &[(String, String)]) -> DaemonBuilder {
+    env.iter().fold(builder, |b, (k, v)| b.env(k, v))
+}
+
+/// `Authorization` for the loopback carrier: the host bearer (`robota-mcpctl bearer issue`).
+pub fn host_bearer(d: &Daemon) -> HeaderValue {
+    bearer(&d.bearer())
+}
+
+/// Four ES256 signing keys published in a JWKS file, and a fifth, unpublished key for
+/// bad signatures.
+pub struct KeySet {
+    pub keys: Vec<Arc<SigningKey>>,
+    rogue: Arc<SigningKey>,
+    dir: TempDir,
+}
+
+impl KeySet {
+    pub fn generate() -> KeySet {
+        let keys: Vec<Arc<SigningKey>> = (1..=4)
+            .map(|i| SigningKey::generate(Algorithm::ES256, &format!("es-{i}")))
+            .collect();
+        let rogue = SigningKey::generate(Algorithm::ES256, "rogue");
+        let dir = tempfile::Builder::new()
+            .prefix("robota-bench-keys-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let jwks = json!({"keys": keys.iter().map(|k| k.jwk()).collect::<Vec<_>>()});
+        std::fs::write(dir.path().join("jwks.json"), jwks.to_string())
+            .unwrap_or_else(|e| panic!("write the JWKS file: {e}"));
+        KeySet { keys, rogue, dir }
+    }
+
+    pub fn jwks_file(&self) -> PathBuf {
+        self.dir.path().join("jwks.json")
+    }
+
+    /// The `[remote]` section: plain HTTP on `127.0.0.1:0` (no `[remote.tls]`, as behind
+    /// a reverse proxy), the four keys from the file, scope `mcp`, principal `alice` /
+    /// `client-a`, default throttle (20 failures per 60 s per address).
+    pub fn remote_config(&self, trusted_proxies: &[&str]) -> RemoteConfig {
+        RemoteConfig {
+            public_url: PUBLIC_URL.into(),
+            issuer: ISSUER.into(),
+            jwks_uri: None,
+            jwks_file: Some(self.jwks_file().display().to_string()),
+            ca_file: None,
+            audiences: None,
+            scopes: vec!["mcp".into()],
+            allowed_subjects: vec!["alice".into()],
+            allowed_clients: vec!["client-a".into()],
+            algorithms: None,
+            trusted_proxies: (!trusted_proxies.is_empty())
+                .then(|| trusted_proxies.iter().map(|s| s.to_string()).collect()),
+            start_without_keys: None,
+            throttle: None,
+            max_addresses: None,
+            tls: None,
+            lines: Vec::new(),
+        }
+    }
+
+    /// A daemon with the remote carrier (and the harness's loopback carrier).
+    pub fn remote_daemon(&self, trusted_proxies: &[&str]) -> Daemon {
+        self.remote_daemon_with(trusted_proxies, &[])
+    }
+
+    /// [`KeySet::remote_daemon`] with extra environment variables.
+    pub fn remote_daemon_with(&self, trusted_proxies: &[&str], env: &[(String, String)]) -> Daemon {
+        with_env(self.remote_config(trusted_proxies).builder(), env).start()
+    }
+
+    /// A valid access token signed by key `n % 4`, unique by its `jti`, valid for an hour.
+    pub fn token(&self, n: usize) -> String {
+        let key = &self.keys[n % self.keys.len()];
+        TokenBuilder::new(key, ISSUER, PUBLIC_URL)
+            .claim("exp", now_secs() + 3600)
+            .claim("jti", format!("bench-{n}"))
+            .build()
+    }
+
+    /// `count` valid tokens, minted on every CPU (the signing is the expensive part).
+    pub fn tokens(&self, count: usize) -> Vec<HeaderValue> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = count.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        (t * per..((t + 1) * per).min(count))
+                            .map(|n| bearer(&self.token(n)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|_| panic!("token minting thread")))
+                .collect()
+        })
+    }
+
+    /// A token naming published key `es-1` but signed by the unpublished key: the daemon
+    /// finds the key and does the whole signature check before refusing it
+    /// (`bad-signature`), the most expensive refusal to provoke.
+    pub fn bad_signature_token(&self, n: usize) -> String {
+        TokenBuilder::new(&self.keys[0], ISSUER, PUBLIC_URL)
+            .claim("exp", now_secs() + 3600)
+            .claim("jti", format!("bad-{n}"))
+            .signed_by(&self.rogue)
+            .build()
+    }
+}

@@ -1,0 +1,546 @@
+//! The results as Markdown: printed on stdout, and written to `docs/benchmarks.md` with
+//! `--write-docs`. Targets are judged here, from the numbers.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use crate::figures::{Memory, StartTimes, ThrottleGrowth};
+use crate::flood::FloodLevel;
+use crate::load::CellResult;
+use crate::matrix::{Call, Row, Server, Timing, ms};
+use crate::procfs::Machine;
+
+/// The command that produces this page.
+pub const COMMAND: &str = "cargo build --release -p robota-mcpd -p robota-mcpctl\n\
+cargo run --release -p robota-bench -- --write-docs";
+
+/// Hand-written analysis of the last profiled run (perf evidence for missed targets).
+const ANALYSIS: &str = include_str!("../analysis.md");
+
+/// Everything one run measured.
+#[derive(Debug)]
+pub struct Report {
+    pub machine: Machine,
+    /// Share of the machine other processes used in the second before the run.
+    pub foreign_before: f64,
+    pub matrix: Option<MatrixRun>,
+    pub flood: Vec<FloodLevel>,
+    pub flood_duration: Duration,
+    pub figures: Option<Figures>,
+    pub elapsed: Duration,
+}
+
+/// The throughput matrix and what describes it.
+#[derive(Debug)]
+pub struct MatrixRun {
+    pub timing: Timing,
+    pub rows: Vec<Row>,
+    /// Tokens in the fresh-token pool and how many were sent.
+    pub pool: (usize, usize),
+    /// Mean `system.info` duration inside the daemon (its own histogram), if read.
+    pub tool_mean: Option<Duration>,
+    /// Bytes of the daemon's `tools/list` result.
+    pub tools_list_bytes: usize,
+    pub tool_count: usize,
+}
+
+/// The process figures.
+#[derive(Debug)]
+pub struct Figures {
+    pub starts: Vec<StartTimes>,
+    pub memory: Memory,
+    pub growth: ThrottleGrowth,
+}
+
+/// One target and whether it was met.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    pub target: String,
+    pub measured: String,
+    pub met: bool,
+}
+
+impl Report {
+    fn row(&self, server: Server, call: Call, clients: usize) -> Option<&Row> {
+        self.matrix
+            .as_ref()?
+            .rows
+            .iter()
+            .find(|r| r.server == server && r.call == call && r.clients == clients)
+    }
+
+    fn throughput(&self, server: Server, call: Call, clients: usize) -> Option<f64> {
+        self.row(server, call, clients)
+            .map(|r| r.best().throughput())
+    }
+
+    fn ratio(&self, server: Server, base: Server, call: Call, clients: usize) -> Option<f64> {
+        let a = self.throughput(server, call, clients)?;
+        let b = self.throughput(base, call, clients)?;
+        (b > 0.0).then(|| a / b)
+    }
+
+    /// Every target of the issue, judged from this run's numbers.
+    pub fn verdicts(&self) -> Vec<Verdict> {
+        let mut out = Vec::new();
+        let calls = [Call::ToolsList, Call::ToolsCall];
+        let mut ratio_target = |name: String, server, base, call, clients, min: f64| {
+            if let Some(r) = self.ratio(server, base, call, clients) {
+                let clean = [server, base].iter().all(|s| {
+                    self.row(*s, call, clients)
+                        .is_some_and(|row| row.errors() == 0)
+                });
+                out.push(Verdict {
+                    target: name,
+                    measured: format!("{r:.2}×{}", if clean { "" } else { " (with errors)" }),
+                    met: r >= min && clean,
+                });
+            }
+        };
+        for call in calls {
+            ratio_target(
+                format!("loopback ≥ 0.9× stock rmcp, {}, 32 clients", call.label()),
+                Server::Loopback,
+                Server::Stock,
+                call,
+                32,
+                0.9,
+            );
+        }
+        for call in calls {
+            ratio_target(
+                format!("loopback ≥ 0.5× hyper hello, {}, 32 clients", call.label()),
+                Server::Loopback,
+                Server::Hello,
+                call,
+                32,
+                0.5,
+            );
+        }
+        for call in calls {
+            for clients in [1, 32] {
+                ratio_target(
+                    format!(
+                        "remote (cached JWT) ≥ 0.8× loopback, {}, {clients} client{}",
+                        call.label(),
+                        if clients == 1 { "" } else { "s" }
+                    ),
+                    Server::RemoteCached,
+                    Server::Loopback,
+                    call,
+                    clients,
+                    0.8,
+                );
+            }
+        }
+        for level in &self.flood {
+            out.push(Verdict {
+                target: format!(
+                    "bad-token flood at {:.0}/s: valid client ({:.0}/s, same address) keeps 100% success",
+                    level.valid_rate * 10.0,
+                    level.valid_rate
+                ),
+                measured: format!(
+                    "{}/{} and {}/{} answered 200 with a result (unloaded, flooded)",
+                    level.unloaded.ok, level.unloaded.sent, level.loaded.ok, level.loaded.sent
+                ),
+                met: level.all_valid_succeeded(),
+            });
+            out.push(Verdict {
+                target: format!(
+                    "bad-token flood at {:.0}/s: valid p99 ≤ 2× unloaded p99",
+                    level.valid_rate * 10.0
+                ),
+                measured: format!(
+                    "{:.3} ms vs {:.3} ms: {:.2}×",
+                    ms(level.loaded.latencies.percentile(99.0)),
+                    ms(level.unloaded.latencies.percentile(99.0)),
+                    level.p99_ratio()
+                ),
+                met: level.p99_ratio() <= 2.0,
+            });
+        }
+        out
+    }
+
+    /// The whole page.
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let m = &self.machine;
+        let _ = writeln!(
+            s,
+            "# Benchmarks\n\n\
+             Throughput, latency and process figures of robota-mcpd next to two baselines, \
+             all driven by the same load generator in the same run. This page is written by \
+             `robota-bench` (crate `bench/`); the numbers below are from its last run.\n\n\
+             ## Command\n\n\
+             ```text\n{COMMAND}\n```\n\n\
+             The whole run took {:.0} s. `robota-bench --help` lists the knobs (cell duration, \
+             warm-up, rounds, flood rates) and a selection of servers, requests and parts for \
+             profiling one cell (`--servers loopback --calls list --clients 32 --parts matrix \
+             --duration 20`; the server pids are printed on stderr for `perf record -p`).\n\n\
+             ## Machine\n\n\
+             | | |\n|---|---|\n\
+             | CPUs (`nproc`) | {} |\n| CPU model | {} |\n| memory | {} |\n| kernel | {} |\n\
+             | rustc | {} |\n| daemon source | {} |\n| date | {} |\n\
+             | other processes' CPU use just before the run | {:.0}% of the machine |\n",
+            self.elapsed.as_secs_f64(),
+            m.nproc,
+            m.cpu_model,
+            m.memory,
+            m.kernel,
+            m.rustc,
+            m.source,
+            m.date,
+            self.foreign_before * 100.0
+        );
+        if let Some(matrix) = &self.matrix {
+            s.push_str(&self.method(matrix));
+            s.push_str("## Throughput and latency\n\n");
+            s.push_str(&self.table(matrix));
+        }
+        let verdicts = self.verdicts();
+        if !verdicts.is_empty() {
+            s.push_str("\n## Targets\n\n| target | measured | met |\n|---|---|---|\n");
+            for v in verdicts {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} |",
+                    v.target,
+                    v.measured,
+                    if v.met { "yes" } else { "**no**" }
+                );
+            }
+            s.push('\n');
+        }
+        if !self.flood.is_empty() {
+            s.push_str(&self.flood_section());
+        }
+        if let Some(f) = &self.figures {
+            s.push_str(&figures_section(f));
+        }
+        s.push_str("## Where the time goes\n\n");
+        s.push_str(ANALYSIS.trim());
+        s.push('\n');
+        s
+    }
+
+    fn method(&self, matrix: &MatrixRun) -> String {
+        let t = &matrix.timing;
+        format!(
+            "## Method\n\n\
+             - **Servers**, each its own process with tokio's default multi-threaded runtime:\n\
+             \x20 - *hyper hello*: plain hyper 1.x HTTP/1.1 that reads the body and answers a \
+             fixed 50-byte JSON-RPC result — the ceiling for any HTTP server here;\n\
+             \x20 - *stock rmcp 3.11*: rmcp's stateless Streamable HTTP service \
+             (`StreamableHttpService`, `NeverSessionManager`, `with_legacy_session_mode(false)`, \
+             `with_json_response(true)`) on hyper's plain HTTP/1.1 server (the daemon uses \
+             hyper-util's HTTP/1.1 + h2c builder with head deadlines), no admission; its tool list \
+             is the daemon's own `tools/list` result ({} tools, {} bytes) and its `system.info` \
+             does the daemon tool's work — the ceiling for the SDK;\n\
+             \x20 - *robota-mcpd loopback*: the release binary with the default loopback \
+             configuration, started as the end-to-end tests start it, host bearer from \
+             `robota-mcpctl bearer issue`;\n\
+             \x20 - *robota-mcpd remote*: the same binary with a plain-HTTP `[remote]` listener \
+             (as behind a TLS-terminating proxy), `public_url = \"https://mcp.example.com/mcp\"`, \
+             `jwks_file` with four ES256 keys, requests carrying `Host: mcp.example.com` and \
+             ES256 access tokens signed in turn by the four keys. *cached JWT*: each client \
+             keeps one token, so after its first request the daemon's verified-token cache \
+             answers; *fresh JWT*: every request carries the next token of a pool of {} \
+             distinct tokens ({} sent in all), so a token comes back only after {} others, \
+             far more than the 10 000 the verified-token cache holds (oldest evicted first): \
+             every request is verified in full.\n\
+             - **Requests**: `POST /mcp` with `Content-Type: application/json`, `Accept: \
+             application/json, text/event-stream`, `MCP-Protocol-Version: 2025-11-25` and the \
+             JSON-RPC body `tools/list` or `tools/call` of `system.info` — the same bytes to \
+             every server except `Host` and `Authorization`. `system.info` needs no store, \
+             D-Bus or Docker, but it is not free: a hostname, `uname`, `sysinfo`, \
+             `available_parallelism()` (which reads cgroup files) and two small file reads, \
+             5 `openat` and 17 `read` calls in all; the daemon's own \
+             `robota_mcpd_tool_call_duration_seconds` histogram puts it at {} on average \
+             (session, policy and argument validation included).\n\
+             - **Load generator** (`bench/src/load.rs`): tokio + hyper 1 client connections, \
+             keep-alive HTTP/1.1, TCP_NODELAY, each client sending its next request when the \
+             previous answer is read. Every answer must be 200 with a JSON-RPC `result` and no \
+             `isError: true` (byte checks on every answer, a full JSON parse of every 64th); \
+             anything else is an error and is counted.\n\
+             - **Cells**: {:.0} s warm-up, then {:.0} s measured, per (server, request, clients); \
+             all servers of one (request, clients) group run back to back; {} rounds, the best \
+             round is shown and *spread* is how far the other round fell below it; a cell \
+             during which other processes used more than 15% of the machine is run once more \
+             (for at most 12 cells per run) and the quieter attempt kept. Latency is \
+             per request (send to whole answer read), exact percentiles of every sample in the \
+             window. *Server CPU* is the server process's user + system time over the window \
+             divided by answers; the load generator shares the {} CPUs with the server, so a \
+             server that needs less CPU per request leaves more for the generator and the \
+             throughput ratios understate CPU-cost ratios.\n\n",
+            matrix.tool_count,
+            matrix.tools_list_bytes,
+            matrix.pool.0,
+            matrix.pool.1,
+            matrix.pool.0.saturating_sub(1),
+            matrix.tool_mean.map_or_else(
+                || "(not read)".into(),
+                |d| format!("{:.1} µs", d.as_secs_f64() * 1e6)
+            ),
+            t.warmup.as_secs_f64(),
+            t.duration.as_secs_f64(),
+            t.rounds,
+            self.machine.nproc,
+        )
+    }
+
+    fn table(&self, matrix: &MatrixRun) -> String {
+        let mut s = String::from(
+            "| request | clients | server | req/s | p50 ms | p99 ms | server CPU µs/req | generator CPU µs/req | errors | spread | other CPU (steal) | × stock rmcp | × hyper hello | × loopback |\n\
+             |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        let fmt_ratio = |r: Option<f64>| r.map_or_else(|| "—".into(), |r| format!("{r:.2}"));
+        for row in &matrix.rows {
+            let b: &CellResult = row.best();
+            let (call, clients) = (row.call, row.clients);
+            let vs_stock = match row.server {
+                Server::Hello | Server::Stock => None,
+                s => self.ratio(s, Server::Stock, call, clients),
+            };
+            let vs_hello = match row.server {
+                Server::Hello => None,
+                s => self.ratio(s, Server::Hello, call, clients),
+            };
+            let vs_loopback = match row.server {
+                Server::RemoteCached | Server::RemoteUncached => {
+                    self.ratio(row.server, Server::Loopback, call, clients)
+                }
+                _ => None,
+            };
+            let errors = row.errors();
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {:.0} | {:.3} | {:.3} | {:.0} | {:.0} | {} | {:.0}% | {:.0}% ({:.0}%) | {} | {} | {} |",
+                call.label(),
+                clients,
+                row.server.label(),
+                b.throughput(),
+                ms(b.latencies.percentile(50.0)),
+                ms(b.latencies.percentile(99.0)),
+                b.server_cpu_per_request().as_secs_f64() * 1e6,
+                b.generator_cpu_per_request().as_secs_f64() * 1e6,
+                if errors == 0 {
+                    "0".to_owned()
+                } else {
+                    format!("**{errors}**")
+                },
+                row.spread(),
+                b.cpu.foreign * 100.0,
+                b.cpu.steal * 100.0,
+                fmt_ratio(vs_stock),
+                fmt_ratio(vs_hello),
+                fmt_ratio(vs_loopback),
+            );
+        }
+        let errors: Vec<String> = matrix
+            .rows
+            .iter()
+            .filter_map(|r| {
+                r.first_error().map(|e| {
+                    format!(
+                        "- {} {} {} clients: {e}",
+                        r.server.label(),
+                        r.call.label(),
+                        r.clients
+                    )
+                })
+            })
+            .collect();
+        if errors.is_empty() {
+            s.push_str("\nEvery answer of every cell was 200 with a JSON-RPC result.\n");
+        } else {
+            s.push_str("\n**This run had errors** (first of each cell):\n\n");
+            s.push_str(&errors.join("\n"));
+            s.push('\n');
+        }
+        s.push_str(
+            "\n*other CPU*: CPU time used by processes other than the server and the load \
+             generator during the window, as a share of the machine (a CI run, for instance); \
+             *steal*: time the hypervisor gave our vCPUs to someone else. A high value of either \
+             makes that cell pessimistic.\n",
+        );
+        s
+    }
+
+    fn flood_section(&self) -> String {
+        let mut s = String::from("## A flood of bad tokens\n\n");
+        let _ = writeln!(
+            s,
+            "One keep-alive client sends `tools/call` with a valid (cached) token at a fixed \
+             rate for {:.0} s alone and {:.0} s flooded (two alone and two flooded phases, \
+             alternating, so that a change in the machine's other load does not fall on one \
+             phase only): while flooded, 16 other connections from the same address \
+             (127.0.0.1, no proxy) send ten times as many requests whose token names a \
+             published key but carries another key's signature — the daemon does the full \
+             ES256 check on each before refusing it, and closes the connection. The default \
+             throttle (20 failures per 60 s per address) answers the flood 429 after its 20th \
+             failure; valid tokens are verified before the throttle is consulted and are never \
+             throttled, so \"100% success\" means every valid request is answered 200 with a \
+             result while the same address is being throttled. A slot the valid client could \
+             not keep because its previous answer was still outstanding is skipped, so *valid \
+             sent* may fall short of rate × time.\n",
+            self.flood_duration.as_secs_f64(),
+            self.flood_duration.as_secs_f64()
+        );
+        s.push_str(
+            "| valid rate | phase | valid sent | valid OK | p50 ms | p99 ms | max ms | flood sent (rate) | flood 401 | flood 429 | flood other | other CPU |\n\
+             |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for level in &self.flood {
+            let phases = [
+                ("alone", &level.unloaded, level.foreign.0),
+                ("flooded", &level.loaded, level.foreign.1),
+            ];
+            for (phase, r, foreign) in phases {
+                let flood = (phase == "flooded").then_some(&level.flood);
+                let count = |status: u16| {
+                    flood.map_or_else(
+                        || "—".into(),
+                        |f| f.statuses.get(&status).copied().unwrap_or(0).to_string(),
+                    )
+                };
+                let other = flood.map_or_else(
+                    || "—".into(),
+                    |f| {
+                        let other: u64 = f
+                            .statuses
+                            .iter()
+                            .filter(|(s, _)| **s != 401 && **s != 429)
+                            .map(|(_, n)| n)
+                            .sum();
+                        (other + f.failed).to_string()
+                    },
+                );
+                let _ = writeln!(
+                    s,
+                    "| {:.0}/s | {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {:.0}% |",
+                    level.valid_rate,
+                    phase,
+                    r.sent,
+                    r.ok,
+                    ms(r.latencies.percentile(50.0)),
+                    ms(r.latencies.percentile(99.0)),
+                    ms(r.latencies.max()),
+                    flood.map_or_else(|| "—".into(), |f| format!("{} ({:.0}/s)", f.sent, f.rate())),
+                    count(401),
+                    count(429),
+                    other,
+                    foreign * 100.0,
+                );
+            }
+        }
+        let problems: Vec<String> = self
+            .flood
+            .iter()
+            .flat_map(|l| [&l.unloaded, &l.loaded, &l.flood])
+            .filter_map(|r| r.first_error.clone())
+            .collect();
+        if !problems.is_empty() {
+            let _ = writeln!(s, "\nFirst problems seen: {}", problems.join("; "));
+        }
+        s.push('\n');
+        s
+    }
+}
+
+fn figures_section(f: &Figures) -> String {
+    let mut s = String::from("## Process figures\n\n");
+    s.push_str(
+        "Start to `READY=1`: from just before the harness spawns the daemon (its temp \
+         directory and config written first) to the `READY=1` datagram on the notify \
+         socket; each start is a fresh state directory (new SQLite store).\n\n\
+         | configuration | median | min | max | starts |\n|---|---:|---:|---:|---:|\n",
+    );
+    for st in &f.starts {
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} ms | {:.1} ms | {:.1} ms | {} |",
+            st.config,
+            ms(st.median()),
+            ms(st.min()),
+            ms(st.max()),
+            st.samples.len()
+        );
+    }
+    let m = &f.memory;
+    let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
+    let _ = writeln!(
+        s,
+        "\nResident memory (`VmRSS`) of one loopback daemon through a sequence:\n\n\
+         | state | RSS |\n|---|---:|\n\
+         | idle, just started | {} |\n\
+         | after its first request | {} |\n\
+         | with 64 open idle connections (one request each) | {} |\n\
+         | after 10 000 more requests (5 000 `tools/call`, 5 000 `tools/list`, 32 clients) | {} |\n\
+         | with 64 open idle connections again | {} |\n\n\
+         64 idle connections cost {:.1} KiB each on the daemon warmed by one request (the \
+         difference to the row above them, divided by 64); after the 10 000 requests they \
+         cost {:.1} KiB each, the memory of the load's 32 connections being reused. The \
+         connections are read while idle, then each sends one more request on the same \
+         connection to prove it was still open. The loopback default `max_connections = 64` \
+         is exactly this many, and the head deadline (`header_timeout`, 5 s) closes a \
+         keep-alive connection idle for longer.\n",
+        mib(m.idle),
+        mib(m.after_first_request),
+        mib(m.with_idle_connections),
+        mib(m.after_requests),
+        mib(m.with_idle_connections_after),
+        (m.with_idle_connections as f64 - m.after_first_request as f64) / 64.0,
+        (m.with_idle_connections_after as f64 - m.after_requests as f64) / 64.0,
+    );
+    if !m.failures.is_empty() {
+        let _ = writeln!(s, "Problems: {}\n", m.failures.join("; "));
+    }
+    let g = &f.growth;
+    let statuses = |i: usize| {
+        g.statuses[i]
+            .iter()
+            .map(|(k, v)| format!("{v}× {k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let per = g.bytes_per_address();
+    let _ = writeln!(
+        s,
+        "Memory per throttle-tracked address, by difference, on a remote daemon that trusts \
+         127.0.0.1 as a proxy, with `[remote.throttle] max_addresses = {max}` so that no \
+         address is evicted: requests without a token (each a counted failure of its \
+         `X-Forwarded-For` address, refused 401, or 429 once that address is over budget), \
+         RSS read after each step:\n\n\
+         | step | answers | RSS |\n|---|---|---:|\n\
+         | 30 000 from one address (fills the 10 000-record in-memory audit ring, lets \
+         the allocator settle) | {} | {} |\n\
+         | {n} more from that same address (control) | {} | {} |\n\
+         | {n} from {n} distinct addresses | {} | {} |\n\
+         | {n} more from the first address (control) | {} | {} |\n\n\
+         Growth per tracked address = (step 3's growth − the control steps' mean growth) / \
+         {n} = ({:.0} KiB − {:.0} KiB) / {n} = **{:.0} bytes** (the hash-table entry — \
+         address, window start, count — and the table's spare capacity; it grows by \
+         doubling, so this is an average). The default `max_addresses = 4096` bounds the \
+         table at about {:.0} KiB.\n",
+        statuses(0),
+        mib(g.rss[0]),
+        statuses(1),
+        mib(g.rss[1]),
+        statuses(2),
+        mib(g.rss[2]),
+        statuses(3),
+        mib(g.rss[3]),
+        g.distinct_kib(),
+        g.control_kib(),
+        per,
+        per * 4096.0 / 1024.0,
+        n = g.addresses,
+        max = g.max_addresses,
+    );
+    if !g.failures.is_empty() {
+        let _ = writeln!(s, "Problems: {}\n", g.failures.join("; "));
+    }
+    s
+}
