@@ -137,7 +137,14 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let started = Instant::now();
-    let machine = procfs::Machine::describe(&workspace_root());
+    let daemon_binary = mcpd::binary_dir().join("robota-mcpd");
+    if procfs::binary_is_stale(&workspace_root(), &daemon_binary) {
+        eprintln!(
+            "robota-bench: warning: {} is older than daemon/ or proto/: rebuild it with `cargo build --release -p robota-mcpd -p robota-mcpctl`",
+            daemon_binary.display()
+        );
+    }
+    let machine = procfs::Machine::describe(&workspace_root(), &daemon_binary);
     // A CI run sharing the machine makes every number pessimistic: wait for a lull.
     let foreign_before = procfs::wait_quiet(0.10, Duration::from_secs(args.wait_quiet));
     eprintln!(

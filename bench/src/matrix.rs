@@ -109,7 +109,7 @@ impl Row {
 }
 
 /// Other processes' share of the machine above which a cell is run again.
-const NOISY: f64 = 0.15;
+pub const NOISY: f64 = 0.15;
 /// How many noisy cells are run again, over the whole matrix.
 const NOISY_RETRIES: usize = 12;
 

@@ -1,6 +1,7 @@
 //! What `/proc` says about this machine and the processes under test: resident memory,
 //! CPU time per process and for the whole machine, and the facts printed with the results.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -167,7 +168,7 @@ pub struct Machine {
 }
 
 impl Machine {
-    pub fn describe(workspace: &std::path::Path) -> Machine {
+    pub fn describe(workspace: &Path, binary: &Path) -> Machine {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let cpu_model = cpuinfo
             .lines()
@@ -190,24 +191,53 @@ impl Machine {
             rustc: command_line("rustc", &["--version"]),
             date: command_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
             memory,
-            source: source(workspace),
+            source: source(workspace, binary),
         }
     }
 }
 
-/// `commit <short hash>`, plus a note when `daemon/` differs from it (read-only git).
-fn source(workspace: &std::path::Path) -> String {
+/// `commit <short hash>`, plus a note when `daemon/` differs from it (read-only git) or
+/// when the daemon binary is older than its sources.
+fn source(workspace: &Path, binary: &Path) -> String {
     let dir = workspace.display().to_string();
     let commit = command_line("git", &["-C", &dir, "rev-parse", "--short", "HEAD"]);
     let dirty = Command::new("git")
         .args(["-C", &dir, "status", "--porcelain", "--", "daemon", "proto"])
         .output()
         .is_ok_and(|o| !o.stdout.is_empty());
+    let mut text = format!("commit {commit}");
     if dirty {
-        format!("commit {commit} with uncommitted changes under daemon/")
-    } else {
-        format!("commit {commit}")
+        text.push_str(" with uncommitted changes under daemon/");
     }
+    if binary_is_stale(workspace, binary) {
+        text.push_str("; **the robota-mcpd binary is older than its sources** (rebuild it)");
+    }
+    text
+}
+
+/// Whether a file under `daemon/` or `proto/` changed after `binary` was written.
+pub fn binary_is_stale(workspace: &Path, binary: &Path) -> bool {
+    let Some(built) = std::fs::metadata(binary).and_then(|m| m.modified()).ok() else {
+        return true;
+    };
+    let mut dirs: Vec<PathBuf> = vec![workspace.join("daemon"), workspace.join("proto")];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(meta) = entry.metadata() else {
+                continue;
+            };
+            if meta.is_dir() {
+                dirs.push(path);
+            } else if meta.modified().is_ok_and(|m| m > built) {
+                return true;
+            }
+        }
+    }
+    false
 }
 
 /// The first line a command prints, or `unknown`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::figures::{Memory, StartTimes, ThrottleGrowth};
 use crate::flood::FloodLevel;
 use crate::load::CellResult;
-use crate::matrix::{Call, Row, Server, Timing, ms};
+use crate::matrix::{Call, NOISY, Row, Server, Timing, ms};
 use crate::procfs::Machine;
 
 /// The command that produces this page.
@@ -352,6 +352,20 @@ impl Report {
                 })
             })
             .collect();
+        let noisy = matrix
+            .rows
+            .iter()
+            .filter(|r| r.best().cpu.foreign > NOISY)
+            .count();
+        if noisy > 0 {
+            let _ = writeln!(
+                s,
+                "\n**{noisy} of {} cells ran while other processes used more than {:.0}% of the \
+                 machine: their numbers are pessimistic.**",
+                matrix.rows.len(),
+                NOISY * 100.0
+            );
+        }
         if errors.is_empty() {
             s.push_str("\nEvery answer of every cell was 200 with a JSON-RPC result.\n");
         } else {

@@ -34,7 +34,7 @@ use rmcp::service::RequestContext;
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{RoleServer, ServerHandler};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::net::TcpListener;
 
 /// The hello server's answer: shaped like a JSON-RPC result so that the generator's check
@@ -184,62 +184,9 @@ impl ServerHandler for Stock {
     }
 }
 
-/// What the daemon's `system.info` computes (daemon/src/tools/system.rs), the same
-/// syscalls and files.
+/// The daemon's own `system.info` body: the same syscalls and files.
 fn host_info() -> Value {
-    let hostname = nix::unistd::gethostname().ok();
-    let uts = nix::sys::utsname::uname().ok();
-    let sys = nix::sys::sysinfo::sysinfo().ok();
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let os = std::fs::read_to_string("/etc/os-release")
-        .or_else(|_| std::fs::read_to_string("/usr/lib/os-release"))
-        .unwrap_or_default();
-    let text = |s: Option<&std::ffi::OsStr>| s.map(|s| s.to_string_lossy().into_owned());
-    json!({
-        "hostname": hostname.as_deref().map(|h| h.to_string_lossy().into_owned()),
-        "os_release": os_release(&os),
-        "kernel": {
-            "name": text(uts.as_ref().map(|u| u.sysname())),
-            "release": text(uts.as_ref().map(|u| u.release())),
-            "version": text(uts.as_ref().map(|u| u.version())),
-        },
-        "arch": text(uts.as_ref().map(|u| u.machine())),
-        "uptime_secs": sys.as_ref().map(|s| s.uptime().as_secs()),
-        "cpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "memory": {
-            "total_bytes": sys.as_ref().map(|s| s.ram_total()),
-            "available_bytes": meminfo_bytes(&meminfo, "MemAvailable")
-                .or(sys.as_ref().map(|s| s.ram_unused())),
-        },
-        "daemon_version": env!("CARGO_PKG_VERSION"),
-    })
-}
-
-fn os_release(text: &str) -> Value {
-    let mut out = serde_json::Map::new();
-    for line in text.lines() {
-        let Some((key, value)) = line.split_once('=') else {
-            continue;
-        };
-        let key = match key.trim() {
-            "ID" => "id",
-            "NAME" => "name",
-            "VERSION_ID" => "version_id",
-            "PRETTY_NAME" => "pretty_name",
-            _ => continue,
-        };
-        let value = value.trim().trim_matches(|c| c == '"' || c == '\'');
-        out.insert(key.into(), Value::String(value.into()));
-    }
-    Value::Object(out)
-}
-
-fn meminfo_bytes(text: &str, key: &str) -> Option<u64> {
-    text.lines().find_map(|line| {
-        let rest = line.strip_prefix(key)?.strip_prefix(':')?;
-        let kib: u64 = rest.split_whitespace().next()?.parse().ok()?;
-        Some(kib * 1024)
-    })
+    robota_mcpd::tools::host_info().unwrap_or_default()
 }
 
 /// A baseline server running as a child process of the harness.

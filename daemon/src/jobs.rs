@@ -993,8 +993,8 @@ mod tests {
                     timeout: Duration::from_millis(100),
                     run: Box::new(|_| {
                         Box::pin(async {
-                            tokio::time::sleep(Duration::from_secs(30)).await;
-                            Finish::succeeded("never")
+                            // An action whose answer never comes.
+                            std::future::pending::<Finish>().await
                         })
                     }),
                 },
@@ -1014,8 +1014,8 @@ mod tests {
                     timeout: Duration::from_secs(30),
                     run: Box::new(|_| {
                         Box::pin(async {
-                            tokio::time::sleep(Duration::from_secs(30)).await;
-                            Finish::succeeded("never")
+                            // An action whose answer never comes.
+                            std::future::pending::<Finish>().await
                         })
                     }),
                 },

@@ -8,6 +8,8 @@ mod permissions;
 mod service;
 mod system;
 
+pub use system::info as host_info;
+
 use std::sync::Arc;
 
 use serde_json::{Map, Value};

@@ -41,7 +41,9 @@ impl HostTool for Info {
     }
 }
 
-fn info() -> Result<Value, ToolError> {
+/// What `system.info` answers. Public so the benchmark's stock-rmcp baseline does exactly
+/// the same work.
+pub fn info() -> Result<Value, ToolError> {
     let hostname = nix::unistd::gethostname().map_err(|e| internal("gethostname", e))?;
     let uts = nix::sys::utsname::uname().map_err(|e| internal("uname", e))?;
     let sys = nix::sys::sysinfo::sysinfo().map_err(|e| internal("sysinfo", e))?;
