@@ -154,11 +154,15 @@ pub struct LoopbackConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpLimits {
     pub max_connections: usize,
+    /// Connections from one client address (IPv6: one /64); `None`: no per-address cap.
+    pub max_connections_per_address: Option<usize>,
     pub max_in_flight: usize,
     pub max_header_bytes: usize,
     pub header_timeout: Duration,
     /// How long an admitted request may take to deliver its body (then 408).
     pub body_timeout: Duration,
+    /// How long an HTTP/2 connection with no open stream is kept after its last answer.
+    pub idle_timeout: Duration,
 }
 
 /// The remote carrier: an OAuth 2 resource server (SPEC §5).
@@ -455,10 +459,12 @@ struct RawLoopback {
     #[serde(default)]
     aliases: BTreeMap<String, String>,
     max_connections: Option<usize>,
+    max_connections_per_address: Option<usize>,
     max_in_flight: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
+    idle_timeout: Option<DurationText>,
 }
 
 impl Default for RawLoopback {
@@ -470,10 +476,12 @@ impl Default for RawLoopback {
             wire_names: None,
             aliases: BTreeMap::new(),
             max_connections: None,
+            max_connections_per_address: None,
             max_in_flight: None,
             max_header_bytes: None,
             header_timeout: None,
             body_timeout: None,
+            idle_timeout: None,
         }
     }
 }
@@ -508,10 +516,12 @@ struct RawRemote {
     #[serde(default)]
     aliases: BTreeMap<String, String>,
     max_connections: Option<usize>,
+    max_connections_per_address: Option<usize>,
     max_in_flight: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
+    idle_timeout: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -696,8 +706,9 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         let bounds = validate_bounds(
             "loopback",
             [l.max_connections, l.max_in_flight],
+            (l.max_connections_per_address, None),
             l.max_header_bytes,
-            [l.header_timeout, l.body_timeout],
+            [l.header_timeout, l.body_timeout, l.idle_timeout],
             &mut issues,
         );
         Some(LoopbackConfig {
@@ -818,13 +829,15 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
     })
 }
 
-/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, header bytes,
-/// and the head and body deadlines, each checked against its range.
+/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, the
+/// per-address cap (given, default), header bytes, and the head, body and idle deadlines,
+/// each checked against its range.
 fn validate_bounds(
     section: &str,
     counts: [Option<usize>; 2],
+    (per_address, per_address_default): (Option<usize>, Option<usize>),
     max_header_bytes: Option<SizeText>,
-    [header_timeout, body_timeout]: [Option<DurationText>; 2],
+    [header_timeout, body_timeout, idle_timeout]: [Option<DurationText>; 3],
     issues: &mut Issues,
 ) -> HttpLimits {
     let mut count = |key: &str, value: Option<usize>, default: usize| {
@@ -855,12 +868,26 @@ fn validate_bounds(
     };
     let header_timeout = deadline("header_timeout", header_timeout, 5);
     let body_timeout = deadline("body_timeout", body_timeout, 30);
+    let idle_timeout = deadline("idle_timeout", idle_timeout, 30);
+    let max_connections_per_address = match per_address {
+        Some(n) if n == 0 || n > max_connections => {
+            issues.add(
+                format!("{section}.max_connections_per_address"),
+                format!("must be between 1 and max_connections ({max_connections}), got {n}"),
+            );
+            None
+        }
+        Some(n) => Some(n),
+        None => per_address_default.map(|n| n.min(max_connections)),
+    };
     HttpLimits {
         max_connections,
+        max_connections_per_address,
         max_in_flight,
         max_header_bytes: usize::try_from(max_header_bytes).unwrap_or(usize::MAX),
         header_timeout,
         body_timeout,
+        idle_timeout,
     }
 }
 
@@ -988,8 +1015,9 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
     let bounds = validate_bounds(
         "remote",
         [r.max_connections, r.max_in_flight],
+        (r.max_connections_per_address, Some(16)),
         r.max_header_bytes,
-        [r.header_timeout, r.body_timeout],
+        [r.header_timeout, r.body_timeout, r.idle_timeout],
         issues,
     );
     let public_url = public_url?;

@@ -546,14 +546,21 @@ impl ControlApi for Api {
             "MCP session relayed over the control socket"
         );
         let caller = Some(crate::session::Caller::Local(peer.uid));
+        let wire = crate::mcp::Wire {
+            result_limit: core.config.limits.tool_result,
+            metrics: core.metrics.clone(),
+        };
         let server = crate::mcp::McpServer::new(
             session,
             names,
             Arc::new(crate::mcp::InFlight::default()),
+            wire,
             caller,
         );
         let ended = core.relays.read().child_token();
-        match rmcp::ServiceExt::serve_with_ct(server, (reader, writer), ended).await {
+        let limit = usize::try_from(core.config.limits.request_body).unwrap_or(usize::MAX);
+        let transport = crate::carrier::lines::transport(reader, writer, limit);
+        match rmcp::ServiceExt::serve_with_ct(server, transport, ended).await {
             Ok(running) => {
                 let _ = running.waiting().await;
             }
@@ -613,25 +620,35 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
         ),
         None => None,
     };
+    let wire = crate::mcp::Wire {
+        result_limit: config.limits.tool_result,
+        metrics: metrics.clone(),
+    };
     let loopback = config.loopback.clone().map(|l| {
-        McpTransport::new(Arc::new(LoopbackCarrier::new(
-            l,
-            config.limits,
-            audit.clone(),
-            metrics.clone(),
-        )))
+        McpTransport::new(
+            Arc::new(LoopbackCarrier::new(
+                l,
+                config.limits,
+                audit.clone(),
+                metrics.clone(),
+            )),
+            wire.clone(),
+        )
     });
     let remote = match &config.remote {
         Some(r) => {
             let verifier = build_verifier(r, &config.state_dir, metrics.clone()).await?;
             tracing::info!(issuer = %r.issuer, keys = %verifier.key_set_state(), "remote verifier ready");
-            Some(McpTransport::new(Arc::new(RemoteCarrier::new(
-                r.clone(),
-                config.limits,
-                verifier,
-                audit.clone(),
-                metrics.clone(),
-            ))))
+            Some(McpTransport::new(
+                Arc::new(RemoteCarrier::new(
+                    r.clone(),
+                    config.limits,
+                    verifier,
+                    audit.clone(),
+                    metrics.clone(),
+                )),
+                wire.clone(),
+            ))
         }
         None => None,
     };
@@ -669,15 +686,23 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
         *core.metrics_addr.write() = Some(addr);
         let bounds = crate::config::HttpLimits {
             max_connections: 8,
+            max_connections_per_address: None,
             max_in_flight: 8,
             max_header_bytes: 16 * 1024,
             header_timeout: std::time::Duration::from_secs(5),
             body_timeout: std::time::Duration::from_secs(5),
+            idle_timeout: std::time::Duration::from_secs(30),
+        };
+        let options = crate::carrier::http::Options {
+            name: metrics::Listener::Metrics,
+            bounds,
+            tls: None,
+            shared_peers: Vec::new(),
+            metrics: metrics.clone(),
         };
         tasks.push(tokio::spawn(crate::carrier::http::serve(
             listener,
-            bounds,
-            None,
+            options,
             metrics::Endpoint {
                 metrics: metrics.clone(),
                 audit: core.audit.clone(),

@@ -55,6 +55,7 @@ impl Host {
             config.tools.max_running_jobs,
             metrics.clone(),
         )?;
+        metrics.jobs_recovered(recovered);
         if recovered > 0 || interrupted > 0 {
             tracing::warn!(
                 jobs = recovered,

@@ -139,11 +139,19 @@ async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
     let metrics = metrics::Metrics::new();
     let host = robota_mcpd::host::Host::open(&config, audit, metrics.clone())
         .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
-    let session = Session::new(&config, Arc::new(NoCarriers), host.clone(), metrics)
+    let session = Session::new(&config, Arc::new(NoCarriers), host.clone(), metrics.clone())
         .map_err(|e| (exit::CONFIG, error_chain(&e)))?;
-    let transport = McpTransport::new(Arc::new(carrier::stdio::StdioCarrier {
-        config: config.stdio.clone(),
-    }));
+    let wire = robota_mcpd::mcp::Wire {
+        result_limit: config.limits.tool_result,
+        metrics: metrics.clone(),
+    };
+    let transport = McpTransport::new(
+        Arc::new(carrier::stdio::StdioCarrier {
+            config: config.stdio.clone(),
+            request_limit: config.limits.request_body,
+        }),
+        wire,
+    );
     transport
         .attach(Arc::new(session))
         .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use rmcp::model::{
@@ -25,6 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WireNameProfile;
+use crate::metrics::Metrics;
 use crate::session::catalog::{self, ToolSpec};
 use crate::session::{Caller, RuntimeTools, ToolError, ToolErrorCode, ToolOutput, TurnSubmission};
 
@@ -229,10 +231,22 @@ impl<S> Clone for McpServer<S> {
     }
 }
 
+/// What the MCP face needs besides the session: the result limit, which applies to what
+/// goes on the wire, and where tool calls are counted.
+#[derive(Clone)]
+pub struct Wire {
+    pub result_limit: u64,
+    pub metrics: Metrics,
+}
+
+/// The `tool` label of calls to a name that is not in the catalog (never the name itself).
+pub const UNKNOWN_TOOL_LABEL: &str = "(unknown)";
+
 struct Shared<S> {
     session: Arc<S>,
     names: WireNames,
     inflight: Arc<InFlight>,
+    wire: Wire,
     /// The caller for carriers with one fixed identity (stdio); HTTP carriers put an
     /// admitted [`Caller`] in each request's extensions instead.
     fixed_caller: Option<Caller>,
@@ -243,6 +257,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         session: Arc<S>,
         names: WireNames,
         inflight: Arc<InFlight>,
+        wire: Wire,
         fixed_caller: Option<Caller>,
     ) -> Self {
         Self {
@@ -250,6 +265,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                 session,
                 names,
                 inflight,
+                wire,
                 fixed_caller,
             }),
         }
@@ -268,31 +284,77 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             .or_else(|| self.shared.fixed_caller.clone())
     }
 
+    /// Run a call; returns the canonical name it resolved to (None: not in the catalog).
     async fn dispatch(
         &self,
         caller: &Caller,
         request: CallToolRequestParams,
         cancel: CancellationToken,
-    ) -> Result<ToolOutput, ToolError> {
+    ) -> (Option<&str>, Result<ToolOutput, ToolError>) {
         let Some(target) = self.shared.names.resolve(&request.name) else {
-            return Err(ToolError::new(
+            let unknown = ToolError::new(
                 ToolErrorCode::UnknownTool,
                 format!("no tool named {:?}", request.name),
-            ));
+            );
+            return (None, Err(unknown));
         };
         let args = request.arguments.unwrap_or_default();
         let session = &self.shared.session;
         match target {
-            Target::Runtime(name) => {
+            Target::Runtime(name) => (
+                Some(name),
                 session
                     .invoke_runtime_tool(caller, name, args, cancel)
-                    .await
-            }
+                    .await,
+            ),
             Target::Submission => {
-                let prompt = catalog::submission_prompt(&args)?;
-                session.submit_turn(caller, prompt, cancel).await
+                let name = session.submission_tool().name.as_str();
+                let result = match catalog::submission_prompt(&args) {
+                    Ok(prompt) => session.submit_turn(caller, prompt, cancel).await,
+                    Err(e) => Err(e),
+                };
+                (Some(name), result)
             }
         }
+    }
+
+    /// The rendered result, or `result_too_large` when what would go on the wire (the
+    /// structured content and its text copy) is over the result limit.
+    fn bounded(
+        &self,
+        result: Result<ToolOutput, ToolError>,
+    ) -> (CallToolResult, Option<ToolErrorCode>) {
+        let code = result.as_ref().err().map(|e| e.code);
+        let rendered = render(result);
+        let size = wire_size(&rendered);
+        let limit = self.shared.wire.result_limit;
+        if size <= limit {
+            return (rendered, code);
+        }
+        let too_large = ToolError::new(
+            ToolErrorCode::ResultTooLarge,
+            format!("the result is {size} bytes on the wire, over the {limit} byte limit"),
+        );
+        (render(Err(too_large)), Some(ToolErrorCode::ResultTooLarge))
+    }
+}
+
+/// Bytes of a result's JSON serialization, without building it.
+fn wire_size(result: &CallToolResult) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    match serde_json::to_writer(&mut count, result) {
+        Ok(()) => count.0,
+        Err(_) => u64::MAX,
     }
 }
 
@@ -360,22 +422,28 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             tracing::error!("tools/call reached the handler without an admitted caller");
             return Err(ErrorData::internal_error("no admitted caller", None));
         };
+        let started = Instant::now();
         let cancel = context.ct.clone();
         let _inflight =
             self.shared
                 .inflight
                 .register(caller.clone(), context.id.clone(), cancel.clone());
-        let result = self.dispatch(&caller, request, cancel).await;
+        let (tool, result) = self.dispatch(&caller, request, cancel).await;
+        let tool = tool.unwrap_or(UNKNOWN_TOOL_LABEL);
+        let metrics = &self.shared.wire.metrics;
         if let Ok(ToolOutput::Job(job)) = &result
             && context
                 .client_capabilities()
                 .is_some_and(|c| c.supports_tasks())
         {
+            metrics.tool_call(tool, None, started.elapsed());
             return Ok(CallToolResponse::Task(CreateTaskResult::new(tasks::task(
                 job,
             ))));
         }
-        Ok(render(result).into())
+        let (rendered, code) = self.bounded(result);
+        metrics.tool_call(tool, code, started.elapsed());
+        Ok(rendered.into())
     }
 
     /// `tasks/get`: the job behind the task, read through the canonical `job.status` tool

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::audit::{Carrier, GrantEvent, Reason};
@@ -39,6 +39,157 @@ impl FetchOutcome {
     }
 }
 
+/// An HTTP listener (the `listener` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Listener {
+    Loopback,
+    Remote,
+    Metrics,
+}
+
+impl Listener {
+    pub const ALL: [Listener; 3] = [Listener::Loopback, Listener::Remote, Listener::Metrics];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Listener::Loopback => "loopback",
+            Listener::Remote => "remote",
+            Listener::Metrics => "metrics",
+        }
+    }
+}
+
+/// What became of a TCP connection at an HTTP listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnOutcome {
+    /// Given a slot.
+    Accepted,
+    /// Listener (or its address) full with nothing idle to make room: refused at once.
+    Refused,
+    /// Idle (no complete request head) and the oldest when a newcomer needed its slot.
+    Evicted,
+    /// No complete request head within `header_timeout` of accept.
+    HeadTimeout,
+    /// No new request within the idle deadline after an answer.
+    IdleTimeout,
+}
+
+impl ConnOutcome {
+    pub const ALL: [ConnOutcome; 5] = [
+        ConnOutcome::Accepted,
+        ConnOutcome::Refused,
+        ConnOutcome::Evicted,
+        ConnOutcome::HeadTimeout,
+        ConnOutcome::IdleTimeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnOutcome::Accepted => "accepted",
+            ConnOutcome::Refused => "refused",
+            ConnOutcome::Evicted => "evicted",
+            ConnOutcome::HeadTimeout => "head-timeout",
+            ConnOutcome::IdleTimeout => "idle-timeout",
+        }
+    }
+}
+
+/// Why an admitted request (or a `/metrics` request) got an HTTP error answer. Admission
+/// refusals are not here: they are audited and counted by reason in `refusals_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// 405: not POST (not GET/HEAD on `/metrics`).
+    MethodNotAllowed,
+    /// 404 on `/metrics`.
+    NotFound,
+    /// 400: an `MCP-Protocol-Version` this daemon does not serve.
+    UnsupportedVersion,
+    /// 413: a body over the request limit, or too costly to parse.
+    BodyTooLarge,
+    /// 408: the body did not arrive within `body_timeout`.
+    BodyTimeout,
+    /// 400: the body stream broke off.
+    BodyError,
+    /// 400, JSON-RPC -32700: not JSON (or duplicate object keys).
+    ParseError,
+    /// 400, JSON-RPC -32600: a batch, or not a JSON-RPC message.
+    InvalidRequest,
+    /// 400, JSON-RPC -32602: `params` that is not an object.
+    InvalidParams,
+    /// 503: every in-flight slot or the parse-memory budget is taken.
+    Busy,
+    /// 431 on `/metrics` (the carriers audit theirs as the refusal `oversize`).
+    HeadTooLarge,
+    /// A 4xx from the MCP SDK: `Accept`/`Content-Type` (406, 415), protocol headers or
+    /// per-request metadata (400), an unknown method (404).
+    Protocol,
+}
+
+impl Rejection {
+    pub const ALL: [Rejection; 12] = [
+        Rejection::MethodNotAllowed,
+        Rejection::NotFound,
+        Rejection::UnsupportedVersion,
+        Rejection::BodyTooLarge,
+        Rejection::BodyTimeout,
+        Rejection::BodyError,
+        Rejection::ParseError,
+        Rejection::InvalidRequest,
+        Rejection::InvalidParams,
+        Rejection::Busy,
+        Rejection::HeadTooLarge,
+        Rejection::Protocol,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rejection::MethodNotAllowed => "method-not-allowed",
+            Rejection::NotFound => "not-found",
+            Rejection::UnsupportedVersion => "unsupported-version",
+            Rejection::BodyTooLarge => "body-too-large",
+            Rejection::BodyTimeout => "body-timeout",
+            Rejection::BodyError => "body-error",
+            Rejection::ParseError => "parse-error",
+            Rejection::InvalidRequest => "invalid-request",
+            Rejection::InvalidParams => "invalid-params",
+            Rejection::Busy => "busy",
+            Rejection::HeadTooLarge => "head-too-large",
+            Rejection::Protocol => "protocol",
+        }
+    }
+}
+
+/// What the idempotency layer decided for a call that carried a key it had seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Duplicate {
+    /// Same key, same arguments, first call finished: its result again, no second effect.
+    Replayed,
+    /// Same key, other arguments: refused (`invalid_arguments`).
+    Mismatch,
+    /// Same key while the first call still runs: `busy`.
+    InProgress,
+    /// Same key after the first call was cut off: its outcome is unknown.
+    OutcomeUnknown,
+}
+
+impl Duplicate {
+    pub const ALL: [Duplicate; 4] = [
+        Duplicate::Replayed,
+        Duplicate::Mismatch,
+        Duplicate::InProgress,
+        Duplicate::OutcomeUnknown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Duplicate::Replayed => "replayed",
+            Duplicate::Mismatch => "mismatch",
+            Duplicate::InProgress => "in-progress",
+            Duplicate::OutcomeUnknown => "outcome-unknown",
+        }
+    }
+}
+
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
 pub struct Metrics(Arc<Inner>);
@@ -58,6 +209,20 @@ struct Inner {
     jobs_running: IntGauge,
     grant_events: IntCounterVec,
     audit_unpersisted: IntGauge,
+    connections: IntCounterVec,
+    connections_open: IntGaugeVec,
+    rejections: IntCounterVec,
+    duplicates: IntCounterVec,
+    jobs_recovered: IntGauge,
+}
+
+/// Decrements the open-connections gauge when dropped.
+pub struct OpenConnection(IntGauge);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Decrements the active-turns gauge when dropped.
@@ -131,6 +296,37 @@ impl Metrics {
             "Grant requests and decisions, by event.",
             &["event"],
         );
+        let connections = counter(
+            "connections_total",
+            "TCP connections at the HTTP listeners, by listener and outcome.",
+            &["listener", "outcome"],
+        );
+        let rejections = counter(
+            "http_rejections_total",
+            "Requests answered with an HTTP error that is not an admission refusal, by listener and cause.",
+            &["listener", "cause"],
+        );
+        let duplicates = counter(
+            "idempotency_decisions_total",
+            "Calls with an idempotency key seen before, by canonical tool and decision.",
+            &["tool", "decision"],
+        );
+        let jobs_recovered = IntGauge::new(
+            "jobs_recovered_at_start",
+            "Jobs found running from a process that had died, marked outcome-unknown at this start.",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(jobs_recovered.clone()))
+            .expect("unique gauge");
+        let connections_open = IntGaugeVec::new(
+            Opts::new("connections_open", "Connections open now, by listener."),
+            &["listener"],
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(connections_open.clone()))
+            .expect("unique gauge");
         let tool_duration = HistogramVec::new(
             HistogramOpts::new(
                 "tool_call_duration_seconds",
@@ -161,12 +357,12 @@ impl Metrics {
         registry
             .register(Box::new(audit_unpersisted.clone()))
             .expect("unique gauge");
-        let build = IntCounterVec::new(
+        let build = IntGaugeVec::new(
             Opts::new("build_info", "Build information; always 1."),
             &["version"],
         )
         .expect("valid gauge");
-        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).inc();
+        build.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
         registry
             .register(Box::new(build))
             .expect("unique build_info");
@@ -191,7 +387,50 @@ impl Metrics {
             jobs_running,
             grant_events,
             audit_unpersisted,
+            connections,
+            connections_open,
+            rejections,
+            duplicates,
+            jobs_recovered,
         }))
+    }
+
+    pub fn duplicate(&self, tool: &str, decision: Duplicate) {
+        self.0
+            .duplicates
+            .with_label_values(&[tool, decision.as_str()])
+            .inc();
+    }
+
+    /// Jobs this start found cut off by a dead process (set once, at start).
+    pub fn jobs_recovered(&self, count: usize) {
+        self.0
+            .jobs_recovered
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    pub fn connection(&self, listener: Listener, outcome: ConnOutcome) {
+        self.0
+            .connections
+            .with_label_values(&[listener.as_str(), outcome.as_str()])
+            .inc();
+    }
+
+    /// Counts an open connection until the guard is dropped.
+    pub fn open_connection(&self, listener: Listener) -> OpenConnection {
+        let gauge = self
+            .0
+            .connections_open
+            .with_label_values(&[listener.as_str()]);
+        gauge.inc();
+        OpenConnection(gauge)
+    }
+
+    pub fn rejected(&self, listener: Listener, why: Rejection) {
+        self.0
+            .rejections
+            .with_label_values(&[listener.as_str(), why.as_str()])
+            .inc();
     }
 
     /// Audit records that never reached the audit file (read at every scrape).
@@ -311,9 +550,13 @@ impl crate::carrier::http::Handler for Endpoint {
     ) -> hyper::Response<crate::carrier::http::Body> {
         use http_body_util::BodyExt;
         if req.uri().path() != "/metrics" {
+            self.metrics
+                .rejected(Listener::Metrics, Rejection::NotFound);
             return crate::carrier::http::empty(http::StatusCode::NOT_FOUND);
         }
         if req.method() != http::Method::GET && req.method() != http::Method::HEAD {
+            self.metrics
+                .rejected(Listener::Metrics, Rejection::MethodNotAllowed);
             let mut response = crate::carrier::http::empty(http::StatusCode::METHOD_NOT_ALLOWED);
             response.headers_mut().insert(
                 http::header::ALLOW,
@@ -330,6 +573,11 @@ impl crate::carrier::http::Handler for Endpoint {
             http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
         );
         response
+    }
+
+    fn head_refused(&self, _peer: std::net::SocketAddr, _why: crate::carrier::http::HeadRefusal) {
+        self.metrics
+            .rejected(Listener::Metrics, Rejection::HeadTooLarge);
     }
 }
 
@@ -381,6 +629,10 @@ mod tests {
         m.job_started(JobKind::Template);
         m.job_finished(JobKind::Template, JobState::Succeeded);
         m.grant_event(GrantEvent::Approved);
+        m.duplicate("file.write", Duplicate::Replayed);
+        m.connection(Listener::Loopback, ConnOutcome::Accepted);
+        drop(m.open_connection(Listener::Loopback));
+        m.rejected(Listener::Loopback, Rejection::Busy);
         let families = m.0.registry.gather();
         assert!(families.len() >= 9);
         for family in &families {
@@ -443,6 +695,30 @@ mod tests {
                 doc.contains(&format!("`{}`", event.as_str())),
                 "grant event {}",
                 event.as_str()
+            );
+        }
+        for decision in Duplicate::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", decision.as_str())),
+                "idempotency decision {}",
+                decision.as_str()
+            );
+        }
+        for listener in Listener::ALL {
+            assert!(doc.contains(&format!("`{}`", listener.as_str())));
+        }
+        for outcome in ConnOutcome::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", outcome.as_str())),
+                "connection outcome {}",
+                outcome.as_str()
+            );
+        }
+        for reason in Rejection::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", reason.as_str())),
+                "rejection {}",
+                reason.as_str()
             );
         }
         for outcome in FetchOutcome::ALL {

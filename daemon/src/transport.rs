@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WireNameProfile;
-use crate::mcp::{InFlight, McpServer, WireError, WireNames};
+use crate::mcp::{InFlight, McpServer, Wire, WireError, WireNames};
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 
 /// How long `start()` may take before it fails.
@@ -83,13 +83,15 @@ struct Running {
 /// One carrier's transport object.
 pub struct McpTransport<S, C> {
     carrier: Arc<C>,
+    wire: Wire,
     phase: Mutex<Phase<S>>,
 }
 
 impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
-    pub fn new(carrier: Arc<C>) -> Self {
+    pub fn new(carrier: Arc<C>, wire: Wire) -> Self {
         Self {
             carrier,
+            wire,
             phase: Mutex::new(Phase::Idle),
         }
     }
@@ -183,6 +185,7 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             session,
             names,
             Arc::new(InFlight::default()),
+            self.wire.clone(),
             self.carrier.fixed_caller(),
         );
         let shutdown = CancellationToken::new();
@@ -299,7 +302,11 @@ mod tests {
     }
 
     fn transport(gate: &Arc<Gate>) -> Arc<McpTransport<Session, Gate>> {
-        Arc::new(McpTransport::new(gate.clone()))
+        let wire = Wire {
+            result_limit: 1024,
+            metrics: crate::metrics::Metrics::new(),
+        };
+        Arc::new(McpTransport::new(gate.clone(), wire))
     }
 
     #[tokio::test]

@@ -671,17 +671,21 @@ async fn results_over_tool_result_are_result_too_large_never_truncated() {
         .start();
     let bearer = d.bearer();
 
-    // The turn's output at the limit is returned whole; one byte more is
-    // result_too_large, and the answer holds none of the output.
-    let at = "q".repeat(LIMIT);
-    let (_, rpc) = call_raw(&d, &bearer, 1, "agent_submit", json!({"prompt": at})).await;
+    // The limit applies to what goes on the wire: the tool result as serialized. A turn
+    // output that fits with its envelope is returned whole; one that fits only without
+    // it is result_too_large, and that answer holds none of the output.
+    let fits = "q".repeat(LIMIT - 100);
+    let (resp, rpc) = call_raw(&d, &bearer, 1, "agent_submit", json!({"prompt": fits})).await;
     assert_eq!(tool_error_code(&rpc), None, "{}", short(&rpc.to_string()));
     assert_eq!(
         result_text(&rpc),
-        at,
-        "a result of exactly the limit is whole"
+        fits,
+        "a result within the limit is whole"
     );
-    for len in [LIMIT + 1, 900 * 1024] {
+    let on_wire = serde_json::to_vec(&rpc["result"]).expect("result").len();
+    assert!(on_wire <= LIMIT, "{on_wire} bytes of result on the wire");
+    assert!(resp.body.len() <= LIMIT + 100, "{} bytes", resp.body.len());
+    for len in [LIMIT - 20, LIMIT + 1, 900 * 1024] {
         let (resp, rpc) = call_raw(
             &d,
             &bearer,
@@ -734,10 +738,27 @@ async fn results_over_tool_result_are_result_too_large_never_truncated() {
         .and_then(Value::as_str)
         .unwrap_or_default();
     assert_eq!(content.len(), 64 * 1024, "a read within the limit is whole");
+    // A structured result goes on the wire twice (structuredContent and its text copy):
+    // 300 KiB read is over a 512 KiB limit there, though its payload alone is not.
+    let (resp, rpc) = call_raw(
+        &d,
+        &bearer,
+        6,
+        "file.read",
+        json!({"path": path, "length": 300 * 1024}),
+    )
+    .await;
+    assert_eq!(
+        tool_error_code(&rpc).as_deref(),
+        Some("result_too_large"),
+        "a 300 KiB structured result doubled on the wire: {}",
+        short(&rpc.to_string())
+    );
+    assert!(resp.body.len() < 4096);
 
     // Counted by outcome.
     let metrics = d.metrics_text().expect("metrics");
-    for (tool, n) in [("agent_submit", 2.0), ("file.read", 1.0)] {
+    for (tool, n) in [("agent_submit", 3.0), ("file.read", 2.0)] {
         assert_eq!(
             metric_sum(
                 &metrics,

@@ -1,38 +1,67 @@
 //! What an HTTP carrier does with an admitted request: the same for loopback and remote.
 //!
-//! Order: 405 for anything but POST, 400 for an unsupported `MCP-Protocol-Version`, 413
-//! from `Content-Length` before reading, 503 + `Retry-After` when every in-flight slot is
-//! taken, then the body is read (bounded; 413 past the limit, 408 past the body deadline). A
-//! `notifications/cancelled` body cancels the same caller's in-flight request and is
-//! answered 202 here; everything else goes to rmcp's stateless service.
+//! Order: 405 for anything but POST, 413 from `Content-Length` before reading, 503 +
+//! `Retry-After` when every in-flight slot is taken, then the body is read under the
+//! carrier's memory budget (413 past the size limit, 408 past the body deadline, 503 when
+//! the budget stays taken), then looked at strictly ([`super::jsonrpc`]: 400 with a
+//! JSON-RPC error for a parse error, a batch, a bad id or params), then 400 for an
+//! unsupported `MCP-Protocol-Version` (with the request's id). A
+//! `notifications/cancelled` cancels the same caller's in-flight request and is answered
+//! 202 here; everything else goes to rmcp's stateless service. Every error answer is
+//! counted by reason.
+//!
+//! The memory budget: a request holds budget for twice its body (ours and the SDK's
+//! copy) while it is read, then for [`super::jsonrpc::VALUE_COST`] per JSON value before
+//! it is parsed, until it is answered. A body whose parse alone would exceed the budget
+//! is refused 413; otherwise it waits for budget within the body deadline. So a flood of
+//! bodies built to amplify (`[[],[],…]`) costs at most the budget, whatever the limits.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Method, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use rmcp::model::RequestId;
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-use tokio::sync::Semaphore;
+use serde_json::Value;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::http::{self as server, Body};
+use super::jsonrpc::{self, Invalid};
 use crate::config::HttpLimits;
 use crate::mcp::{InFlight, McpServer, SUPPORTED_VERSIONS, is_supported_version};
+use crate::metrics::{Listener, Metrics, Rejection};
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 
 const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 
+/// Parse memory one carrier's requests may hold at once.
+pub const MEMORY_BUDGET: usize = 64 * 1024 * 1024;
+/// The budget's unit.
+const UNIT: usize = 1024;
+
 /// The MCP endpoint behind admission.
 pub struct Endpoint<S> {
+    listener: Listener,
+    metrics: Metrics,
     slots: Semaphore,
+    memory: Arc<Semaphore>,
     body_limit: u64,
-    body_timeout: std::time::Duration,
+    body_timeout: Duration,
     inflight: Arc<InFlight>,
     service: StreamableHttpService<McpServer<S>, NeverSessionManager>,
+}
+
+/// Who the endpoint answers for (the `listener` label of its metrics).
+pub struct Site {
+    pub listener: Listener,
+    pub metrics: Metrics,
 }
 
 impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
@@ -44,6 +73,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     /// connections, and that cancels their handlers anyway).
     pub fn new(
         server: McpServer<S>,
+        site: Site,
         bounds: &HttpLimits,
         body_limit: u64,
         hosts: Vec<String>,
@@ -66,12 +96,20 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             config,
         );
         Self {
+            listener: site.listener,
+            metrics: site.metrics,
             slots: Semaphore::new(bounds.max_in_flight),
+            memory: Arc::new(Semaphore::new(MEMORY_BUDGET / UNIT)),
             body_limit,
             body_timeout: bounds.body_timeout,
             inflight,
             service,
         }
+    }
+
+    fn reject(&self, why: Rejection, response: Response<Body>) -> Response<Body> {
+        self.metrics.rejected(self.listener, why);
+        response
     }
 
     /// Serve a request admitted as `caller`.
@@ -82,10 +120,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             response
                 .headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static("POST"));
-            return response;
-        }
-        if !protocol_version_ok(&parts.headers) {
-            return unsupported_version();
+            return self.reject(Rejection::MethodNotAllowed, response);
         }
         let declared = parts
             .headers
@@ -93,28 +128,55 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > self.body_limit) {
-            return closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
+            let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
+            return self.reject(Rejection::BodyTooLarge, response);
         }
         let Ok(_slot) = self.slots.try_acquire() else {
-            let mut response = server::empty(StatusCode::SERVICE_UNAVAILABLE);
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            return response;
+            return self.reject(Rejection::Busy, busy());
         };
-        let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
         // A client that never finishes its body gives up its slot at the deadline.
-        let read = tokio::time::timeout(self.body_timeout, Limited::new(body, limit).collect());
-        let bytes = match read.await {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-                return closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
+        let deadline = Instant::now() + self.body_timeout;
+        let (bytes, mut held) = match self.read(body, declared, deadline).await {
+            Ok(read) => read,
+            Err(failure) => {
+                let (why, response) = failure.answer(parts.version);
+                return self.reject(why, response);
             }
-            Ok(Err(_)) => return server::empty(StatusCode::BAD_REQUEST),
-            Err(_) => return closing(server::empty(StatusCode::REQUEST_TIMEOUT), parts.version),
         };
-        if let Some(id) = cancelled_request_id(&bytes) {
-            self.inflight.cancel(&caller, &id);
+        let message = match jsonrpc::inspect(&bytes) {
+            Ok(message) => message,
+            Err(invalid) => {
+                let why = match invalid {
+                    Invalid::Parse(_) => Rejection::ParseError,
+                    Invalid::Request { .. } => Rejection::InvalidRequest,
+                    Invalid::Params { .. } => Rejection::InvalidParams,
+                };
+                return self.reject(
+                    why,
+                    json_response(StatusCode::BAD_REQUEST, &invalid.response()),
+                );
+            }
+        };
+        // The parse to come: its values, beyond the bytes already held for.
+        let parse = units(message.cost.saturating_sub(bytes.len()));
+        if held.num_permits() + parse > MEMORY_BUDGET / UNIT {
+            let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
+            return self.reject(Rejection::BodyTooLarge, response);
+        }
+        match self.budget(parse, deadline).await {
+            Some(more) => held.merge(more),
+            None => return self.reject(Rejection::Busy, busy()),
+        }
+        if let Err(requested) = protocol_version(&parts.headers) {
+            return self.reject(
+                Rejection::UnsupportedVersion,
+                unsupported_version(message.id.as_ref(), &requested),
+            );
+        }
+        if message.method.as_deref() == Some("notifications/cancelled") {
+            if let Some(id) = cancelled_request_id(&bytes) {
+                self.inflight.cancel(&caller, &id);
+            }
             return server::empty(StatusCode::ACCEPTED);
         }
         parts.extensions.insert(caller);
@@ -122,8 +184,100 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .service
             .handle(Request::from_parts(parts, Full::new(bytes)))
             .await;
+        drop(held);
+        if response.status().is_client_error() {
+            self.metrics.rejected(self.listener, Rejection::Protocol);
+        }
         response.map(|b| b.boxed())
     }
+
+    /// `units` of the memory budget, waiting at most until `deadline`.
+    async fn budget(&self, units: usize, deadline: Instant) -> Option<OwnedSemaphorePermit> {
+        let units = u32::try_from(units).ok()?;
+        tokio::time::timeout_at(deadline, self.memory.clone().acquire_many_owned(units))
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// Read the body, holding budget for twice what has arrived.
+    async fn read(
+        &self,
+        body: Incoming,
+        declared: Option<u64>,
+        deadline: Instant,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), ReadFailure> {
+        let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
+        let initial = declared.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
+        let mut held = self
+            .budget(units(2 * initial), deadline)
+            .await
+            .ok_or(ReadFailure::Busy)?;
+        let mut collected = BytesMut::with_capacity(initial);
+        let mut body = std::pin::pin!(body);
+        loop {
+            let frame = tokio::time::timeout_at(deadline, body.frame())
+                .await
+                .map_err(|_| ReadFailure::Timeout)?;
+            let Some(frame) = frame else { break };
+            let frame = frame.map_err(|_| ReadFailure::Broken)?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if data.len() > limit - collected.len() {
+                return Err(ReadFailure::TooLarge);
+            }
+            let needed = units(2 * (collected.len() + data.len()));
+            if needed > held.num_permits() {
+                // Grow in steps of 64 KiB so a trickle of small frames is not a lock each.
+                let step = needed
+                    .saturating_sub(held.num_permits())
+                    .max(64)
+                    .min((MEMORY_BUDGET / UNIT).saturating_sub(held.num_permits()));
+                let more = self.budget(step, deadline).await.ok_or(ReadFailure::Busy)?;
+                held.merge(more);
+            }
+            collected.extend_from_slice(&data);
+        }
+        Ok((collected.freeze(), held))
+    }
+}
+
+/// Why a body could not be read.
+enum ReadFailure {
+    TooLarge,
+    Timeout,
+    Broken,
+    Busy,
+}
+
+impl ReadFailure {
+    fn answer(self, version: http::Version) -> (Rejection, Response<Body>) {
+        match self {
+            ReadFailure::TooLarge => (
+                Rejection::BodyTooLarge,
+                closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), version),
+            ),
+            ReadFailure::Timeout => (
+                Rejection::BodyTimeout,
+                closing(server::empty(StatusCode::REQUEST_TIMEOUT), version),
+            ),
+            ReadFailure::Broken => (Rejection::BodyError, server::empty(StatusCode::BAD_REQUEST)),
+            ReadFailure::Busy => (Rejection::Busy, closing(busy(), version)),
+        }
+    }
+}
+
+fn units(bytes: usize) -> usize {
+    bytes.div_ceil(UNIT)
+}
+
+fn busy() -> Response<Body> {
+    let mut response = server::empty(StatusCode::SERVICE_UNAVAILABLE);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
 }
 
 /// On HTTP/1, close after a response sent without reading the request body.
@@ -136,29 +290,37 @@ pub fn closing(mut response: Response<Body>, version: http::Version) -> Response
     response
 }
 
-/// At most one `MCP-Protocol-Version`, and a supported one. Absent is allowed (a
-/// 2025-11-25 `initialize` carries its version in the body).
-fn protocol_version_ok(headers: &http::HeaderMap) -> bool {
+/// At most one `MCP-Protocol-Version`, and a supported one; the offending text if not.
+/// Absent is allowed (a 2025-11-25 `initialize` carries its version in the body).
+fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
     let mut values = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
+    let requested = |v: &HeaderValue| {
+        let text = String::from_utf8_lossy(v.as_bytes());
+        text.chars().take(64).collect::<String>()
+    };
     match (values.next(), values.next()) {
-        (None, _) => true,
-        (Some(v), None) => v.to_str().is_ok_and(is_supported_version),
-        (Some(_), Some(_)) => false,
+        (None, _) => Ok(()),
+        (Some(v), None) if v.to_str().is_ok_and(is_supported_version) => Ok(()),
+        (Some(v), None) => Err(requested(v)),
+        (Some(v), Some(_)) => Err(requested(v)),
     }
 }
 
-/// 400 with a JSON-RPC error in rmcp's shape (code -32022, as rmcp uses for an
-/// unsupported protocol version); the request id is unknown because the body is unread.
-fn unsupported_version() -> Response<Body> {
-    let supported: Vec<&str> = SUPPORTED_VERSIONS.iter().map(|v| v.as_str()).collect();
+/// 400 with the JSON-RPC error rmcp uses for an unsupported protocol version (-32022),
+/// naming what was requested and what is supported, for the request's id.
+fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
     let error = rmcp::model::ErrorData::new(
-        rmcp::model::ErrorCode(-32022),
-        "Unsupported MCP-Protocol-Version",
-        Some(serde_json::json!({"supported": supported})),
+        rmcp::model::ErrorCode::UNSUPPORTED_PROTOCOL_VERSION,
+        "Unsupported protocol version",
+        Some(serde_json::json!({"requested": requested, "supported": SUPPORTED_VERSIONS})),
     );
-    let body = serde_json::json!({"jsonrpc": "2.0", "id": null, "error": error});
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
+    json_response(StatusCode::BAD_REQUEST, &body)
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
-    *response.status_mut() = StatusCode::BAD_REQUEST;
+    *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
@@ -166,13 +328,8 @@ fn unsupported_version() -> Response<Body> {
     response
 }
 
-/// The `requestId` of a `notifications/cancelled` message, if the body is one.
+/// The `requestId` of a `notifications/cancelled` message.
 fn cancelled_request_id(body: &[u8]) -> Option<RequestId> {
-    const METHOD: &[u8] = b"notifications/cancelled";
-    // Cheap pre-check so ordinary requests are not parsed twice.
-    if !body.windows(METHOD.len()).any(|w| w == METHOD) {
-        return None;
-    }
     #[derive(serde::Deserialize)]
     struct Params {
         #[serde(rename = "requestId")]
@@ -180,13 +337,10 @@ fn cancelled_request_id(body: &[u8]) -> Option<RequestId> {
     }
     #[derive(serde::Deserialize)]
     struct Notification {
-        method: String,
         params: Params,
-        #[serde(default)]
-        id: Option<serde_json::Value>,
     }
     let n: Notification = serde_json::from_slice(body).ok()?;
-    (n.method == "notifications/cancelled" && n.id.is_none()).then_some(n.params.request_id)
+    Some(n.params.request_id)
 }
 
 #[cfg(test)]
@@ -202,15 +356,33 @@ mod tests {
             }
             h
         };
-        assert!(protocol_version_ok(&headers(&[])));
-        assert!(protocol_version_ok(&headers(&["2025-11-25"])));
-        assert!(protocol_version_ok(&headers(&["2026-07-28"])));
-        assert!(!protocol_version_ok(&headers(&["2025-06-18"])));
-        assert!(!protocol_version_ok(&headers(&["2025-03-26"])));
-        assert!(!protocol_version_ok(&headers(&[
-            "2025-11-25",
-            "2025-11-25"
-        ])));
+        assert_eq!(protocol_version(&headers(&[])), Ok(()));
+        assert_eq!(protocol_version(&headers(&["2025-11-25"])), Ok(()));
+        assert_eq!(protocol_version(&headers(&["2026-07-28"])), Ok(()));
+        assert_eq!(
+            protocol_version(&headers(&["2025-06-18"])),
+            Err("2025-06-18".into())
+        );
+        assert!(protocol_version(&headers(&["2025-03-26"])).is_err());
+        assert!(protocol_version(&headers(&["2025-11-25", "2025-11-25"])).is_err());
+    }
+
+    #[test]
+    fn unsupported_versions_answer_with_the_id_and_both_lists() {
+        let response = unsupported_version(Some(&serde_json::json!(42)), "1999-01-01");
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = futures_util::FutureExt::now_or_never(response.into_body().collect())
+            .unwrap()
+            .unwrap()
+            .to_bytes();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["id"], 42);
+        assert_eq!(v["error"]["code"], -32022);
+        assert_eq!(v["error"]["data"]["requested"], "1999-01-01");
+        assert_eq!(
+            v["error"]["data"]["supported"],
+            serde_json::json!(["2025-11-25", "2026-07-28"])
+        );
     }
 
     #[test]
@@ -223,8 +395,5 @@ mod tests {
             cancelled_request_id(body),
             Some(RequestId::String("a".into()))
         );
-        let call = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x","arguments":{"p":"notifications/cancelled"}}}"#;
-        assert_eq!(cancelled_request_id(call), None);
-        assert_eq!(cancelled_request_id(b"notifications/cancelled"), None);
     }
 }

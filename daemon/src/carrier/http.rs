@@ -1,39 +1,82 @@
-//! A bounded HTTP/1.1 + HTTP/2 (prior knowledge) server loop shared by the HTTP carriers.
+//! A bounded HTTP/1.1 + HTTP/2 (prior knowledge or ALPN) server loop shared by the HTTP
+//! listeners (the loopback and remote carriers, `/metrics`).
 //!
-//! Bounds: a connection cap (the accept loop waits for a free slot, so extra clients wait
-//! in the kernel backlog), a deadline for the first byte and for the whole request head
-//! (hyper's header-read timeout, which is off unless a timer is given), a cap on header
-//! bytes and count. Shutdown stops accepting, asks each connection to finish gracefully,
-//! and waits for them; the transport bounds that wait.
+//! What a peer can hold, and for how long:
+//! - **Slots.** At most `max_connections` connections, and at most
+//!   `max_connections_per_address` from one client address (IPv6 by its /64; peers in
+//!   `shared_peers`, the trusted proxies, are exempt, since every client behind one shares
+//!   its address). A connection that has not sent a complete request head — never, or not
+//!   since its last answer — is *idle*. When the listener (or the address) is full, the
+//!   oldest idle connection gives way to the new one; when nothing is idle the new one is
+//!   refused at once (`503` on plain HTTP, a close on TLS) and counted. So a flood of
+//!   silent or slow sockets keeps each other out, not the clients that send a request.
+//! - **Deadlines.** Every byte before the first complete request head — the TLS
+//!   handshake, HTTP/1-vs-HTTP/2 detection, the HTTP/2 preface and SETTINGS, the head
+//!   itself — is under `header_timeout`, counted from accept. After an answer, an HTTP/1.1
+//!   connection must start its next head within `header_timeout` (hyper's own timer), an
+//!   HTTP/2 connection with no open stream is closed (GOAWAY) after `idle_timeout`; long
+//!   requests on HTTP/2 are kept honest by pings.
+//! - **Heads.** Header bytes and count are capped on both protocols; an answer of 431 is
+//!   booked through [`Handler::head_refused`].
+//!
+//! Shutdown stops accepting, asks each connection to finish gracefully, and waits for
+//! them; the transport bounds that wait.
 
+use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::HttpLimits;
+use crate::metrics::{ConnOutcome, Listener, Metrics};
 
 /// The response body type every carrier answers with.
 pub type Body = BoxBody<Bytes, Infallible>;
 
-/// Most headers in one request.
-const MAX_HEADERS: usize = 64;
+/// Most headers in one request, on both protocols.
+pub const MAX_HEADERS: usize = 64;
 
 /// How long a connection may take to finish its in-flight requests after shutdown
 /// starts; then it is closed, which cancels whatever it was still running. Below the
 /// transport's stop bound.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(4);
+
+/// How long an idle HTTP/2 connection closed by its idle deadline gets to see its GOAWAY.
+const GOAWAY_GRACE: Duration = Duration::from_secs(1);
+
+/// HTTP/2 pings on a connection with a request in flight, to notice a vanished peer.
+const H2_PING_EVERY: Duration = Duration::from_secs(20);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a full listener writes to a plain-text peer it cannot make room for.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+
+/// The prefix an IPv6 client address is grouped by for per-address connection caps.
+pub const IPV6_GROUP_PREFIX: u8 = 64;
+
+/// Why a request was refused on its head, before any handler saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadRefusal {
+    /// 431: more header bytes or more headers than allowed.
+    TooLarge,
+}
 
 /// Handles one request; gets the TCP peer address.
 pub trait Handler: Clone + Send + Sync + 'static {
@@ -42,6 +85,38 @@ pub trait Handler: Clone + Send + Sync + 'static {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> impl Future<Output = Response<Body>> + Send;
+
+    /// A request refused on its head by the listener itself (it never reached `handle`).
+    fn head_refused(&self, _peer: SocketAddr, _why: HeadRefusal) {}
+}
+
+/// How a listener is run.
+pub struct Options {
+    /// The `listener` label of its metrics.
+    pub name: Listener,
+    pub bounds: HttpLimits,
+    /// Terminate TLS here (h2 and http/1.1 by ALPN).
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Peers exempt from the per-address cap (trusted proxies).
+    pub shared_peers: Vec<ipnet::IpNet>,
+    pub metrics: Metrics,
+}
+
+/// The client-address group a peer is counted under: IPv4 (also IPv4-mapped IPv6) by
+/// address, IPv6 by its `/prefix`.
+pub fn address_group(ip: IpAddr, v6_prefix: u8) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let bits = u128::from(v6);
+                let prefix = u32::from(v6_prefix.min(128));
+                let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
+                IpAddr::V6((bits & mask).into())
+            }
+        },
+    }
 }
 
 fn builder(bounds: &HttpLimits) -> auto::Builder<TokioExecutor> {
@@ -52,34 +127,41 @@ fn builder(bounds: &HttpLimits) -> auto::Builder<TokioExecutor> {
         .header_read_timeout(bounds.header_timeout)
         .max_buf_size(bounds.max_header_bytes.max(8192))
         .max_headers(MAX_HEADERS);
+    // HTTP/2's own cap is a backstop at twice ours; up to it a request reaches the
+    // listener's check below, which answers 431 and books it.
+    let h2_hard = bounds.max_header_bytes.saturating_mul(2) + 32 * MAX_HEADERS;
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(bounds.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(u32::try_from(bounds.max_in_flight).unwrap_or(u32::MAX));
+        .max_header_list_size(u32::try_from(h2_hard).unwrap_or(u32::MAX))
+        .max_concurrent_streams(u32::try_from(bounds.max_in_flight).unwrap_or(u32::MAX))
+        .keep_alive_interval(H2_PING_EVERY)
+        .keep_alive_timeout(H2_PING_TIMEOUT);
     builder
 }
 
 /// Serve `listener` until `shutdown` fires, then drain the open connections.
 pub async fn serve<H: Handler>(
     listener: TcpListener,
-    bounds: HttpLimits,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    options: Options,
     handler: H,
     shutdown: CancellationToken,
 ) {
+    let Options {
+        name,
+        bounds,
+        tls,
+        shared_peers,
+        metrics,
+    } = options;
     let builder = Arc::new(builder(&bounds));
-    let slots = Arc::new(Semaphore::new(bounds.max_connections));
+    let table = Arc::new(Table::new(
+        bounds.max_connections,
+        bounds.max_connections_per_address,
+    ));
     let tracker = TaskTracker::new();
+    let refusals = RefusalLog::default();
     loop {
-        let permit = tokio::select! {
-            biased;
-            () = shutdown.cancelled() => break,
-            permit = slots.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
         let (stream, peer) = tokio::select! {
             biased;
             () = shutdown.cancelled() => break,
@@ -93,34 +175,37 @@ pub async fn serve<H: Handler>(
                 }
             },
         };
+        let group = (!shared_peers.iter().any(|net| net.contains(&peer.ip())))
+            .then(|| address_group(peer.ip(), IPV6_GROUP_PREFIX));
+        let (ticket, evicted) = table.admit(group, Instant::now());
+        if evicted {
+            metrics.connection(name, ConnOutcome::Evicted);
+        }
+        let Some(ticket) = ticket else {
+            metrics.connection(name, ConnOutcome::Refused);
+            refusals.note(name, &bounds);
+            if tls.is_none() {
+                // Never waits: a peer that does not read simply misses the answer.
+                let _ = stream.try_write(BUSY);
+            }
+            continue;
+        };
+        metrics.connection(name, ConnOutcome::Accepted);
         let _ = stream.set_nodelay(true);
-        let (builder, handler, shutdown, tls) = (
-            builder.clone(),
-            handler.clone(),
-            shutdown.clone(),
-            tls.clone(),
-        );
+        let conn = Conn {
+            builder: builder.clone(),
+            handler: handler.clone(),
+            peer,
+            bounds,
+            name,
+            metrics: metrics.clone(),
+            ticket,
+        };
+        let (shutdown, tls) = (shutdown.clone(), tls.clone());
         tracker.spawn(async move {
-            let _permit = permit;
-            // A client that connects and sends nothing is cut at the head deadline; the
-            // protocol sniffing below would otherwise wait for it forever.
-            let mut first = [0u8; 1];
-            match tokio::time::timeout(bounds.header_timeout, stream.peek(&mut first)).await {
-                Ok(Ok(n)) if n > 0 => {}
-                _ => return,
-            }
-            match tls {
-                None => connection(&builder, TokioIo::new(stream), handler, peer, &shutdown).await,
-                Some(acceptor) => {
-                    // The handshake runs here, in the connection's task, under the head deadline.
-                    let Ok(Ok(stream)) =
-                        tokio::time::timeout(bounds.header_timeout, acceptor.accept(stream)).await
-                    else {
-                        return;
-                    };
-                    connection(&builder, TokioIo::new(stream), handler, peer, &shutdown).await;
-                }
-            }
+            let open = conn.metrics.open_connection(name);
+            conn.run(stream, tls, &shutdown).await;
+            drop(open);
         });
     }
     drop(listener);
@@ -128,28 +213,477 @@ pub async fn serve<H: Handler>(
     tracker.wait().await;
 }
 
-async fn connection<H, I>(
-    builder: &auto::Builder<TokioExecutor>,
-    io: I,
+/// One accepted connection.
+struct Conn<H> {
+    builder: Arc<auto::Builder<TokioExecutor>>,
     handler: H,
     peer: SocketAddr,
-    shutdown: &CancellationToken,
-) where
-    H: Handler,
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let service = hyper::service::service_fn(move |req| {
-        let handler = handler.clone();
-        async move { Ok::<_, Infallible>(handler.handle(req, peer).await) }
-    });
-    let conn = builder.serve_connection(io, service);
-    tokio::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        () = shutdown.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(DRAIN_GRACE, conn).await;
+    bounds: HttpLimits,
+    name: Listener,
+    metrics: Metrics,
+    ticket: Ticket,
+}
+
+/// How a connection's deadline ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expired {
+    /// No complete request head within `header_timeout` of accept.
+    Head,
+    /// No request since the last answer within the idle deadline.
+    Idle,
+}
+
+impl<H: Handler> Conn<H> {
+    async fn run(
+        self,
+        stream: TcpStream,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        shutdown: &CancellationToken,
+    ) {
+        let kill = self.ticket.kill.clone();
+        match tls {
+            None => {
+                tokio::select! {
+                    biased;
+                    () = kill.cancelled() => {}
+                    () = self.serve(TokioIo::new(stream), shutdown) => {}
+                }
+            }
+            Some(acceptor) => {
+                let deadline = self.ticket.deadline(&self.bounds);
+                let stream = tokio::select! {
+                    biased;
+                    () = kill.cancelled() => return,
+                    expired = deadline => {
+                        self.metrics.connection(self.name, expired.outcome());
+                        return;
+                    }
+                    accepted = acceptor.accept(stream) => match accepted {
+                        Ok(stream) => stream,
+                        Err(_) => return,
+                    },
+                };
+                tokio::select! {
+                    biased;
+                    () = kill.cancelled() => {}
+                    () = self.serve(TokioIo::new(stream), shutdown) => {}
+                }
+            }
         }
+    }
+
+    async fn serve<I>(&self, io: I, shutdown: &CancellationToken)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let service = {
+            let (handler, peer, ticket) = (self.handler.clone(), self.peer, self.ticket.clone());
+            let max_header_bytes = self.bounds.max_header_bytes;
+            hyper::service::service_fn(move |req: Request<Incoming>| {
+                let busy = ticket.busy();
+                let handler = handler.clone();
+                async move {
+                    let response = if head_too_large(&req, max_header_bytes) {
+                        handler.head_refused(peer, HeadRefusal::TooLarge);
+                        discard_body(req);
+                        empty(http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
+                    } else {
+                        handler.handle(req, peer).await
+                    };
+                    Ok::<_, Infallible>(response.map(|body| Tracked { body, _busy: busy }))
+                }
+            })
+        };
+        let conn = self.builder.serve_connection(io, service);
+        tokio::pin!(conn);
+        let deadline = self.ticket.deadline(&self.bounds);
+        tokio::pin!(deadline);
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(e) = result {
+                    self.connection_error(&*e);
+                }
+            }
+            () = shutdown.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(DRAIN_GRACE, conn).await;
+            }
+            expired = &mut deadline => {
+                self.metrics.connection(self.name, expired.outcome());
+                if expired == Expired::Idle {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(GOAWAY_GRACE, conn).await;
+                }
+            }
+        }
+    }
+
+    /// Book what hyper ended a connection for: a head over the caps (hyper answered 431
+    /// itself) or hyper's own head deadline.
+    fn connection_error(&self, error: &(dyn std::error::Error + 'static)) {
+        let Some(e) = error.downcast_ref::<hyper::Error>() else {
+            return;
+        };
+        if e.is_parse_too_large() {
+            self.handler.head_refused(self.peer, HeadRefusal::TooLarge);
+        } else if e.is_timeout() {
+            let expired = if self.ticket.served() == 0 {
+                Expired::Head
+            } else {
+                Expired::Idle
+            };
+            self.metrics.connection(self.name, expired.outcome());
+        }
+    }
+}
+
+impl Expired {
+    fn outcome(self) -> ConnOutcome {
+        match self {
+            Expired::Head => ConnOutcome::HeadTimeout,
+            Expired::Idle => ConnOutcome::IdleTimeout,
+        }
+    }
+}
+
+/// HTTP/2 heads over our caps (HTTP/1.1 heads are capped by hyper's parser).
+fn head_too_large(req: &Request<Incoming>, max_header_bytes: usize) -> bool {
+    if req.version() != http::Version::HTTP_2 {
+        return false;
+    }
+    let headers = req.headers();
+    headers.len() > MAX_HEADERS
+        || headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len())
+            .sum::<usize>()
+            > max_header_bytes
+}
+
+/// Whether a connection is serving a request, or idle since when.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Busy,
+    Idle { since: Instant, served: u64 },
+}
+
+struct Slot {
+    group: Option<IpAddr>,
+    active: usize,
+    served: u64,
+    idle_since: Instant,
+    kill: CancellationToken,
+    phase: watch::Sender<Phase>,
+}
+
+/// Every open connection of a listener: the caps, and which idle one goes first.
+struct Table {
+    max: usize,
+    per_address: Option<usize>,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    next: u64,
+    slots: HashMap<u64, Slot>,
+    /// Idle connections, oldest first.
+    idle: BTreeSet<(Instant, u64)>,
+    groups: HashMap<IpAddr, Group>,
+}
+
+#[derive(Default)]
+struct Group {
+    open: usize,
+    idle: BTreeSet<(Instant, u64)>,
+}
+
+impl Inner {
+    fn oldest_idle(&self, group: Option<IpAddr>) -> Option<u64> {
+        let idle = match group {
+            None => &self.idle,
+            Some(g) => &self.groups.get(&g)?.idle,
+        };
+        idle.first().map(|&(_, id)| id)
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Slot> {
+        let slot = self.slots.remove(&id)?;
+        if slot.active == 0 {
+            self.idle.remove(&(slot.idle_since, id));
+        }
+        if let Some(g) = slot.group
+            && let Some(group) = self.groups.get_mut(&g)
+        {
+            group.open -= 1;
+            if slot.active == 0 {
+                group.idle.remove(&(slot.idle_since, id));
+            }
+            if group.open == 0 {
+                self.groups.remove(&g);
+            }
+        }
+        Some(slot)
+    }
+
+    fn set_idle(&mut self, id: u64, idle: bool, now: Instant) {
+        let Some(slot) = self.slots.get_mut(&id) else {
+            return;
+        };
+        let group = slot.group.and_then(|g| self.groups.get_mut(&g));
+        if idle {
+            slot.idle_since = now;
+            self.idle.insert((now, id));
+            if let Some(group) = group {
+                group.idle.insert((now, id));
+            }
+            slot.phase.send_replace(Phase::Idle {
+                since: now,
+                served: slot.served,
+            });
+        } else {
+            self.idle.remove(&(slot.idle_since, id));
+            if let Some(group) = group {
+                group.idle.remove(&(slot.idle_since, id));
+            }
+            slot.phase.send_replace(Phase::Busy);
+        }
+    }
+}
+
+impl Table {
+    fn new(max: usize, per_address: Option<usize>) -> Self {
+        Self {
+            max,
+            per_address,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// A slot for a new connection from `group` (None: exempt from the per-address cap),
+    /// making room by evicting the oldest idle connection when full. Returns the ticket
+    /// (None: refused, nothing could give way) and whether a connection was evicted.
+    fn admit(self: &Arc<Self>, group: Option<IpAddr>, now: Instant) -> (Option<Ticket>, bool) {
+        let mut inner = self.inner.lock();
+        let mut evicted = false;
+        let group_full = match (group, self.per_address) {
+            (Some(g), Some(cap)) => inner.groups.get(&g).is_some_and(|g| g.open >= cap),
+            _ => false,
+        };
+        if group_full {
+            match inner.oldest_idle(group) {
+                Some(id) => {
+                    evict(&mut inner, id);
+                    evicted = true;
+                }
+                None => return (None, evicted),
+            }
+        }
+        if inner.slots.len() >= self.max {
+            match inner.oldest_idle(None) {
+                Some(id) => {
+                    evict(&mut inner, id);
+                    evicted = true;
+                }
+                None => return (None, evicted),
+            }
+        }
+        let id = inner.next;
+        inner.next += 1;
+        let kill = CancellationToken::new();
+        let (phase, _) = watch::channel(Phase::Idle {
+            since: now,
+            served: 0,
+        });
+        inner.slots.insert(
+            id,
+            Slot {
+                group,
+                active: 0,
+                served: 0,
+                idle_since: now,
+                kill: kill.clone(),
+                phase,
+            },
+        );
+        inner.idle.insert((now, id));
+        if let Some(g) = group {
+            let entry = inner.groups.entry(g).or_default();
+            entry.open += 1;
+            entry.idle.insert((now, id));
+        }
+        let ticket = Ticket(Arc::new(TicketInner {
+            table: self.clone(),
+            id,
+            kill,
+        }));
+        (Some(ticket), evicted)
+    }
+}
+
+fn evict(inner: &mut Inner, id: u64) {
+    if let Some(slot) = inner.remove(id) {
+        slot.kill.cancel();
+    }
+}
+
+/// A connection's hold on its slot; released when the connection task ends.
+#[derive(Clone)]
+struct Ticket(Arc<TicketInner>);
+
+struct TicketInner {
+    table: Arc<Table>,
+    id: u64,
+    kill: CancellationToken,
+}
+
+impl std::ops::Deref for Ticket {
+    type Target = TicketInner;
+    fn deref(&self) -> &TicketInner {
+        &self.0
+    }
+}
+
+impl Drop for TicketInner {
+    fn drop(&mut self) {
+        self.table.inner.lock().remove(self.id);
+    }
+}
+
+impl Ticket {
+    /// A request head arrived: the connection is busy until the guard (moved into the
+    /// response body) is dropped.
+    fn busy(&self) -> Busy {
+        let mut inner = self.table.inner.lock();
+        if let Some(slot) = inner.slots.get_mut(&self.id) {
+            slot.active += 1;
+            slot.served += 1;
+            if slot.active == 1 {
+                inner.set_idle(self.id, false, Instant::now());
+            }
+        }
+        Busy(self.clone())
+    }
+
+    fn served(&self) -> u64 {
+        self.table
+            .inner
+            .lock()
+            .slots
+            .get(&self.id)
+            .map_or(0, |s| s.served)
+    }
+
+    /// Resolves when the connection has been idle too long: before its first request,
+    /// `header_timeout` from accept; after one, `idle_timeout` from the last answer.
+    fn deadline(&self, bounds: &HttpLimits) -> impl Future<Output = Expired> + Send + 'static {
+        let rx = self
+            .table
+            .inner
+            .lock()
+            .slots
+            .get(&self.id)
+            .map(|s| s.phase.subscribe());
+        let (head, idle) = (bounds.header_timeout, bounds.idle_timeout);
+        async move {
+            // Evicted before we looked: the kill token ends the connection.
+            let Some(mut rx) = rx else {
+                return std::future::pending().await;
+            };
+            loop {
+                let phase = *rx.borrow_and_update();
+                match phase {
+                    Phase::Busy => {
+                        if rx.changed().await.is_err() {
+                            return std::future::pending().await;
+                        }
+                    }
+                    Phase::Idle { since, served } => {
+                        let (limit, expired) = if served == 0 {
+                            (head, Expired::Head)
+                        } else {
+                            (idle, Expired::Idle)
+                        };
+                        tokio::select! {
+                            () = tokio::time::sleep_until(since + limit) => return expired,
+                            changed = rx.changed() => if changed.is_err() {
+                                return std::future::pending().await;
+                            },
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Marks its connection busy while it lives.
+struct Busy(Ticket);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut inner = self.0.table.inner.lock();
+        let id = self.0.id;
+        if let Some(slot) = inner.slots.get_mut(&id) {
+            slot.active -= 1;
+            if slot.active == 0 {
+                inner.set_idle(id, true, Instant::now());
+            }
+        }
+    }
+}
+
+/// A response body that keeps its connection busy until it has been sent (or dropped).
+struct Tracked {
+    body: Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Logs a full listener at most once per interval, with how many were refused.
+#[derive(Default)]
+struct RefusalLog {
+    refused: AtomicU64,
+    last: Mutex<Option<Instant>>,
+}
+
+impl RefusalLog {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn note(&self, name: Listener, bounds: &HttpLimits) {
+        let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = Instant::now();
+        let mut last = self.last.lock();
+        if last.is_some_and(|t| now.duration_since(t) < Self::EVERY) {
+            return;
+        }
+        *last = Some(now);
+        self.refused.store(0, Ordering::Relaxed);
+        tracing::warn!(
+            listener = name.as_str(),
+            refused,
+            max_connections = bounds.max_connections,
+            "listener full: refusing connections that nothing idle can make room for"
+        );
     }
 }
 
@@ -213,4 +747,136 @@ pub fn empty(status: http::StatusCode) -> Response<Body> {
         http::HeaderValue::from_static("0"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn ipv6_clients_are_grouped_by_their_prefix() {
+        assert_eq!(address_group(ip("192.0.2.7"), 64), ip("192.0.2.7"));
+        assert_eq!(address_group(ip("::ffff:192.0.2.7"), 64), ip("192.0.2.7"));
+        assert_eq!(
+            address_group(ip("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), 64),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(
+            address_group(ip("2001:db8:1:2:aaaa::1"), 48),
+            ip("2001:db8:1::")
+        );
+        assert_eq!(address_group(ip("2001:db8::1"), 128), ip("2001:db8::1"));
+        assert_eq!(address_group(ip("2001:db8::1"), 0), ip("::"));
+    }
+
+    fn admit(t: &Arc<Table>, group: Option<&str>, now: Instant) -> (Option<Ticket>, bool) {
+        t.admit(group.map(ip), now)
+    }
+
+    #[test]
+    fn a_full_table_gives_the_oldest_idle_slot_to_the_newcomer() {
+        let t = Arc::new(Table::new(3, None));
+        // Admissions in the past, so a connection that goes idle now is the newest.
+        let t0 = Instant::now() - Duration::from_secs(3600);
+        let at = |s| t0 + Duration::from_millis(s);
+        let (a, _) = admit(&t, None, at(0));
+        let (b, _) = admit(&t, None, at(1));
+        let (c, _) = admit(&t, None, at(2));
+        let (a, b, c) = (a.unwrap(), b.unwrap(), c.unwrap());
+        // `a` sends a request: it is busy, so `b` is now the oldest idle one.
+        let busy = a.busy();
+        let (d, evicted) = admit(&t, None, at(3));
+        assert!(d.is_some() && evicted);
+        assert!(b.kill.is_cancelled() && !a.kill.is_cancelled() && !c.kill.is_cancelled());
+        // `a` finishes: idle again, and now newer than `c`.
+        drop(busy);
+        let (_e, evicted) = admit(&t, None, at(4));
+        assert!(evicted && c.kill.is_cancelled() && !a.kill.is_cancelled());
+        // Everyone busy: a newcomer is refused.
+        let d = d.unwrap();
+        let _busy = (a.busy(), d.busy());
+        let still_idle = t.inner.lock().idle.len();
+        assert_eq!(still_idle, 1);
+    }
+
+    #[test]
+    fn when_nothing_is_idle_a_newcomer_is_refused() {
+        let t = Arc::new(Table::new(2, None));
+        let now = Instant::now();
+        let (a, _) = admit(&t, None, now);
+        let (b, _) = admit(&t, None, now);
+        let _busy = (a.as_ref().unwrap().busy(), b.as_ref().unwrap().busy());
+        let (c, evicted) = admit(&t, None, now);
+        assert!(c.is_none() && !evicted);
+        // A connection that ends frees its slot.
+        drop(_busy);
+        drop(a);
+        assert!(admit(&t, None, now).0.is_some());
+    }
+
+    #[test]
+    fn per_address_caps_evict_only_that_address() {
+        let t = Arc::new(Table::new(10, Some(2)));
+        let now = Instant::now();
+        let (x1, _) = admit(&t, Some("198.51.100.1"), now);
+        let (y1, _) = admit(&t, Some("198.51.100.2"), now);
+        let (x2, _) = admit(&t, Some("198.51.100.1"), now + Duration::from_millis(1));
+        let (x3, evicted) = admit(&t, Some("198.51.100.1"), now + Duration::from_millis(2));
+        assert!(x3.is_some() && evicted);
+        assert!(x1.as_ref().unwrap().kill.is_cancelled(), "x's oldest went");
+        assert!(!y1.as_ref().unwrap().kill.is_cancelled(), "y is untouched");
+        assert!(!x2.as_ref().unwrap().kill.is_cancelled());
+        // Both of x's slots busy: x is refused while y still gets in.
+        let _busy = (x2.as_ref().unwrap().busy(), x3.as_ref().unwrap().busy());
+        assert!(admit(&t, Some("198.51.100.1"), now).0.is_none());
+        assert!(admit(&t, Some("198.51.100.2"), now).0.is_some());
+        // Exempt peers (trusted proxies) are held to the global cap only.
+        for _ in 0..5 {
+            assert!(admit(&t, None, now).0.is_some());
+        }
+    }
+
+    #[test]
+    fn slots_are_released_when_tickets_drop() {
+        let t = Arc::new(Table::new(4, Some(4)));
+        let now = Instant::now();
+        let tickets: Vec<_> = (0..4)
+            .map(|_| admit(&t, Some("203.0.113.1"), now).0.unwrap())
+            .collect();
+        drop(tickets);
+        let inner = t.inner.lock();
+        assert!(inner.slots.is_empty() && inner.idle.is_empty() && inner.groups.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadlines_count_from_accept_then_from_the_last_answer() {
+        let bounds = HttpLimits {
+            max_connections: 4,
+            max_connections_per_address: None,
+            max_in_flight: 4,
+            max_header_bytes: 16 * 1024,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+        };
+        let t = Arc::new(Table::new(4, None));
+        let started = tokio::time::Instant::now();
+        let (ticket, _) = t.admit(None, started);
+        let ticket = ticket.unwrap();
+        assert_eq!(ticket.deadline(&bounds).await, Expired::Head);
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        // A request, then an answer: the idle deadline counts from the answer.
+        let busy = ticket.busy();
+        let waiting = tokio::spawn(ticket.deadline(&bounds));
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert!(!waiting.is_finished(), "a busy connection has no deadline");
+        let answered = tokio::time::Instant::now();
+        drop(busy);
+        assert_eq!(waiting.await.unwrap(), Expired::Idle);
+        assert_eq!(answered.elapsed(), Duration::from_secs(60));
+    }
 }

@@ -2,6 +2,8 @@
 
 pub mod endpoint;
 pub mod http;
+pub mod jsonrpc;
+pub mod lines;
 pub mod loopback;
 pub mod remote;
 pub mod stdio;

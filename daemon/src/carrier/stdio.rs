@@ -17,6 +17,8 @@ use crate::transport::Carrier;
 
 pub struct StdioCarrier {
     pub config: StdioConfig,
+    /// Longest message (line) accepted: the request body limit.
+    pub request_limit: u64,
 }
 
 impl Carrier for StdioCarrier {
@@ -44,7 +46,10 @@ impl Carrier for StdioCarrier {
         server: McpServer<S>,
         shutdown: CancellationToken,
     ) {
-        match server.serve_with_ct(bound, shutdown).await {
+        let (stdin, stdout) = bound;
+        let limit = usize::try_from(self.request_limit).unwrap_or(usize::MAX);
+        let transport = super::lines::transport(stdin, stdout, limit);
+        match server.serve_with_ct(transport, shutdown).await {
             Ok(running) => {
                 if let Err(e) = running.waiting().await {
                     tracing::warn!(error = %e, "stdio session ended abnormally");

@@ -10,14 +10,13 @@ pub mod turn;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
 
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::host::Host;
-use crate::metrics::Metrics;
+use crate::metrics::{Duplicate, Metrics};
 use crate::store::IdemRecord;
 pub use catalog::{Annotations, Catalog, CatalogError, ToolSpec};
 pub use policy::Policy;
@@ -189,7 +188,6 @@ pub struct Session {
     view: Arc<dyn HostView>,
     host: Arc<Host>,
     metrics: Metrics,
-    result_limit: u64,
 }
 
 impl Session {
@@ -212,32 +210,11 @@ impl Session {
             view,
             host,
             metrics,
-            result_limit: config.limits.tool_result,
         })
     }
 
     pub fn turn_active(&self) -> bool {
         self.turns.active()
-    }
-
-    fn check_size(&self, output: ToolOutput) -> Result<ToolOutput, ToolError> {
-        let size = match &output {
-            ToolOutput::Structured(v) => {
-                serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX)
-            }
-            ToolOutput::Text(t) => t.len(),
-            ToolOutput::Job(_) => 0,
-        };
-        if size as u64 > self.result_limit {
-            return Err(ToolError::new(
-                ToolErrorCode::ResultTooLarge,
-                format!(
-                    "the result is {size} bytes, over the {} byte limit",
-                    self.result_limit
-                ),
-            ));
-        }
-        Ok(output)
     }
 
     fn permit(&self, caller: &Caller, spec: &ToolSpec) -> Result<(), ToolError> {
@@ -270,21 +247,6 @@ impl Session {
         }
         verdict
     }
-
-    fn finish(
-        &self,
-        tool: &str,
-        started: Instant,
-        result: Result<ToolOutput, ToolError>,
-    ) -> Result<ToolOutput, ToolError> {
-        let result = result.and_then(|out| self.check_size(out));
-        self.metrics.tool_call(
-            tool,
-            result.as_ref().err().map(|e| e.code),
-            started.elapsed(),
-        );
-        result
-    }
 }
 
 impl RuntimeTools for Session {
@@ -299,7 +261,6 @@ impl RuntimeTools for Session {
         args: Args,
         cancel: CancellationToken,
     ) -> Result<ToolOutput, ToolError> {
-        let started = Instant::now();
         let Some(entry) = self.catalog.get(name) else {
             return Err(ToolError::new(
                 ToolErrorCode::UnknownTool,
@@ -307,7 +268,7 @@ impl RuntimeTools for Session {
             ));
         };
         let spec = entry.spec();
-        let result = async {
+        async {
             catalog::validate_args(entry, &args)?;
             self.permit(caller, spec)?;
             let ctx = ToolContext {
@@ -329,8 +290,7 @@ impl RuntimeTools for Session {
                 result = entry.call(&ctx, args) => result,
             }
         }
-        .await;
-        self.finish(&spec.name, started, result)
+        .await
     }
 }
 
@@ -428,19 +388,23 @@ impl Session {
             | IdemRecord::Unknown { args_sha256 }
                 if args_sha256 != digest =>
             {
+                self.metrics.duplicate(tool, Duplicate::Mismatch);
                 return Err(mismatch());
             }
             IdemRecord::Done { result, .. } => {
                 tracing::debug!(%caller, tool, "replayed a result by idempotency key");
+                self.metrics.duplicate(tool, Duplicate::Replayed);
                 return decode_outcome(&result);
             }
             IdemRecord::InProgress { .. } => {
+                self.metrics.duplicate(tool, Duplicate::InProgress);
                 return Err(ToolError::new(
                     ToolErrorCode::Busy,
                     "a call with this idempotency key is still running; retry later for its result",
                 ));
             }
             IdemRecord::Unknown { .. } => {
+                self.metrics.duplicate(tool, Duplicate::OutcomeUnknown);
                 return Err(ToolError::new(
                     ToolErrorCode::Internal,
                     "outcome unknown: the first call with this idempotency key was cut off by a daemon restart; check the target and retry with a new key",
@@ -492,15 +456,10 @@ impl TurnSubmission for Session {
         prompt: String,
         cancel: CancellationToken,
     ) -> Result<ToolOutput, ToolError> {
-        let started = Instant::now();
-        let result = async {
-            self.permit(caller, &self.submission)?;
-            self.turns
-                .run(caller, prompt, cancel, || self.metrics.turn_started())
-                .await
-        }
-        .await;
-        self.finish(&self.submission.name, started, result)
+        self.permit(caller, &self.submission)?;
+        self.turns
+            .run(caller, prompt, cancel, || self.metrics.turn_started())
+            .await
     }
 }
 

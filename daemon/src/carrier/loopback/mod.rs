@@ -19,13 +19,13 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use self::admission::{Expected, Refusal};
-use super::endpoint::{self, Endpoint};
-use super::http::{self as server, Body};
-use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Record};
+use super::endpoint::{self, Endpoint, Site};
+use super::http::{self as server, Body, HeadRefusal};
+use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Reason, Record};
 use crate::bearer::BearerStore;
 use crate::config::{Limits, LoopbackConfig, WireNameProfile};
 use crate::mcp::McpServer;
-use crate::metrics::Metrics;
+use crate::metrics::{Listener, Metrics};
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
 
@@ -99,8 +99,13 @@ impl Carrier for LoopbackCarrier {
         let expected = Expected::new(&self.config.path, port);
         // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
         let drained = CancellationToken::new();
+        let site = Site {
+            listener: Listener::Loopback,
+            metrics: self.metrics.clone(),
+        };
         let endpoint = Endpoint::new(
             server,
+            site,
             &self.config.bounds,
             self.limits.request_body,
             vec![expected.authority.clone()],
@@ -116,7 +121,14 @@ impl Carrier for LoopbackCarrier {
                 endpoint,
             }),
         };
-        server::serve(listener, self.config.bounds, None, handler, shutdown).await;
+        let options = server::Options {
+            name: Listener::Loopback,
+            bounds: self.config.bounds,
+            tls: None,
+            shared_peers: Vec::new(),
+            metrics: self.metrics.clone(),
+        };
+        server::serve(listener, options, handler, shutdown).await;
         drained.cancel();
     }
 }
@@ -159,6 +171,21 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
                 response
             }
         }
+    }
+
+    fn head_refused(&self, peer: SocketAddr, why: HeadRefusal) {
+        let HeadRefusal::TooLarge = why;
+        let s = &self.shared;
+        s.audit.refused(
+            &s.metrics,
+            Record {
+                time: SystemTime::now(),
+                carrier: CarrierName::Loopback,
+                reason: Reason::Oversize,
+                throttled: false,
+                address_class: AddressClass::of(peer.ip()),
+            },
+        );
     }
 }
 

@@ -27,12 +27,12 @@ use tokio_util::sync::CancellationToken;
 
 use self::admission::{Challenges, Credentials, Failure, Refusal, Route};
 use self::throttle::Throttle;
-use super::endpoint::{self, Endpoint};
-use super::http::{self as server, Body};
-use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Record};
+use super::endpoint::{self, Endpoint, Site};
+use super::http::{self as server, Body, HeadRefusal};
+use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Reason, Record};
 use crate::config::{Limits, RemoteConfig, WireNameProfile};
 use crate::mcp::McpServer;
-use crate::metrics::Metrics;
+use crate::metrics::{Listener, Metrics, Rejection};
 use crate::oauth::Verifier;
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
@@ -116,8 +116,13 @@ impl Carrier for RemoteCarrier {
         let url = &self.config.public_url;
         // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
         let drained = CancellationToken::new();
+        let site = Site {
+            listener: Listener::Remote,
+            metrics: self.metrics.clone(),
+        };
         let endpoint = Endpoint::new(
             server,
+            site,
             &self.config.bounds,
             self.limits.request_body,
             url.authorities(),
@@ -137,8 +142,14 @@ impl Carrier for RemoteCarrier {
                 endpoint,
             }),
         };
-        let bounds = self.config.bounds;
-        server::serve(bound.listener, bounds, bound.tls, handler, shutdown).await;
+        let options = server::Options {
+            name: Listener::Remote,
+            bounds: self.config.bounds,
+            tls: bound.tls,
+            shared_peers: self.config.trusted_proxies.clone(),
+            metrics: self.metrics.clone(),
+        };
+        server::serve(bound.listener, options, handler, shutdown).await;
         drained.cancel();
     }
 }
@@ -177,7 +188,10 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
             }
         };
         match route {
-            Route::NotFound => return server::empty(StatusCode::NOT_FOUND),
+            Route::NotFound => {
+                c.metrics.rejected(Listener::Remote, Rejection::NotFound);
+                return server::empty(StatusCode::NOT_FOUND);
+            }
             Route::Metadata => return self.metadata(req.method()),
             Route::Endpoint => {}
         }
@@ -210,11 +224,29 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
             }
         }
     }
+
+    fn head_refused(&self, peer: SocketAddr, why: HeadRefusal) {
+        let HeadRefusal::TooLarge = why;
+        let c = &self.shared.carrier;
+        // The head was not read, so the peer is all we know of the client.
+        c.audit.refused(
+            &c.metrics,
+            Record {
+                time: SystemTime::now(),
+                carrier: CarrierName::Remote,
+                reason: Reason::Oversize,
+                throttled: false,
+                address_class: AddressClass::of(peer.ip()),
+            },
+        );
+    }
 }
 
 impl<S> Remote<S> {
     fn metadata(&self, method: &Method) -> Response<Body> {
         if method != Method::GET && method != Method::HEAD {
+            let metrics = &self.shared.carrier.metrics;
+            metrics.rejected(Listener::Remote, Rejection::MethodNotAllowed);
             let mut response = server::empty(StatusCode::METHOD_NOT_ALLOWED);
             response
                 .headers_mut()

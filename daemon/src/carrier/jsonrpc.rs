@@ -1,0 +1,441 @@
+//! A strict first look at one JSON-RPC message before the MCP SDK parses it, on every
+//! carrier: one pass over the bytes that refuses what the SDK would misreport (a batch,
+//! a parse error, a bad `id`, `params` that is not an object, duplicate object keys,
+//! which two parsers could read differently), recovers the request id for the error
+//! answer, and counts the JSON values so the memory the parse will take can be
+//! budgeted before it happens.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
+
+/// Bytes of parsed memory one JSON value may take, beyond its text: a
+/// `serde_json::Value` (32 bytes), its share of a growing `Vec` or map node, and
+/// allocator overhead. Measured on `[[],[],…]` bodies, the worst case per byte of input.
+pub const VALUE_COST: usize = 64;
+
+/// A message that passed: its id (when it is a request) and the memory its parse may take.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inspected {
+    /// The request's `id`, as given; `None` for notifications and responses.
+    pub id: Option<Value>,
+    /// The `method`, for requests and notifications.
+    pub method: Option<String>,
+    /// Parsed-memory estimate in bytes: the text plus [`VALUE_COST`] per JSON value.
+    pub cost: usize,
+}
+
+/// Why a message was refused, as JSON-RPC answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Invalid {
+    /// -32700: not JSON, or an object with a duplicate key.
+    Parse(String),
+    /// -32600: a batch, or not a JSON-RPC 2.0 message. The id when it could be read.
+    Request {
+        id: Option<Value>,
+        why: &'static str,
+    },
+    /// -32602: `params` present but not an object.
+    Params { id: Option<Value> },
+}
+
+impl Invalid {
+    pub fn code(&self) -> i32 {
+        match self {
+            Invalid::Parse(_) => -32700,
+            Invalid::Request { .. } => -32600,
+            Invalid::Params { .. } => -32602,
+        }
+    }
+
+    pub fn id(&self) -> Option<&Value> {
+        match self {
+            Invalid::Parse(_) => None,
+            Invalid::Request { id, .. } | Invalid::Params { id } => id.as_ref(),
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            Invalid::Parse(why) => format!("Parse error: {why}"),
+            Invalid::Request { why, .. } => format!("Invalid Request: {why}"),
+            Invalid::Params { .. } => "Invalid params: `params` must be an object".into(),
+        }
+    }
+
+    /// The JSON-RPC error response (the id, when known, echoed as given).
+    pub fn response(&self) -> Value {
+        serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": self.id().cloned().unwrap_or(Value::Null),
+            "error": {"code": self.code(), "message": self.message()},
+        })
+    }
+}
+
+/// Inspect one message body.
+pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
+    let mut values = 0usize;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let top = Probe {
+        values: &mut values,
+        depth: 0,
+    }
+    .deserialize(&mut de)
+    .and_then(|top| de.end().map(|()| top))
+    .map_err(|e| Invalid::Parse(short(&e)))?;
+    let cost = body.len().saturating_add(values.saturating_mul(VALUE_COST));
+    let fields = match top {
+        Kind::Object(Some(fields)) => fields,
+        Kind::Array => {
+            return Err(Invalid::Request {
+                id: None,
+                why: "batches are not supported",
+            });
+        }
+        _ => {
+            return Err(Invalid::Request {
+                id: None,
+                why: "a message is a JSON object",
+            });
+        }
+    };
+    let id = match &fields.id {
+        None => None,
+        Some(Kind::Str(s)) => Some(Value::String(s.clone())),
+        Some(Kind::Int(n)) => Some(Value::Number(n.clone())),
+        Some(_) => {
+            return Err(Invalid::Request {
+                id: None,
+                why: "`id` must be a string or an integer",
+            });
+        }
+    };
+    if !matches!(&fields.jsonrpc, Some(Kind::Str(v)) if v == "2.0") {
+        return Err(Invalid::Request {
+            id,
+            why: "`jsonrpc` must be \"2.0\"",
+        });
+    }
+    match &fields.method {
+        Some(Kind::Str(method)) => {
+            if fields.params.as_ref().is_some_and(|p| !p.is_object()) {
+                return Err(Invalid::Params { id });
+            }
+            let method = Some(method.clone());
+            Ok(Inspected { id, method, cost })
+        }
+        Some(_) => Err(Invalid::Request {
+            id,
+            why: "`method` must be a string",
+        }),
+        // A response to a server request: an id and a result or an error.
+        None if id.is_some() && (fields.result ^ fields.error) => Ok(Inspected {
+            id: None,
+            method: None,
+            cost,
+        }),
+        None => Err(Invalid::Request {
+            id,
+            why: "a request needs a `method`",
+        }),
+    }
+}
+
+fn short(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.char_indices().nth(200) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text,
+    }
+}
+
+/// What a value was, for the few top-level members we read.
+#[derive(Debug)]
+enum Kind {
+    Null,
+    Bool,
+    Int(serde_json::Number),
+    Float,
+    Str(String),
+    Array,
+    /// An object; at the top level, the members we read.
+    Object(Option<Box<Fields>>),
+}
+
+impl Kind {
+    fn is_object(&self) -> bool {
+        matches!(self, Kind::Object(_))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Fields {
+    jsonrpc: Option<Kind>,
+    id: Option<Kind>,
+    method: Option<Kind>,
+    params: Option<Kind>,
+    result: bool,
+    error: bool,
+}
+
+/// Walks one value: counts it and everything inside, refuses duplicate keys, and
+/// reports its kind (and, at the top level, the members that matter). `depth` 0 is the
+/// message, 1 its members (whose strings are kept), deeper values are only counted.
+struct Probe<'a> {
+    values: &'a mut usize,
+    depth: u8,
+}
+
+impl Probe<'_> {
+    fn inner(&mut self) -> Probe<'_> {
+        Probe {
+            values: &mut *self.values,
+            depth: self.depth.saturating_add(1),
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Probe<'_> {
+    type Value = Kind;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Kind, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Probe<'_> {
+    type Value = Kind;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Kind, E> {
+        *self.values += 1;
+        Ok(Kind::Null)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Kind, E> {
+        *self.values += 1;
+        Ok(Kind::Bool)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Kind, E> {
+        *self.values += 1;
+        Ok(Kind::Int(v.into()))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Kind, E> {
+        *self.values += 1;
+        Ok(Kind::Int(v.into()))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Kind, E> {
+        *self.values += 1;
+        Ok(Kind::Float)
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Kind, E> {
+        *self.values += 1;
+        // Only the message's own members are kept (`jsonrpc`, `id`, `method`); strings
+        // deeper down (arguments, content) are counted, never copied.
+        Ok(Kind::Str(if self.depth == 1 {
+            v.to_owned()
+        } else {
+            String::new()
+        }))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<Kind, A::Error> {
+        *self.values += 1;
+        while seq.next_element_seed(self.inner())?.is_some() {}
+        Ok(Kind::Array)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Kind, A::Error> {
+        *self.values += 1;
+        let mut seen: HashSet<Cow<'de, str>> = HashSet::new();
+        let mut fields = (self.depth == 0).then(Box::<Fields>::default);
+        while let Some(key) = map.next_key_seed(Key)? {
+            *self.values += 1;
+            if seen.contains(&key) {
+                return Err(de::Error::custom(format_args!(
+                    "duplicate object key {:?}",
+                    Shorten(&key)
+                )));
+            }
+            let value = map.next_value_seed(self.inner())?;
+            if let Some(f) = fields.as_mut() {
+                match key.as_ref() {
+                    "jsonrpc" => f.jsonrpc = Some(value),
+                    "id" => f.id = Some(value),
+                    "method" => f.method = Some(value),
+                    "params" => f.params = Some(value),
+                    "result" => f.result = true,
+                    "error" => f.error = true,
+                    _ => {}
+                }
+            }
+            seen.insert(key);
+        }
+        Ok(Kind::Object(fields))
+    }
+}
+
+/// An object key, borrowed from the input when it has no escapes.
+struct Key;
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+}
+
+/// A key in an error message, at most 64 characters of it.
+struct Shorten<'a>(&'a str);
+
+impl fmt::Debug for Shorten<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.char_indices().nth(64) {
+            Some((end, _)) => write!(f, "{:?}…", &self.0[..end]),
+            None => write!(f, "{:?}", self.0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn ok(body: &str) -> Inspected {
+        inspect(body.as_bytes()).unwrap_or_else(|e| panic!("{body}: {e:?}"))
+    }
+
+    fn err(body: &str) -> Invalid {
+        inspect(body.as_bytes()).expect_err(body)
+    }
+
+    #[test]
+    fn requests_notifications_and_responses_pass_with_their_id() {
+        let r = ok(r#"{"jsonrpc":"2.0","id":7,"method":"tools/list","params":{}}"#);
+        assert_eq!(
+            (r.id, r.method.as_deref()),
+            (Some(json!(7)), Some("tools/list"))
+        );
+        let r = ok(r#"{"jsonrpc":"2.0","id":"a\"b","method":"ping"}"#);
+        assert_eq!(r.id, Some(json!("a\"b")));
+        let n =
+            ok(r#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}}"#);
+        assert_eq!(n.id, None);
+        let resp = ok(r#"{"jsonrpc":"2.0","id":3,"result":{}}"#);
+        assert_eq!((resp.id, resp.method), (None, None));
+        let big = ok(r#"{"jsonrpc":"2.0","id":18446744073709551615,"method":"ping"}"#);
+        assert_eq!(big.id, Some(json!(u64::MAX)));
+    }
+
+    #[test]
+    fn each_defect_gets_its_json_rpc_code_and_the_id_where_known() {
+        let cases: [(&str, i32, Value); 13] = [
+            ("", -32700, Value::Null),
+            ("{", -32700, Value::Null),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"a"} x"#,
+                -32700,
+                Value::Null,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"a"}"#,
+                -32700,
+                Value::Null,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"method":"a","params":{"k":1,"k":2}}"#,
+                -32700,
+                Value::Null,
+            ),
+            (
+                r#"[{"jsonrpc":"2.0","id":1,"method":"a"}]"#,
+                -32600,
+                Value::Null,
+            ),
+            ("3", -32600, Value::Null),
+            (
+                r#"{"jsonrpc":"2.0","id":1.5,"method":"a"}"#,
+                -32600,
+                Value::Null,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":null,"method":"a"}"#,
+                -32600,
+                Value::Null,
+            ),
+            (r#"{"jsonrpc":"1.0","id":4,"method":"a"}"#, -32600, json!(4)),
+            (r#"{"jsonrpc":"2.0","id":5,"method":7}"#, -32600, json!(5)),
+            (
+                r#"{"jsonrpc":"2.0","id":6,"method":"tools/call","params":null}"#,
+                -32602,
+                json!(6),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":8,"result":{},"error":{}}"#,
+                -32600,
+                json!(8),
+            ),
+        ];
+        for (body, code, id) in cases {
+            let e = err(body);
+            assert_eq!(e.code(), code, "{body}: {e:?}");
+            let response = e.response();
+            assert_eq!(response["id"], id, "{body}");
+            assert_eq!(response["error"]["code"], code);
+            assert!(
+                response["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.len() < 400)
+            );
+        }
+    }
+
+    #[test]
+    fn cost_counts_every_value() {
+        let text = r#"{"jsonrpc":"2.0","id":1,"method":"a","params":{"x":[1,2,3]}}"#;
+        // top object + 4 keys + 3 scalars + params object + key + array + 3 numbers
+        assert_eq!(ok(text).cost, text.len() + 14 * VALUE_COST);
+        let nested = format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"a","params":{{"a":[{}]}}}}"#,
+            vec!["[]"; 10_000].join(",")
+        );
+        let r = ok(&nested);
+        assert!(r.cost >= 10_000 * VALUE_COST, "{}", r.cost);
+    }
+
+    #[test]
+    fn deep_nesting_is_a_parse_error_not_a_stack_overflow() {
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(err(&deep).code(), -32700);
+    }
+}
