@@ -292,3 +292,34 @@ fn control_frames_are_limited_to_64_kib() {
     }
     d.ctl_ok(&["status"]);
 }
+
+/// A frame that names a key twice (`cmd` here) is refused as a bad request and does
+/// nothing: JSON parsers disagree on which of the two wins.
+#[test]
+fn control_frames_with_a_repeated_key_are_refused() {
+    use robota_proto::{ErrorCode, Outcome, Response};
+    let d = Daemon::start("");
+    for frame in [
+        &br#"{"v":1,"cmd":"status","cmd":"stop"}"#[..],
+        br#"{"v":1,"cmd":"stop","cmd":"status"}"#,
+        br#"{"v":1,"cmd":"status","\u0063md":"stop"}"#,
+    ] {
+        let mut line = frame.to_vec();
+        line.push(b'\n');
+        let answer = control_exchange(&d, &line);
+        let resp: Response = serde_json::from_str(answer.trim())
+            .unwrap_or_else(|e| panic!("reply to {frame:?} ({e}): {answer:?}"));
+        match resp.outcome {
+            Outcome::Error(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}");
+                assert!(e.message.contains("duplicate key"), "{e:?}");
+            }
+            other => panic!("a frame with a repeated key must be refused: {other:?}"),
+        }
+    }
+    // Nothing stopped: the daemon still answers, as the same process.
+    assert!(d.try_exit().is_none(), "the daemon exited");
+    let st = d.status();
+    assert_eq!(st.pid, d.pid() as u32);
+    assert_eq!(st.state, "serving");
+}
