@@ -122,7 +122,8 @@ The secret is printed alone on stdout, or written to a new file created with mod
         #[arg(long, value_name = "L")]
         label: Option<String>,
 
-        /// Lifetime of the extra bearer, e.g. 90s, 10m, 12h, 30d [default: no expiry]
+        /// Lifetime of the extra bearer, 1s to 365d, e.g. 90s, 10m, 12h, 30d [default: no
+        /// expiry]
         #[arg(long, value_name = "D", requires = "label", value_parser = parse_ttl)]
         ttl: Option<u64>,
 
