@@ -58,7 +58,10 @@ Examples:
   robota-mcpctl audit --follow
 
 --json prints one JSON record per line:
-  {\"seq\":7,\"time\":1796000000,\"carrier\":\"remote\",\"reason\":\"expired\",\"throttled\":false,\"address_class\":\"public\"}")]
+  {\"seq\":7,\"time\":1796000000,\"carrier\":\"remote\",\"reason\":\"expired\",\"throttled\":false,\"address_class\":\"public\"}
+
+Past 20 a second per carrier and reason, refusals are kept as one record per second with
+a \"count\" of the refusals it stands for.")]
     Audit {
         /// Only records newer than a duration ago (90s, 10m, 24h) or since a unix time
         #[arg(long, value_name = "T", value_parser = parse_since)]

@@ -243,6 +243,9 @@ pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
             if r.throttled {
                 notes.push("throttled".to_owned());
             }
+            if let Some(count) = r.count {
+                notes.push(format!("×{count} in that second (past the rate)"));
+            }
             if let Some(g) = &r.grant {
                 notes.push(format!(
                     "grant {} of {} by {}",

@@ -632,6 +632,7 @@ fn human_output_escapes_every_caller_controlled_string() {
             caller: HOSTILE.into(),
             by: HOSTILE.into(),
         }),
+        count: None,
     };
     let cases: Vec<(Response, Vec<&str>, usize)> = vec![
         (
@@ -750,4 +751,38 @@ fn json_output_stays_exact() {
         out.contains('\u{202e}'),
         "JSON keeps non-control characters as they are"
     );
+}
+
+#[test]
+fn audit_shows_an_aggregate_with_its_count() {
+    let record = |seq, count| robota_proto::AuditRecord {
+        seq,
+        time: 1_700_000_000,
+        carrier: "loopback".into(),
+        reason: "bad-bearer".into(),
+        throttled: false,
+        address_class: "loopback".into(),
+        grant: None,
+        count,
+    };
+    let reply = Reply::Audit {
+        records: vec![record(41, None), record(42, Some(19_873))],
+        last_seq: 42,
+    };
+    let (exit_code, out, err) = against(&Response::ok(reply.clone()), &["audit"]);
+    assert_eq!(exit_code, exit::OK, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(!lines[0].contains('×'), "{out}");
+    assert!(
+        lines[1].contains("#42") && lines[1].contains("×19873"),
+        "{out}"
+    );
+    let (_, out, _) = against(&Response::ok(reply), &["--json", "audit"]);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON record per line"))
+        .collect();
+    assert_eq!(lines[0].get("count"), None, "a plain record has no count");
+    assert_eq!(lines[1]["count"], 19_873);
 }

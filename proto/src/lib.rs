@@ -432,6 +432,19 @@ pub struct AuditRecord {
     /// Grant events only: which grant, whose, and who acted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant: Option<GrantRef>,
+    /// Aggregates only: this record stands for `count` (2 or more) refusals with these
+    /// fields in the one-second interval starting at `time`, past the rate at which each
+    /// refusal gets a record of its own. Absent on every other record, which stands for
+    /// one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+}
+
+impl AuditRecord {
+    /// How many refusals or events this record stands for: `count`, else 1.
+    pub fn events(&self) -> u64 {
+        self.count.unwrap_or(1)
+    }
 }
 
 /// The grant an audit record is about.
