@@ -58,7 +58,10 @@ Examples:
   robota-mcpctl audit --follow
 
 --json prints one JSON record per line:
-  {\"seq\":7,\"time\":1796000000,\"carrier\":\"remote\",\"reason\":\"expired\",\"throttled\":false,\"address_class\":\"public\"}")]
+  {\"seq\":7,\"time\":1796000000,\"carrier\":\"remote\",\"reason\":\"expired\",\"throttled\":false,\"address_class\":\"public\"}
+
+Past 20 a second per carrier and reason, refusals are kept as one record per second with
+a \"count\" of the refusals it stands for.")]
     Audit {
         /// Only records newer than a duration ago (90s, 10m, 24h) or since a unix time
         #[arg(long, value_name = "T", value_parser = parse_since)]
@@ -122,7 +125,8 @@ The secret is printed alone on stdout, or written to a new file created with mod
         #[arg(long, value_name = "L")]
         label: Option<String>,
 
-        /// Lifetime of the extra bearer, e.g. 90s, 10m, 12h, 30d [default: no expiry]
+        /// Lifetime of the extra bearer, 1s to 365d, e.g. 90s, 10m, 12h, 30d [default: no
+        /// expiry]
         #[arg(long, value_name = "D", requires = "label", value_parser = parse_ttl)]
         ttl: Option<u64>,
 

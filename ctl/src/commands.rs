@@ -43,7 +43,7 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             };
             match call(ctx, command)? {
                 Reply::Revoked { label } if !ctx.json => {
-                    print(&format!("revoked bearer {:?}\n", render::clean(&label)))
+                    print(&format!("revoked bearer \"{}\"\n", render::clean(&label)))
                 }
                 reply @ Reply::Revoked { .. } => print_json(&reply),
                 other => Err(unexpected("revoked", &other)),
@@ -259,9 +259,9 @@ fn bearer_secret(ctx: &Ctx, command: Command, output: Option<&Path>) -> Result<(
         print(&format!("{value}\n"))?;
     }
     eprintln!(
-        "robota-mcpctl: wrote bearer {:?} to {} (mode 0600{})",
+        "robota-mcpctl: wrote bearer \"{}\" to {} (mode 0600{})",
         render::clean(label),
-        path.display(),
+        render::clean(&path.display().to_string()),
         render::expiry_suffix(*expires_at)
     );
     Ok(())

@@ -114,7 +114,7 @@ impl fmt::Display for CtlError {
                 "robota-mcpd did not answer within {secs}s on {}",
                 socket.display()
             ),
-            CtlError::Protocol(detail) => write!(f, "protocol error: {detail}"),
+            CtlError::Protocol(detail) => write!(f, "protocol error: {}", clean(detail)),
             CtlError::Daemon(reply) => write!(f, "{}: {}", reply.code, clean(&reply.message)),
             CtlError::Output { path, what, .. } => write!(f, "{what} {}", path.display()),
             CtlError::Stdout(_) => f.write_str("cannot write to stdout"),

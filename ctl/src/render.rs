@@ -5,17 +5,64 @@ use std::time::Duration;
 
 use robota_proto::{BearerInfo, GrantRecord, JobRecord, Status};
 
-/// Replaces control characters in daemon-supplied text so it cannot drive the terminal.
+/// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
+/// `char::is_control` covers: Unicode's format characters (bidi embeddings, overrides and
+/// isolates, marks, zero-width characters, the BOM, interlinear annotations, tags), the
+/// line and paragraph separators, and fillers that render as nothing.
+const HIDDEN: &[(u32, u32)] = &[
+    (0x00AD, 0x00AD),   // soft hyphen
+    (0x034F, 0x034F),   // combining grapheme joiner
+    (0x0600, 0x0605),   // Arabic number signs
+    (0x061C, 0x061C),   // Arabic letter mark
+    (0x06DD, 0x06DD),   // Arabic end of ayah
+    (0x070F, 0x070F),   // Syriac abbreviation mark
+    (0x0890, 0x0891),   // Arabic pound/piastre marks above
+    (0x08E2, 0x08E2),   // Arabic disputed end of ayah
+    (0x115F, 0x1160),   // Hangul fillers
+    (0x17B4, 0x17B5),   // Khmer inherent vowels
+    (0x180B, 0x180F),   // Mongolian variation selectors and vowel separator
+    (0x200B, 0x200F),   // zero-width space/non-joiner/joiner, LRM, RLM
+    (0x2028, 0x202E),   // line/paragraph separators; LRE, RLE, PDF, LRO, RLO
+    (0x2060, 0x206F),   // word joiner, invisible operators; LRI, RLI, FSI, PDI; deprecated
+    (0x3164, 0x3164),   // Hangul filler
+    (0xFE00, 0xFE0F),   // variation selectors
+    (0xFEFF, 0xFEFF),   // zero-width no-break space (BOM)
+    (0xFFA0, 0xFFA0),   // halfwidth Hangul filler
+    (0xFFF9, 0xFFFB),   // interlinear annotation
+    (0x110BD, 0x110BD), // Kaithi number sign
+    (0x110CD, 0x110CD), // Kaithi number sign above
+    (0x13430, 0x1343F), // Egyptian hieroglyph format controls
+    (0x1BCA0, 0x1BCA3), // shorthand format controls
+    (0x1D173, 0x1D17A), // musical symbol format controls
+    (0xE0000, 0xE0FFF), // tags and variation selectors supplement
+];
+
+/// Whether `c` is rendered escaped: a control character, or one of [`HIDDEN`].
+fn hidden(c: char) -> bool {
+    let u = u32::from(c);
+    c.is_control() || HIDDEN.iter().any(|&(lo, hi)| (lo..=hi).contains(&u))
+}
+
+/// Daemon-supplied text made safe and unambiguous for a terminal: control characters
+/// (C0, DEL, C1), bidi overrides and isolates and other invisible format characters are
+/// written as visible escapes (`\n`, `\t`, `\r`, else `\u{202e}`), and a backslash as
+/// `\\`, so what is shown can be read back exactly. Text without them is returned as is.
 pub fn clean(text: &str) -> Cow<'_, str> {
-    if text.chars().any(char::is_control) {
-        Cow::Owned(
-            text.chars()
-                .map(|c| if c.is_control() { '\u{fffd}' } else { c })
-                .collect(),
-        )
-    } else {
-        Cow::Borrowed(text)
+    if !text.chars().any(|c| c == '\\' || hidden(c)) {
+        return Cow::Borrowed(text);
     }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if hidden(c) => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Unix seconds as RFC 3339 UTC, e.g. `2023-11-14T22:13:20Z`.
@@ -192,15 +239,31 @@ pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
     records
         .iter()
         .map(|r| {
-            format!(
-                "{}  #{:<6} {:<9} {:<22} {:<8} {}\n",
+            let mut notes = Vec::new();
+            if r.throttled {
+                notes.push("throttled".to_owned());
+            }
+            if let Some(count) = r.count {
+                notes.push(format!("×{count} in that second (past the rate)"));
+            }
+            if let Some(g) = &r.grant {
+                notes.push(format!(
+                    "grant {} of {} by {}",
+                    g.grant_id,
+                    clean(&g.caller),
+                    clean(&g.by)
+                ));
+            }
+            let line = format!(
+                "{}  #{:<6} {:<9} {:<22} {:<8} {}",
                 rfc3339(r.time),
                 r.seq,
                 clean(&r.carrier),
                 clean(&r.reason),
                 clean(&r.address_class),
-                if r.throttled { "throttled" } else { "" }
-            )
+                notes.join("  ")
+            );
+            format!("{}\n", line.trim_end())
         })
         .collect()
 }
@@ -489,6 +552,45 @@ mod tests {
     #[test]
     fn control_characters_are_neutralised() {
         assert_eq!(clean("plain"), "plain");
-        assert_eq!(clean("a\x1b[2Jb\n"), "a\u{fffd}[2Jb\u{fffd}");
+        assert!(matches!(clean("plain — ünïcödé 日本"), Cow::Borrowed(_)));
+        assert_eq!(clean("a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert_eq!(clean("\t\r\0\x7f"), "\\t\\r\\u{0}\\u{7f}");
+        // C1 controls, e.g. NEL and CSI.
+        assert_eq!(clean("x\u{85}\u{9b}y"), "x\\u{85}\\u{9b}y");
+        // Bidi overrides, embeddings and isolates, marks.
+        assert_eq!(
+            clean("txt.\u{202e}exe\u{202c}"),
+            "txt.\\u{202e}exe\\u{202c}"
+        );
+        for c in (0x202A..=0x202E)
+            .chain(0x2066..=0x2069)
+            .chain([0x200E, 0x200F, 0x061C])
+        {
+            let c = char::from_u32(c).unwrap();
+            assert_eq!(clean(&c.to_string()), format!("\\u{{{:x}}}", u32::from(c)));
+        }
+        // Zero-width and other invisible characters, separators, tags.
+        for c in [
+            '\u{200b}',
+            '\u{200d}',
+            '\u{2060}',
+            '\u{feff}',
+            '\u{ad}',
+            '\u{2028}',
+            '\u{e0041}',
+            '\u{3164}',
+        ] {
+            assert!(
+                clean(&c.to_string()).starts_with("\\u{"),
+                "{:x}",
+                u32::from(c)
+            );
+        }
+        // A backslash is doubled, so escapes in the input cannot pass for ours.
+        assert_eq!(clean("a\\u{202e}b"), "a\\\\u{202e}b");
+        // Nothing hidden survives, whatever the input.
+        let all: String = (0..=0x10FFFF).filter_map(char::from_u32).collect();
+        let shown = clean(&all);
+        assert!(!shown.chars().any(hidden), "a hidden character got through");
     }
 }

@@ -550,3 +550,239 @@ fn every_command_has_help_with_an_example() {
         assert!(text.contains("Example"), "{args:?}:\n{text}");
     }
 }
+
+/// Text a hostile caller can put into what the daemon reports: a right-to-left override
+/// that reverses the rest of the line, isolates and marks, zero-width characters, a BOM,
+/// an ANSI sequence that clears the screen, a C1 CSI, a bell, a line break and a tab.
+const HOSTILE: &str =
+    "ok\u{202e}txt.exe\u{2066}\u{2069}\u{200f}\u{200b}\u{feff}\x1b[2J\u{9b}31m\x07\nFAKE LINE\t\\";
+
+/// What [`HOSTILE`] must look like in human output.
+const SHOWN: &str = r"ok\u{202e}txt.exe\u{2066}\u{2069}\u{200f}\u{200b}\u{feff}\u{1b}[2J\u{9b}31m\u{7}\nFAKE LINE\t\\";
+
+/// Characters of [`HOSTILE`] that must never reach the terminal raw.
+fn raw_hostile(text: &str) -> Vec<char> {
+    text.chars()
+        .filter(|&c| {
+            c != '\n'
+                && (c.is_control()
+                    || "\u{202e}\u{2066}\u{2069}\u{200f}\u{200b}\u{feff}".contains(c))
+        })
+        .collect()
+}
+
+fn hostile_grant() -> robota_proto::GrantRecord {
+    robota_proto::GrantRecord {
+        grant_id: 7,
+        caller: format!("bearer:{HOSTILE}"),
+        kind: robota_proto::GrantKind::Elevation,
+        reason: HOSTILE.into(),
+        scope: vec![format!("file.{HOSTILE}")],
+        duration_secs: 60,
+        state: robota_proto::GrantState::Pending,
+        requested_at: 1_700_000_000,
+        decided_at: None,
+        decided_by: Some(HOSTILE.into()),
+        expires_at: None,
+    }
+}
+
+fn hostile_job() -> robota_proto::JobRecord {
+    robota_proto::JobRecord {
+        job_id: 3,
+        owner: format!("oauth:{HOSTILE}"),
+        kind: HOSTILE.into(),
+        target: HOSTILE.into(),
+        action: Some(HOSTILE.into()),
+        state: robota_proto::JobState::Failed,
+        created_at: 1_700_000_000,
+        finished_at: None,
+        exit_code: Some(1),
+        detail: Some(HOSTILE.into()),
+        output_bytes: 0,
+        output_dropped: 0,
+    }
+}
+
+/// Runs `args` against a stand-in answering `reply`; returns stdout and stderr.
+fn against(reply: &Response, args: &[&str]) -> (i32, String, String) {
+    let mut daemon = StandIn::answering(reply);
+    let mut full = vec!["--socket", socket_arg(&daemon.socket)];
+    full.extend_from_slice(args);
+    let out = ctl(&full);
+    daemon.request();
+    (code(&out), stdout(&out), stderr(&out))
+}
+
+#[test]
+fn human_output_escapes_every_caller_controlled_string() {
+    let mut status = sample_status();
+    status.submission_tool = HOSTILE.into();
+    status.key_set = Some(HOSTILE.into());
+    status.refusals_last_hour = BTreeMap::from([(HOSTILE.to_owned(), 1)]);
+    let record = robota_proto::AuditRecord {
+        seq: 1,
+        time: 1_700_000_000,
+        carrier: "session".into(),
+        reason: "grant-requested".into(),
+        throttled: false,
+        address_class: "unknown".into(),
+        grant: Some(robota_proto::GrantRef {
+            grant_id: 7,
+            caller: HOSTILE.into(),
+            by: HOSTILE.into(),
+        }),
+        count: None,
+    };
+    let cases: Vec<(Response, Vec<&str>, usize)> = vec![
+        (
+            Response::ok(Reply::Grants {
+                grants: vec![hostile_grant()],
+            }),
+            vec!["grants", "list"],
+            2,
+        ),
+        (
+            Response::ok(Reply::Grant {
+                grant: hostile_grant(),
+            }),
+            vec!["grants", "deny", "7"],
+            1,
+        ),
+        (
+            Response::ok(Reply::Jobs {
+                jobs: vec![hostile_job()],
+            }),
+            vec!["jobs", "list"],
+            2,
+        ),
+        (
+            Response::ok(Reply::Job { job: hostile_job() }),
+            vec!["jobs", "cancel", "3"],
+            1,
+        ),
+        (
+            Response::ok(Reply::Bearers {
+                bearers: vec![BearerInfo {
+                    label: HOSTILE.into(),
+                    created_at: 0,
+                    expires_at: None,
+                    last_used_at: None,
+                }],
+            }),
+            vec!["bearer", "list"],
+            2,
+        ),
+        (
+            Response::ok(Reply::Revoked {
+                label: HOSTILE.into(),
+            }),
+            vec!["bearer", "revoke", "x"],
+            1,
+        ),
+        (
+            Response::ok(Reply::Audit {
+                records: vec![record],
+                last_seq: 1,
+            }),
+            vec!["audit"],
+            1,
+        ),
+    ];
+    for (reply, args, lines) in cases {
+        let (exit_code, out, err) = against(&reply, &args);
+        assert_eq!(exit_code, exit::OK, "{args:?}: {err}");
+        assert_eq!(
+            raw_hostile(&out),
+            Vec::<char>::new(),
+            "{args:?} printed raw:\n{out}"
+        );
+        assert!(
+            out.contains(SHOWN),
+            "{args:?} does not show the text escaped:\n{out}"
+        );
+        assert_eq!(out.lines().count(), lines, "{args:?} split a line:\n{out}");
+    }
+    let (exit_code, out, _) = against(&Response::ok(Reply::Status(status)), &["status"]);
+    assert_eq!(exit_code, exit::OK);
+    assert_eq!(
+        raw_hostile(&out),
+        Vec::<char>::new(),
+        "status printed raw:\n{out}"
+    );
+    assert_eq!(out.matches(SHOWN).count(), 3, "{out}");
+
+    // Errors from the daemon, and replies that do not parse, reach stderr escaped too.
+    let (exit_code, out, err) = against(&Response::error(ErrorCode::NotFound, HOSTILE), &["stop"]);
+    assert_eq!(exit_code, exit::FAILED);
+    assert!(out.is_empty());
+    assert_eq!(err, format!("robota-mcpctl: not-found: {SHOWN}\n"));
+    let mut daemon = StandIn::raw(
+        format!(
+            r#"{{"v":1,"ok":{{"kind":{}}}}}"#,
+            serde_json::to_string(HOSTILE).unwrap()
+        ),
+        true,
+    );
+    let out = ctl(&["--socket", socket_arg(&daemon.socket), "stop"]);
+    daemon.request();
+    assert_eq!(code(&out), exit::PROTOCOL);
+    assert_eq!(
+        raw_hostile(&stderr(&out)),
+        Vec::<char>::new(),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+}
+
+#[test]
+fn json_output_stays_exact() {
+    let reply = Reply::Grants {
+        grants: vec![hostile_grant()],
+    };
+    let (exit_code, out, err) =
+        against(&Response::ok(reply.clone()), &["--json", "grants", "list"]);
+    assert_eq!(exit_code, exit::OK, "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    let back: Reply = serde_json::from_str(&out).expect("JSON reply");
+    assert_eq!(back, reply, "--json must carry the text exactly");
+    assert!(
+        out.contains('\u{202e}'),
+        "JSON keeps non-control characters as they are"
+    );
+}
+
+#[test]
+fn audit_shows_an_aggregate_with_its_count() {
+    let record = |seq, count| robota_proto::AuditRecord {
+        seq,
+        time: 1_700_000_000,
+        carrier: "loopback".into(),
+        reason: "bad-bearer".into(),
+        throttled: false,
+        address_class: "loopback".into(),
+        grant: None,
+        count,
+    };
+    let reply = Reply::Audit {
+        records: vec![record(41, None), record(42, Some(19_873))],
+        last_seq: 42,
+    };
+    let (exit_code, out, err) = against(&Response::ok(reply.clone()), &["audit"]);
+    assert_eq!(exit_code, exit::OK, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(!lines[0].contains('×'), "{out}");
+    assert!(
+        lines[1].contains("#42") && lines[1].contains("×19873"),
+        "{out}"
+    );
+    let (_, out, _) = against(&Response::ok(reply), &["--json", "audit"]);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON record per line"))
+        .collect();
+    assert_eq!(lines[0].get("count"), None, "a plain record has no count");
+    assert_eq!(lines[1]["count"], 19_873);
+}

@@ -1,28 +1,36 @@
-//! Refusal audit: the closed sets (carriers, refusal reasons, address classes) and the
-//! record emitted for every refusal.
+//! Refusal audit: the closed sets (carriers, refusal reasons, address classes), the
+//! record booked for every refusal, and grant events.
 //!
 //! A record carries a time, a carrier, a reason, the `throttled` flag and an address
 //! class — never token text, never the address itself. Records go to the log (journald
-//! fields when logging to the journal), to a bounded in-memory ring that `status` and
-//! `robota-mcpctl audit` read, and to `<state dir>/audit.jsonl`, appended by a writer
-//! thread off the request path, compacted to the newest [`KEEP`] records, read back at
-//! start so the history survives restarts.
+//! fields when logging to the journal), to bounded in-memory rings that
+//! `robota-mcpctl audit` reads, and to `<state dir>/audit.jsonl`, appended by a writer
+//! thread off the request path, compacted to the newest [`KEEP`] records of each class,
+//! read back at start so the history survives restarts.
+//!
+//! Floods stay bounded and honest:
+//! - Refusals and every other record (grant requests and decisions) are kept in separate
+//!   rings and separate shares of the file: no number of refusals evicts a decision.
+//! - Per [`INTERVAL_SECS`], at most [`PER_KEY`] refusals per (carrier, reason) and
+//!   [`PER_INTERVAL`] in all get a record and a log line of their own; the rest are
+//!   counted and come out, once the interval has ended, as one aggregate record (with
+//!   `count`) and one summary line per (carrier, reason, throttled, address class). The
+//!   counts of all records add up to the number of refusals.
+//! - `status` counts come from per-minute counters per reason ([`Audit::last_hour`]),
+//!   which neither folding nor retention reduces.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::net::IpAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use robota_proto::AuditRecord;
-
-/// The span `status` summarises.
-const WINDOW: Duration = Duration::from_secs(3600);
 
 /// A place requests arrive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -130,10 +138,19 @@ impl Reason {
             Reason::PeerNotAllowed => "peer-not-allowed",
         }
     }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == text)
+    }
+
+    /// The position in [`Reason::ALL`].
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// Coarse class of a client address; the address itself is never recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AddressClass {
     Loopback,
     /// RFC 1918, link-local, CGNAT (100.64/10), ULA (fc00::/7).
@@ -202,21 +219,9 @@ pub struct Record {
     pub address_class: AddressClass,
 }
 
-impl Record {
-    fn wire(&self, seq: u64) -> AuditRecord {
-        AuditRecord {
-            seq,
-            time: self
-                .time
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            carrier: self.carrier.as_str().to_owned(),
-            reason: self.reason.as_str().to_owned(),
-            throttled: self.throttled,
-            address_class: self.address_class.as_str().to_owned(),
-            grant: None,
-        }
-    }
+/// Unix seconds of `t` (0 before the epoch).
+fn unix(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// A grant request or decision (`robota_mcpd::grants`).
@@ -246,12 +251,24 @@ impl GrantEvent {
     }
 }
 
-/// Records kept in memory (and the most the file is compacted down to).
+/// Records of each class kept in memory, and in the file after compaction: refusals and
+/// everything else (grant events) are kept apart, so no number of refusals can push a
+/// decision out.
 pub const KEEP: usize = 10_000;
 /// Records queued for the writer before new ones are kept in memory only.
 const QUEUE: usize = 4096;
 /// The audit file under the state directory.
 pub const FILE_NAME: &str = "audit.jsonl";
+
+/// The span of one aggregation interval, in seconds: intervals are unix seconds.
+pub const INTERVAL_SECS: u64 = 1;
+/// Refusals with the same carrier and reason that get a record (and a log line) of their
+/// own in one interval; past it they are folded into an aggregate.
+pub const PER_KEY: u32 = 20;
+/// Refusals of any kind that get a record of their own in one interval.
+pub const PER_INTERVAL: u32 = 100;
+/// The span `status` summarises, in per-minute buckets.
+const MINUTES: usize = 60;
 
 /// Why the audit store could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -271,17 +288,296 @@ pub struct Query {
     pub limit: usize,
 }
 
-struct Ring {
-    records: VecDeque<AuditRecord>,
-    next_seq: u64,
+/// What the refusals folded in one interval have in common.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct FoldKey {
+    carrier: Carrier,
+    reason: Reason,
+    throttled: bool,
+    address_class: AddressClass,
 }
 
-/// The audit sink shared by every carrier: log line, in-memory ring, and (when opened on
+/// Refusals past the rate, counted per interval (the interval's first unix second).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Folded {
+    interval: u64,
+    key: FoldKey,
+    count: u64,
+}
+
+/// The rate at which refusals get records of their own: per interval, at most
+/// [`PER_KEY`] per (carrier, reason) and [`PER_INTERVAL`] in all; the rest are counted by
+/// [`FoldKey`] and come out as aggregates when the interval has ended. Pure: time is
+/// given, so tests drive it by hand.
+#[derive(Debug, Default)]
+struct Fold {
+    interval: u64,
+    own_total: u32,
+    own: BTreeMap<(Carrier, Reason), u32>,
+    folded: BTreeMap<FoldKey, u64>,
+}
+
+impl Fold {
+    /// The aggregates of an interval that ended before `now` (unix seconds), once.
+    fn due(&mut self, now: u64) -> Vec<Folded> {
+        // A clock that went back keeps counting in the open interval.
+        if now <= self.interval {
+            return Vec::new();
+        }
+        let ended = self.interval;
+        self.interval = now;
+        self.own_total = 0;
+        self.own.clear();
+        std::mem::take(&mut self.folded)
+            .into_iter()
+            .map(|(key, count)| Folded {
+                interval: ended,
+                key,
+                count,
+            })
+            .collect()
+    }
+
+    /// Every aggregate still open, the current interval's included (at shutdown).
+    fn drain(&mut self) -> Vec<Folded> {
+        let interval = self.interval;
+        self.own_total = 0;
+        self.own.clear();
+        std::mem::take(&mut self.folded)
+            .into_iter()
+            .map(|(key, count)| Folded {
+                interval,
+                key,
+                count,
+            })
+            .collect()
+    }
+
+    /// Whether a refusal at `now` (after [`Fold::due`] for `now`) gets its own record;
+    /// if not, it is counted.
+    fn admit(&mut self, key: FoldKey) -> bool {
+        let own = self.own.entry((key.carrier, key.reason)).or_insert(0);
+        if *own < PER_KEY && self.own_total < PER_INTERVAL {
+            *own += 1;
+            self.own_total += 1;
+            true
+        } else {
+            *self.folded.entry(key).or_insert(0) += 1;
+            false
+        }
+    }
+}
+
+/// Refusals per reason in each of the last [`MINUTES`] minutes: the counters `status`
+/// reads. Records can be folded or evicted; these counts cannot.
+#[derive(Debug)]
+struct Recent {
+    /// (unix minute, count per reason in [`Reason::ALL`] order), indexed by minute.
+    buckets: [(u64, [u64; Reason::ALL.len()]); MINUTES],
+}
+
+impl Default for Recent {
+    fn default() -> Self {
+        Self {
+            buckets: [(u64::MAX, [0; Reason::ALL.len()]); MINUTES],
+        }
+    }
+}
+
+impl Recent {
+    fn add(&mut self, time: u64, reason: Reason, n: u64) {
+        let minute = time / 60;
+        let bucket = &mut self.buckets[(minute % MINUTES as u64) as usize];
+        if bucket.0 != minute {
+            *bucket = (minute, [0; Reason::ALL.len()]);
+        }
+        bucket.1[reason.index()] += n;
+    }
+
+    /// Counts of the minute of `now` and the 59 before it, by reason (absent when 0).
+    fn last_hour(&self, now: u64) -> BTreeMap<String, u64> {
+        let minute = now / 60;
+        let first = minute.saturating_sub(MINUTES as u64 - 1);
+        let mut out = BTreeMap::new();
+        for (m, counts) in &self.buckets {
+            if (first..=minute).contains(m) {
+                for (reason, n) in Reason::ALL.iter().zip(counts) {
+                    if *n > 0 {
+                        *out.entry(reason.as_str().to_owned()).or_insert(0) += n;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Whether a record is a refusal (its reason is one of [`Reason::ALL`]); every other
+/// record (grant events, and any kind a later version adds) is kept with the events.
+fn is_refusal(r: &AuditRecord) -> bool {
+    Reason::parse(&r.reason).is_some()
+}
+
+/// The records kept in memory, one bounded ring per class, both in `seq` order.
+#[derive(Debug, Default)]
+struct Rings {
+    refusals: VecDeque<AuditRecord>,
+    events: VecDeque<AuditRecord>,
+}
+
+impl Rings {
+    fn push(&mut self, record: AuditRecord) {
+        let ring = if is_refusal(&record) {
+            &mut self.refusals
+        } else {
+            &mut self.events
+        };
+        if ring.len() == KEEP {
+            ring.pop_front();
+        }
+        ring.push_back(record);
+    }
+
+    fn len(&self) -> usize {
+        self.refusals.len() + self.events.len()
+    }
+
+    /// Both rings merged in `seq` order.
+    fn merged(&self) -> Vec<&AuditRecord> {
+        let (mut a, mut b) = (
+            self.refusals.iter().peekable(),
+            self.events.iter().peekable(),
+        );
+        let mut out = Vec::with_capacity(self.len());
+        loop {
+            let next = match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) if x.seq <= y.seq => a.next(),
+                (Some(_), Some(_)) => b.next(),
+                (Some(_), None) => a.next(),
+                (None, _) => b.next(),
+            };
+            match next {
+                Some(r) => out.push(r),
+                None => return out,
+            }
+        }
+    }
+}
+
+/// Everything behind the audit's one lock.
+#[derive(Debug)]
+struct State {
+    rings: Rings,
+    next_seq: u64,
+    fold: Fold,
+    recent: Recent,
+    /// The writer thread's queue, when there is a file. Records are queued under the lock,
+    /// so they reach the file in `seq` order.
+    tx: Option<SyncSender<AuditRecord>>,
+    /// Records the queue had no room for (kept in memory only).
+    dropped: u64,
+}
+
+impl State {
+    fn take_seq(&mut self) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        seq
+    }
+
+    /// Keep `record` in its ring and queue it for the file; `true` when this is the
+    /// first record the queue had no room for.
+    fn keep(&mut self, record: AuditRecord) -> bool {
+        self.rings.push(record.clone());
+        if let Some(tx) = &self.tx
+            && tx.try_send(record).is_err()
+        {
+            self.dropped += 1;
+            return self.dropped == 1;
+        }
+        false
+    }
+
+    /// Records (kept in the rings) for folded counts: an aggregate with `count`, or a
+    /// plain record when only one refusal was folded.
+    fn aggregates(&mut self, folded: Vec<Folded>, log: &mut Log) {
+        for f in folded {
+            let wire = AuditRecord {
+                seq: self.take_seq(),
+                time: f.interval,
+                carrier: f.key.carrier.as_str().to_owned(),
+                reason: f.key.reason.as_str().to_owned(),
+                throttled: f.key.throttled,
+                address_class: f.key.address_class.as_str().to_owned(),
+                grant: None,
+                count: (f.count > 1).then_some(f.count),
+            };
+            log.behind |= self.keep(wire);
+            log.lines.push(Line::Folded(f));
+        }
+    }
+
+    /// Close the aggregates of intervals ended before `now`.
+    fn flush_due(&mut self, now: u64, log: &mut Log) {
+        let due = self.fold.due(now);
+        self.aggregates(due, log);
+    }
+}
+
+/// A log line decided under the lock and written after it is released.
+enum Line {
+    Refused(Record),
+    Folded(Folded),
+}
+
+/// What to log once the lock is released.
+#[derive(Default)]
+struct Log {
+    lines: Vec<Line>,
+    /// The writer queue has just overflowed.
+    behind: bool,
+}
+
+impl Log {
+    fn write(self) {
+        for line in self.lines {
+            match line {
+                Line::Refused(r) => tracing::warn!(
+                    target: "robota_mcpd::audit",
+                    carrier = %r.carrier.as_str(),
+                    reason = %r.reason.as_str(),
+                    throttled = r.throttled,
+                    address_class = %r.address_class.as_str(),
+                    "request refused"
+                ),
+                Line::Folded(f) => tracing::warn!(
+                    target: "robota_mcpd::audit",
+                    carrier = %f.key.carrier.as_str(),
+                    reason = %f.key.reason.as_str(),
+                    throttled = f.key.throttled,
+                    address_class = %f.key.address_class.as_str(),
+                    count = f.count,
+                    interval = %INTERVAL,
+                    "refusals past the rate, counted"
+                ),
+            }
+        }
+        if self.behind {
+            tracing::error!(
+                "the audit writer is behind; records are kept in memory only until it catches up"
+            );
+        }
+    }
+}
+
+/// [`INTERVAL_SECS`] as logs show it.
+const INTERVAL: &str = "1s";
+
+/// The audit sink shared by every carrier: log line, in-memory rings, and (when opened on
 /// a state directory) an append-only JSON-lines file written by its own thread.
 pub struct Audit {
-    ring: Mutex<Ring>,
-    writer: Mutex<Option<(SyncSender<AuditRecord>, JoinHandle<()>)>>,
-    dropped: AtomicU64,
+    state: Arc<Mutex<State>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Default for Audit {
@@ -293,13 +589,39 @@ impl Default for Audit {
 impl Audit {
     /// An in-memory store (stdio mode, tests).
     pub fn new() -> Self {
+        Self::with_records(Vec::new())
+    }
+
+    /// A store holding `records` (read back from the file), rings and counters filled.
+    fn with_records(mut records: Vec<AuditRecord>) -> Self {
+        records.sort_by_key(|r| r.seq);
+        records.dedup_by_key(|r| r.seq);
+        let next_seq = records.last().map_or(1, |r| r.seq.saturating_add(1));
+        let now = unix(SystemTime::now());
+        let mut state = State {
+            rings: Rings::default(),
+            next_seq,
+            fold: Fold {
+                interval: now,
+                ..Fold::default()
+            },
+            recent: Recent::default(),
+            tx: None,
+            dropped: 0,
+        };
+        for record in records {
+            if let Some(reason) = Reason::parse(&record.reason)
+                && record.time.saturating_add(60 * MINUTES as u64) > now
+            {
+                state
+                    .recent
+                    .add(record.time, reason, record.count.unwrap_or(1));
+            }
+            state.rings.push(record);
+        }
         Self {
-            ring: Mutex::new(Ring {
-                records: VecDeque::new(),
-                next_seq: 1,
-            }),
+            state: Arc::new(Mutex::new(state)),
             writer: Mutex::new(None),
-            dropped: AtomicU64::new(0),
         }
     }
 
@@ -312,7 +634,7 @@ impl Audit {
             source,
         };
         std::fs::create_dir_all(state_dir).map_err(fail)?;
-        let mut records = VecDeque::new();
+        let mut records = Vec::new();
         let mut lines = 0usize;
         match std::fs::File::open(&path) {
             Ok(file) => {
@@ -320,20 +642,24 @@ impl Audit {
                     let line = line.map_err(fail)?;
                     lines += 1;
                     if let Ok(record) = serde_json::from_str::<AuditRecord>(&line) {
-                        if records.len() == KEEP {
-                            records.pop_front();
-                        }
-                        records.push_back(record);
+                        records.push(record);
                     }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(fail(e)),
         }
-        let next_seq = records.back().map_or(1, |r: &AuditRecord| r.seq + 1);
-        if lines > records.len() {
+        let audit = Self::with_records(records);
+        let tails = {
+            let state = audit.state.lock();
+            Rings {
+                refusals: state.rings.refusals.clone(),
+                events: state.rings.events.clone(),
+            }
+        };
+        if lines > tails.len() {
             // Compact: drop what we no longer keep and any torn line.
-            write_atomically(&path, &records).map_err(fail)?;
+            write_atomically(&path, &tails.merged()).map_err(fail)?;
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -341,31 +667,52 @@ impl Audit {
             .mode(0o600)
             .open(&path)
             .map_err(fail)?;
-        let kept = records.len();
         let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
         let thread = std::thread::Builder::new()
             .name("audit-writer".into())
             .spawn({
                 let path = path.clone();
-                move || writer(path, file, rx, kept)
+                let state = audit.state.clone();
+                let lines = tails.len();
+                move || writer(path, file, rx, state, tails, lines)
             })
             .map_err(fail)?;
-        let audit = Self::new();
-        *audit.ring.lock() = Ring { records, next_seq };
-        *audit.writer.lock() = Some((tx, thread));
+        audit.state.lock().tx = Some(tx);
+        *audit.writer.lock() = Some(thread);
         Ok(audit)
     }
 
+    /// Book a refusal: counted for `status`, then a record and a log line of its own up to
+    /// the rate, or folded into its interval's aggregate past it.
     pub fn record(&self, record: Record) {
-        tracing::warn!(
-            target: "robota_mcpd::audit",
-            carrier = record.carrier.as_str(),
-            reason = record.reason.as_str(),
-            throttled = record.throttled,
-            address_class = record.address_class.as_str(),
-            "request refused"
-        );
-        self.append(|seq| record.wire(seq));
+        let time = unix(record.time);
+        let key = FoldKey {
+            carrier: record.carrier,
+            reason: record.reason,
+            throttled: record.throttled,
+            address_class: record.address_class,
+        };
+        let mut log = Log::default();
+        {
+            let mut state = self.state.lock();
+            state.recent.add(time, record.reason, 1);
+            state.flush_due(time, &mut log);
+            if state.fold.admit(key) {
+                let wire = AuditRecord {
+                    seq: state.take_seq(),
+                    time,
+                    carrier: record.carrier.as_str().to_owned(),
+                    reason: record.reason.as_str().to_owned(),
+                    throttled: record.throttled,
+                    address_class: record.address_class.as_str().to_owned(),
+                    grant: None,
+                    count: None,
+                };
+                log.behind |= state.keep(wire);
+                log.lines.push(Line::Refused(record));
+            }
+        }
+        log.write();
     }
 
     /// Record a grant request or decision. `by` is the caller itself or `local:<uid>` of the
@@ -381,43 +728,28 @@ impl Audit {
             event.as_str().trim_start_matches("grant-")
         );
         let carrier = if by == caller { "session" } else { "control" };
-        let time = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        self.append(|seq| AuditRecord {
-            seq,
-            time,
-            carrier: carrier.to_owned(),
-            reason: event.as_str().to_owned(),
-            throttled: false,
-            address_class: AddressClass::Unknown.as_str().to_owned(),
-            grant: Some(robota_proto::GrantRef {
-                grant_id,
-                caller: caller.to_owned(),
-                by: by.to_owned(),
-            }),
-        });
-    }
-
-    fn append(&self, make: impl FnOnce(u64) -> AuditRecord) {
-        let wire = {
-            let mut ring = self.ring.lock();
-            let wire = make(ring.next_seq);
-            ring.next_seq += 1;
-            if ring.records.len() == KEEP {
-                ring.records.pop_front();
-            }
-            ring.records.push_back(wire.clone());
-            wire
-        };
-        if let Some((tx, _)) = self.writer.lock().as_ref()
-            && tx.try_send(wire).is_err()
-            && self.dropped.fetch_add(1, Ordering::Relaxed) == 0
+        let now = unix(SystemTime::now());
+        let mut log = Log::default();
         {
-            tracing::error!(
-                "the audit writer is behind; records are kept in memory only until it catches up"
-            );
+            let mut state = self.state.lock();
+            state.flush_due(now, &mut log);
+            let wire = AuditRecord {
+                seq: state.take_seq(),
+                time: now,
+                carrier: carrier.to_owned(),
+                reason: event.as_str().to_owned(),
+                throttled: false,
+                address_class: AddressClass::Unknown.as_str().to_owned(),
+                grant: Some(robota_proto::GrantRef {
+                    grant_id,
+                    caller: caller.to_owned(),
+                    by: by.to_owned(),
+                }),
+                count: None,
+            };
+            log.behind |= state.keep(wire);
         }
+        log.write();
     }
 
     /// Record a refusal and count it in the metrics: the one place a refusal is booked.
@@ -431,79 +763,121 @@ impl Audit {
 
     /// Records written to memory only because the writer queue was full.
     pub fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.state.lock().dropped
     }
 
     /// Matching records, oldest first (the newest `limit` of them), and the last seq.
+    /// Aggregates of intervals that have ended are closed first.
     pub fn query(&self, q: &Query) -> (Vec<AuditRecord>, u64) {
-        let ring = self.ring.lock();
-        let matching: Vec<&AuditRecord> = ring
-            .records
-            .iter()
+        self.query_at(q, SystemTime::now())
+    }
+
+    fn query_at(&self, q: &Query, now: SystemTime) -> (Vec<AuditRecord>, u64) {
+        let mut log = Log::default();
+        let mut state = self.state.lock();
+        state.flush_due(unix(now), &mut log);
+        let matching: Vec<&AuditRecord> = state
+            .rings
+            .merged()
+            .into_iter()
             .filter(|r| q.since.is_none_or(|t| r.time >= t))
             .filter(|r| q.reason.as_deref().is_none_or(|reason| r.reason == reason))
             .filter(|r| q.after_seq.is_none_or(|s| r.seq > s))
             .collect();
         let skip = matching.len().saturating_sub(q.limit);
         let out = matching.into_iter().skip(skip).cloned().collect();
-        (out, ring.next_seq - 1)
+        let last = state.next_seq - 1;
+        drop(state);
+        log.write();
+        (out, last)
     }
 
-    /// Refusals within the last hour of `now`, by reason.
+    /// Refusals within the last hour of `now` (the current minute and the 59 before it),
+    /// by reason, from counters that folding and retention never reduce.
     pub fn last_hour(&self, now: SystemTime) -> BTreeMap<String, u64> {
-        let cutoff = now
-            .checked_sub(WINDOW)
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_secs());
-        let ring = self.ring.lock();
-        let mut out = BTreeMap::new();
-        for r in ring
-            .records
-            .iter()
-            .rev()
-            .take_while(|r| r.time >= cutoff)
-            .filter(|r| r.grant.is_none())
-        {
-            *out.entry(r.reason.clone()).or_insert(0) += 1;
-        }
-        out
+        self.state.lock().recent.last_hour(unix(now))
     }
 
-    /// Flush and stop the writer; later records stay in memory only.
+    /// Write out every open aggregate, flush and stop the writer; later records stay in
+    /// memory only.
     pub fn close(&self) {
-        let writer = self.writer.lock().take();
-        if let Some((tx, thread)) = writer {
-            drop(tx);
+        let mut log = Log::default();
+        {
+            let mut state = self.state.lock();
+            let open = state.fold.drain();
+            state.aggregates(open, &mut log);
+            // Dropping the queue's only sender ends the writer once it has written the rest.
+            state.tx = None;
+        }
+        log.write();
+        if let Some(thread) = self.writer.lock().take() {
             let _ = thread.join();
         }
     }
 }
 
-/// The writer thread: append lines, flush per batch, compact past twice [`KEEP`].
-fn writer(path: PathBuf, file: std::fs::File, rx: Receiver<AuditRecord>, mut lines: usize) {
+impl Drop for Audit {
+    fn drop(&mut self) {
+        // The writer thread ends once the queue has no sender.
+        self.state.lock().tx = None;
+    }
+}
+
+/// The writer thread: append lines, flush per batch, close ended aggregation intervals
+/// every [`INTERVAL_SECS`] even when no refusal comes, and compact the file to the kept
+/// records once it holds more than twice as many lines (and at least `2 * KEEP`).
+fn writer(
+    path: PathBuf,
+    file: std::fs::File,
+    rx: Receiver<AuditRecord>,
+    state: Arc<Mutex<State>>,
+    mut tails: Rings,
+    mut lines: usize,
+) {
+    let tick = Duration::from_secs(INTERVAL_SECS);
     let mut out = BufWriter::new(file);
-    let mut tail: VecDeque<AuditRecord> = VecDeque::new();
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        batch.extend(rx.try_iter());
+    let mut failing = false;
+    loop {
+        let batch: Vec<AuditRecord> = match rx.recv_timeout(tick) {
+            Ok(first) => std::iter::once(first).chain(rx.try_iter()).collect(),
+            Err(RecvTimeoutError::Timeout) => {
+                // Ended intervals nobody asked about are closed here, so their aggregates
+                // (and summary lines) appear within about one interval; they arrive
+                // through the queue like every other record.
+                let mut log = Log::default();
+                state.lock().flush_due(unix(SystemTime::now()), &mut log);
+                log.write();
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         for record in batch {
             if let Ok(line) = serde_json::to_string(&record) {
                 let _ = writeln!(out, "{line}");
                 lines += 1;
             }
-            if tail.len() == KEEP {
-                tail.pop_front();
+            tails.push(record);
+        }
+        match out.flush() {
+            Err(e) if !failing => {
+                failing = true;
+                tracing::error!(error = %e, path = %path.display(), "cannot write the audit store; records are kept in memory until it works again");
             }
-            tail.push_back(record);
+            Err(_) => {}
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!(path = %path.display(), "the audit store is written again");
+            }
+            Ok(()) => {}
         }
-        if let Err(e) = out.flush() {
-            tracing::error!(error = %e, path = %path.display(), "cannot write the audit store");
-        }
-        if lines > 2 * KEEP && tail.len() == KEEP && write_atomically(&path, &tail).is_ok() {
+        if lines >= 2 * KEEP
+            && lines > 2 * tails.len()
+            && write_atomically(&path, &tails.merged()).is_ok()
+        {
             match std::fs::OpenOptions::new().append(true).open(&path) {
                 Ok(file) => {
                     out = BufWriter::new(file);
-                    lines = KEEP;
+                    lines = tails.len();
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "cannot reopen the audit store after compaction")
@@ -514,17 +888,26 @@ fn writer(path: PathBuf, file: std::fs::File, rx: Receiver<AuditRecord>, mut lin
     let _ = out.flush();
 }
 
-/// Replace `path` with `records`: temp file, fsync, rename, fsync the directory.
-fn write_atomically(path: &Path, records: &VecDeque<AuditRecord>) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+/// Replace `path` with `records`: temp file, fsync, rename, fsync the directory. A
+/// failure (a full disk) leaves `path` as it was and no temp file behind.
+fn write_atomically(path: &Path, records: &[&AuditRecord]) -> std::io::Result<()> {
     let tmp = path.with_extension("jsonl.tmp");
+    let written = replace(path, &tmp, records);
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+fn replace(path: &Path, tmp: &Path, records: &[&AuditRecord]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
     {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(true)
             .write(true)
             .mode(0o600)
-            .open(&tmp)?;
+            .open(tmp)?;
         let mut out = BufWriter::new(file);
         for r in records {
             serde_json::to_writer(&mut out, r)?;
@@ -532,7 +915,7 @@ fn write_atomically(path: &Path, records: &VecDeque<AuditRecord>) -> std::io::Re
         }
         out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     }
-    std::fs::rename(&tmp, path)?;
+    std::fs::rename(tmp, path)?;
     std::fs::File::open(dir)?.sync_all()
 }
 
@@ -571,6 +954,22 @@ mod tests {
         let carriers: std::collections::HashSet<_> =
             Carrier::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(carriers.len(), Carrier::ALL.len());
+        for (i, reason) in Reason::ALL.into_iter().enumerate() {
+            assert_eq!(reason.index(), i, "{reason:?}");
+            assert_eq!(Reason::parse(reason.as_str()), Some(reason));
+        }
+        for event in GrantEvent::ALL {
+            assert_eq!(Reason::parse(event.as_str()), None, "{event:?}");
+        }
+    }
+
+    /// A time after the store's creation, so intervals only move forward in a test.
+    fn base() -> u64 {
+        unix(SystemTime::now()) + 100
+    }
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
     }
 
     fn rec(time: SystemTime, reason: Reason) -> Record {
@@ -583,58 +982,273 @@ mod tests {
         }
     }
 
+    fn all(audit: &Audit, now: u64) -> Vec<AuditRecord> {
+        let q = Query {
+            limit: usize::MAX,
+            ..Query::default()
+        };
+        audit.query_at(&q, at(now)).0
+    }
+
+    /// Refusals the records stand for, by reason.
+    fn totals(records: &[AuditRecord]) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for r in records.iter().filter(|r| is_refusal(r)) {
+            *out.entry(r.reason.clone()).or_insert(0) += r.events();
+        }
+        out
+    }
+
     #[test]
-    fn last_hour_counts_recent_records() {
+    fn last_hour_counts_recent_refusals() {
         let audit = Audit::new();
-        let now = SystemTime::now();
-        audit.record(rec(now - Duration::from_secs(7200), Reason::BadBearer));
-        audit.record(rec(now - Duration::from_secs(10), Reason::BadBearer));
-        audit.record(rec(now, Reason::WrongHost));
-        let counts = audit.last_hour(now);
-        assert_eq!(counts.get("bad-bearer"), Some(&1));
-        assert_eq!(counts.get("wrong-host"), Some(&1));
+        let now = base();
+        audit.record(rec(at(now - 7200), Reason::BadBearer));
+        audit.record(rec(at(now - 3540), Reason::BadBearer));
+        audit.record(rec(at(now - 10), Reason::BadBearer));
+        audit.record(rec(at(now), Reason::WrongHost));
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        let counts = audit.last_hour(at(now));
+        assert_eq!(
+            counts,
+            BTreeMap::from([("bad-bearer".into(), 2), ("wrong-host".into(), 1)])
+        );
+        // An hour later, only what happened since.
+        assert!(audit.last_hour(at(now + 3600)).is_empty());
+    }
+
+    #[test]
+    fn up_to_the_rate_each_refusal_is_a_record_past_it_they_are_counted() {
+        let audit = Audit::new();
+        let t = base();
+        let flood = 5_000;
+        for _ in 0..flood {
+            audit.record(rec(at(t), Reason::BadBearer));
+        }
+        for _ in 0..3 {
+            audit.record(rec(at(t), Reason::WrongHost));
+        }
+        // Inside the interval: only the records of their own.
+        let during = all(&audit, t);
+        assert_eq!(during.len(), PER_KEY as usize + 3, "{during:?}");
+        assert!(during.iter().all(|r| r.count.is_none()));
+        // Once it has ended, one aggregate carries the rest.
+        let after = all(&audit, t + 1);
+        assert_eq!(after.len(), PER_KEY as usize + 4, "{after:?}");
+        let aggregate = after.last().unwrap();
+        assert_eq!(
+            (
+                aggregate.reason.as_str(),
+                aggregate.time,
+                aggregate.count,
+                aggregate.carrier.as_str()
+            ),
+            (
+                "bad-bearer",
+                t,
+                Some(flood - u64::from(PER_KEY)),
+                "loopback"
+            )
+        );
+        assert_eq!(
+            totals(&after),
+            BTreeMap::from([("bad-bearer".into(), flood), ("wrong-host".into(), 3)])
+        );
+        // Asking again changes nothing; a new interval has a fresh allowance.
+        assert_eq!(all(&audit, t + 5), after);
+        audit.record(rec(at(t + 5), Reason::BadBearer));
+        let later = all(&audit, t + 5);
+        assert_eq!(later.len(), after.len() + 1);
+        assert_eq!(later.last().unwrap().count, None);
+        // The status counters saw every one.
+        assert_eq!(
+            audit.last_hour(at(t + 5)),
+            BTreeMap::from([("bad-bearer".into(), flood + 1), ("wrong-host".into(), 3)])
+        );
+    }
+
+    #[test]
+    fn folded_refusals_are_grouped_and_a_single_one_is_a_plain_record() {
+        let audit = Audit::new();
+        let t = base();
+        for _ in 0..PER_KEY {
+            audit.record(rec(at(t), Reason::Malformed));
+        }
+        // Past the allowance: one more, three throttled, two from a public address.
+        audit.record(rec(at(t), Reason::Malformed));
+        for _ in 0..3 {
+            audit.record(Record {
+                throttled: true,
+                ..rec(at(t), Reason::Malformed)
+            });
+        }
+        for _ in 0..2 {
+            audit.record(Record {
+                address_class: AddressClass::Public,
+                ..rec(at(t), Reason::Malformed)
+            });
+        }
+        // A later refusal closes the interval without a query.
+        audit.record(rec(at(t + 1), Reason::Expired));
+        let records = all(&audit, t + 1);
+        let folded: Vec<_> = records[PER_KEY as usize..].iter().collect();
+        let shape: Vec<_> = folded
+            .iter()
+            .map(|r| {
+                (
+                    r.carrier.as_str(),
+                    r.reason.as_str(),
+                    r.throttled,
+                    r.address_class.as_str(),
+                    r.count,
+                    r.time,
+                )
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                ("loopback", "malformed", false, "loopback", None, t),
+                ("loopback", "malformed", false, "public", Some(2), t),
+                ("loopback", "malformed", true, "loopback", Some(3), t),
+                ("loopback", "expired", false, "loopback", None, t + 1),
+            ],
+            "{records:#?}"
+        );
+        // Seq numbers keep increasing through aggregates.
+        assert!(records.windows(2).all(|w| w[0].seq < w[1].seq));
+    }
+
+    #[test]
+    fn the_allowance_is_per_carrier_and_reason_and_capped_in_all() {
+        let audit = Audit::new();
+        let t = base();
+        // Every reason on every carrier, past both rates at once.
+        for carrier in Carrier::ALL {
+            for reason in Reason::ALL {
+                for _ in 0..PER_KEY + 5 {
+                    audit.record(Record {
+                        carrier,
+                        ..rec(at(t), reason)
+                    });
+                }
+            }
+        }
+        let during = all(&audit, t);
+        assert_eq!(during.len(), PER_INTERVAL as usize);
+        let mut per_key: BTreeMap<(String, String), u32> = BTreeMap::new();
+        for r in &during {
+            *per_key
+                .entry((r.carrier.clone(), r.reason.clone()))
+                .or_default() += 1;
+        }
+        assert!(per_key.values().all(|n| *n <= PER_KEY), "{per_key:?}");
+        let after = all(&audit, t + 1);
+        let keys = Carrier::ALL.len() * Reason::ALL.len();
+        let sum: u64 = after.iter().map(AuditRecord::events).sum();
+        assert_eq!(sum, u64::from(PER_KEY + 5) * keys as u64);
+        assert_eq!(
+            after.len(),
+            PER_INTERVAL as usize + keys,
+            "one more record per (carrier, reason), for what was counted"
+        );
+    }
+
+    /// `PER_INTERVAL` refusals with records of their own in each of `seconds` seconds
+    /// from `t`, spread over five reasons.
+    fn flood(audit: &Audit, t: u64, seconds: u64) -> u64 {
+        let reasons = [
+            Reason::BadBearer,
+            Reason::WrongHost,
+            Reason::WrongOrigin,
+            Reason::WrongPath,
+            Reason::MissingToken,
+        ];
+        for s in 0..seconds {
+            for i in 0..PER_INTERVAL {
+                audit.record(rec(at(t + s), reasons[i as usize % reasons.len()]));
+            }
+        }
+        seconds * u64::from(PER_INTERVAL)
+    }
+
+    #[test]
+    fn refusals_never_evict_grant_events_and_status_counts_survive_eviction() {
+        let audit = Audit::new();
+        let t = base();
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
+        audit.grant(GrantEvent::Approved, 7, "bearer:ci", "local:0");
+        let n = flood(&audit, t, 3 * KEEP as u64 / u64::from(PER_INTERVAL));
+        let records = all(&audit, t + 3600);
+        assert_eq!(records.len(), KEEP + 2, "each ring holds its own KEEP");
+        let events: Vec<&str> = records
+            .iter()
+            .filter(|r| r.grant.is_some())
+            .map(|r| r.reason.as_str())
+            .collect();
+        assert_eq!(events, ["grant-requested", "grant-approved"]);
+        // The oldest refusals are gone from the records, not from the counters.
+        let now = t + 3 * KEEP as u64 / u64::from(PER_INTERVAL);
+        assert_eq!(audit.last_hour(at(now)).values().sum::<u64>(), n);
+        // And events have their own bound.
+        for i in 0..KEEP + 5 {
+            audit.grant(GrantEvent::Denied, i as i64, "local:1", "local:0");
+        }
+        let records = all(&audit, now);
+        assert_eq!(records.iter().filter(|r| is_refusal(r)).count(), KEEP);
+        assert_eq!(records.iter().filter(|r| !is_refusal(r)).count(), KEEP);
     }
 
     #[test]
     fn queries_filter_and_limit() {
         let audit = Audit::new();
-        let now = SystemTime::now();
+        let now = base() + 100;
         for i in 0..5 {
-            audit.record(rec(now - Duration::from_secs(100 - i), Reason::BadBearer));
+            audit.record(rec(at(now - 100 + i), Reason::BadBearer));
         }
-        audit.record(rec(now, Reason::WrongHost));
-        let all = |q: Query| audit.query(&Query { limit: 1000, ..q });
-        let (records, last) = all(Query::default());
-        assert_eq!((records.len(), last), (6, 6));
+        audit.record(rec(at(now), Reason::WrongHost));
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        let q = |q: Query| audit.query_at(&Query { limit: 1000, ..q }, at(now));
+        let (records, last) = q(Query::default());
+        assert_eq!((records.len(), last), (7, 7));
         assert_eq!(
             records.iter().map(|r| r.seq).collect::<Vec<_>>(),
-            [1, 2, 3, 4, 5, 6]
+            [1, 2, 3, 4, 5, 6, 7]
         );
-        let (records, _) = all(Query {
+        let (records, _) = q(Query {
             reason: Some("wrong-host".into()),
             ..Query::default()
         });
         assert_eq!(records.len(), 1);
-        let (records, _) = all(Query {
+        let (records, _) = q(Query {
             after_seq: Some(4),
             ..Query::default()
         });
-        assert_eq!(records.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6]);
-        let since = now.duration_since(UNIX_EPOCH).unwrap().as_secs() - 97;
-        let (records, _) = all(Query {
-            since: Some(since),
+        assert_eq!(records.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 6, 7]);
+        let (records, _) = q(Query {
+            since: Some(now - 97),
             ..Query::default()
         });
         assert_eq!(records.first().map(|r| r.seq), Some(4));
-        let (records, _) = audit.query(&Query {
-            limit: 2,
-            ..Query::default()
-        });
+        let (records, _) = audit.query_at(
+            &Query {
+                limit: 2,
+                ..Query::default()
+            },
+            at(now),
+        );
         assert_eq!(
             records.iter().map(|r| r.seq).collect::<Vec<_>>(),
-            [5, 6],
+            [6, 7],
             "the newest ones"
         );
+    }
+
+    fn file_records(dir: &Path) -> Vec<AuditRecord> {
+        let text = std::fs::read_to_string(dir.join(FILE_NAME)).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
     }
 
     #[test]
@@ -670,6 +1284,9 @@ mod tests {
             ["expired", "wrong-origin"]
         );
         assert_eq!(last, 2);
+        // The counters behind `status` are read back too.
+        let counts = reopened.last_hour(SystemTime::now());
+        assert_eq!(counts.values().sum::<u64>(), 2, "{counts:?}");
         reopened.record(rec(SystemTime::now(), Reason::BadBearer));
         reopened.close();
         let text = std::fs::read_to_string(&path).unwrap();
@@ -679,5 +1296,123 @@ mod tests {
             text.lines()
                 .all(|l| serde_json::from_str::<AuditRecord>(l).is_ok())
         );
+    }
+
+    #[test]
+    fn the_file_is_compacted_per_class() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        let file = std::fs::File::create(&path).unwrap();
+        let state = Audit::new().state.clone();
+        // The writer as the store runs it, fed without ever dropping a record.
+        let (tx, rx) = std::sync::mpsc::sync_channel(16);
+        let thread = std::thread::spawn({
+            let path = path.clone();
+            move || writer(path, file, rx, state, Rings::default(), 0)
+        });
+        let wire = |seq: u64, reason: &str| AuditRecord {
+            seq,
+            time: 1,
+            carrier: "loopback".into(),
+            reason: reason.into(),
+            throttled: false,
+            address_class: "loopback".into(),
+            grant: None,
+            count: None,
+        };
+        tx.send(wire(1, "grant-requested")).unwrap();
+        let last = 6 * KEEP as u64 + 1;
+        let mut longest = 0;
+        for seq in 2..=last {
+            tx.send(wire(seq, "bad-bearer")).unwrap();
+            if seq % 997 == 0 {
+                longest = longest.max(std::fs::read(&path).unwrap().len());
+            }
+        }
+        tx.send(wire(last + 1, "grant-approved")).unwrap();
+        drop(tx);
+        thread.join().unwrap();
+        let records = file_records(dir.path());
+        assert!(records.len() <= 2 * KEEP + 4, "{} lines", records.len());
+        let line = serde_json::to_string(&wire(last, "bad-bearer"))
+            .unwrap()
+            .len()
+            + 1;
+        assert!(
+            longest <= (2 * KEEP + 4) * line,
+            "the file grew to {longest} bytes"
+        );
+        let refusals: Vec<u64> = records
+            .iter()
+            .filter(|r| is_refusal(r))
+            .map(|r| r.seq)
+            .collect();
+        assert!(refusals.len() >= KEEP, "{}", refusals.len());
+        assert_eq!(refusals.last(), Some(&last));
+        let events: Vec<&str> = records
+            .iter()
+            .filter(|r| !is_refusal(r))
+            .map(|r| r.reason.as_str())
+            .collect();
+        assert_eq!(events, ["grant-requested", "grant-approved"]);
+    }
+
+    #[test]
+    fn a_flood_is_persisted_in_a_few_records_that_add_up() {
+        let t = base();
+        let dir = tempfile::tempdir().unwrap();
+        let audit = Audit::open(dir.path()).unwrap();
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
+        for s in 0..3 {
+            for _ in 0..7_000 {
+                audit.record(rec(at(t + s), Reason::WrongHost));
+            }
+        }
+        // The last interval is still open at close; closing writes its aggregate.
+        audit.close();
+        assert_eq!(audit.dropped(), 0);
+        let records = file_records(dir.path());
+        assert_eq!(records.len(), 1 + 3 * (PER_KEY as usize + 1), "{records:?}");
+        assert_eq!(
+            totals(&records),
+            BTreeMap::from([("wrong-host".into(), 21_000)])
+        );
+        assert_eq!(records[0].reason, "grant-requested");
+    }
+
+    #[test]
+    fn a_file_out_of_order_is_read_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = |seq: u64, reason: &str| {
+            format!(
+                r#"{{"seq":{seq},"time":1,"carrier":"loopback","reason":"{reason}","throttled":false,"address_class":"loopback"}}"#
+            )
+        };
+        let text = [
+            line(5, "bad-bearer"),
+            line(2, "wrong-host"),
+            line(9, "grant-denied"),
+            line(5, "bad-bearer"),
+        ]
+        .join("\n");
+        std::fs::write(dir.path().join(FILE_NAME), text + "\n").unwrap();
+        let audit = Audit::open(dir.path()).unwrap();
+        let (records, last) = audit.query(&Query {
+            limit: 100,
+            ..Query::default()
+        });
+        assert_eq!(records.iter().map(|r| r.seq).collect::<Vec<_>>(), [2, 5, 9]);
+        assert_eq!(last, 9);
+        audit.record(rec(SystemTime::now(), Reason::Expired));
+        assert_eq!(
+            audit
+                .query(&Query {
+                    limit: 100,
+                    ..Query::default()
+                })
+                .1,
+            10
+        );
+        audit.close();
     }
 }

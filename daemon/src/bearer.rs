@@ -4,6 +4,11 @@
 //! trusted owner can fetch it over the control socket. Extra bearers are shown once at
 //! minting and then kept only as a SHA-256 digest. Nothing here logs, formats or returns
 //! a secret except [`BearerStore::host_secret`] and the minting calls.
+//!
+//! A caller-given lifetime meets the clock here, so arithmetic is checked: the lint below
+//! refuses any operator that could overflow or panic.
+
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -18,6 +23,10 @@ pub const HOST_LABEL: &str = "default";
 pub const MAX_BEARERS: usize = 256;
 /// Longest label.
 pub const MAX_LABEL_LEN: usize = 64;
+/// Longest lifetime of an extra bearer, in days; the shortest is one second.
+pub const MAX_TTL_DAYS: u64 = 365;
+/// [`MAX_TTL_DAYS`] as a duration.
+pub const MAX_TTL: Duration = Duration::from_secs(MAX_TTL_DAYS * 24 * 3600);
 
 /// A bearer secret in memory. `Debug` is redacted; the bytes are wiped on drop.
 pub struct Secret(String);
@@ -79,6 +88,8 @@ pub enum BearerError {
     Reserved,
     #[error("too many bearers ({MAX_BEARERS}); revoke some first")]
     Full,
+    #[error("a bearer's ttl must be between 1s and {MAX_TTL_DAYS}d")]
+    BadTtl,
 }
 
 /// The live bearers of one attach.
@@ -157,6 +168,13 @@ impl BearerStore {
             return Err(BearerError::Reserved);
         }
         let now = SystemTime::now();
+        let expires = match ttl {
+            None => None,
+            Some(ttl) if ttl < Duration::from_secs(1) || ttl > MAX_TTL => {
+                return Err(BearerError::BadTtl);
+            }
+            Some(ttl) => Some(now.checked_add(ttl).ok_or(BearerError::BadTtl)?),
+        };
         let mut entries = self.entries.lock();
         entries.retain(|e| e.expires.is_none_or(|t| t > now));
         if entries.iter().any(|e| e.label == label) {
@@ -166,7 +184,6 @@ impl BearerStore {
             return Err(BearerError::Full);
         }
         let secret = Secret::mint();
-        let expires = ttl.map(|ttl| now + ttl);
         entries.push(Entry {
             label: label.to_owned(),
             digest: digest(secret.expose()),
@@ -237,6 +254,10 @@ pub fn unix_secs(t: SystemTime) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "tests step clocks by known amounts"
+)]
 mod tests {
     use super::*;
 
@@ -292,6 +313,42 @@ mod tests {
             store.issue("a b", None),
             Err(BearerError::BadLabel(_))
         ));
+    }
+
+    #[test]
+    fn ttls_are_checked_at_both_edges() {
+        let store = BearerStore::new();
+        for bad in [
+            Duration::ZERO,
+            Duration::from_millis(999),
+            MAX_TTL + Duration::from_secs(1),
+            // 300000000000 years: past what a SystemTime can hold.
+            Duration::from_secs(300_000_000_000 * 31_557_600),
+            Duration::MAX,
+        ] {
+            assert_eq!(
+                store.issue("edge", Some(bad)).unwrap_err(),
+                BearerError::BadTtl,
+                "{bad:?}"
+            );
+        }
+        assert_eq!(store.len(), 1, "a refused issue leaves nothing behind");
+        let before = SystemTime::now();
+        let (_, one) = store.issue("short", Some(Duration::from_secs(1))).unwrap();
+        let one = one.unwrap();
+        assert!(
+            one >= before + Duration::from_secs(1)
+                && one <= SystemTime::now() + Duration::from_secs(1)
+        );
+        let (_, max) = store.issue("long", Some(MAX_TTL)).unwrap();
+        assert!(max.unwrap() >= before + MAX_TTL);
+        assert!(
+            BearerError::BadTtl
+                .to_string()
+                .ends_with("between 1s and 365d"),
+            "{}",
+            BearerError::BadTtl
+        );
     }
 
     #[test]

@@ -385,7 +385,9 @@ impl Core {
                 BearerError::Exists(_) => ErrorCode::Conflict,
                 BearerError::NotFound(_) => ErrorCode::NotFound,
                 BearerError::Full => ErrorCode::Unavailable,
-                BearerError::BadLabel(_) | BearerError::Reserved => ErrorCode::BadRequest,
+                BearerError::BadLabel(_) | BearerError::Reserved | BearerError::BadTtl => {
+                    ErrorCode::BadRequest
+                }
             };
             Response::error(code, e.to_string())
         };

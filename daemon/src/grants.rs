@@ -6,6 +6,11 @@
 //! operator decides with `robota-mcpctl grants approve|deny|revoke`. A grant is bound to
 //! the caller identity that asked, lives in the store (it survives restarts), expires, and
 //! is checked on every call it covers. Every request and decision is an audit record.
+//!
+//! Caller- and operator-given durations meet the clock here, so arithmetic is checked:
+//! the lint below refuses any operator that could overflow or panic.
+
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,6 +127,23 @@ impl Grants {
         self.limits.max_duration
     }
 
+    /// When a grant of `duration` starting at `now` ends: `None` unless the duration is
+    /// whole seconds from 1s to the configured maximum and the end is representable.
+    fn expiry(&self, now: i64, duration: Duration) -> Option<i64> {
+        let secs = duration.as_secs();
+        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.limits.max_duration {
+            return None;
+        }
+        now.checked_add(i64::try_from(secs).ok()?)
+    }
+
+    fn duration_bounds(&self) -> String {
+        format!(
+            "duration must be whole seconds between 1s and {}",
+            humantime::format_duration(self.limits.max_duration)
+        )
+    }
+
     fn event(&self, event: GrantEvent, grant: &Grant, by: &str) {
         self.metrics.grant_event(event);
         self.audit.grant(event, grant.grant_id, &grant.caller, by);
@@ -158,14 +180,11 @@ impl Grants {
                 "scope entry {bad:?} is not a tool pattern"
             )));
         }
-        if duration.is_zero() || duration > self.limits.max_duration {
-            return Err(invalid(format!(
-                "duration must be between 1s and {}",
-                humantime::format_duration(self.limits.max_duration)
-            )));
+        let now = now();
+        if self.expiry(now, duration).is_none() {
+            return Err(invalid(self.duration_bounds()));
         }
         let caller_text = caller.to_string();
-        let now = now();
         let scope_json = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
         let max_pending = self.limits.max_pending;
         let id = self
@@ -181,7 +200,7 @@ impl Grants {
                 // operator's list or the audit trail.
                 let recent: usize = tx.query_row(
                     "SELECT COUNT(*) FROM grants WHERE caller = ?1 AND requested_at > ?2",
-                    params![caller_text, now - 3600],
+                    params![caller_text, now.saturating_sub(3600)],
                     |r| r.get(0),
                 )?;
                 if pending >= max_pending || recent >= REQUESTS_PER_HOUR {
@@ -309,14 +328,10 @@ impl Grants {
     ) -> Result<Grant, DecideError> {
         let pending = self.get(id)?.ok_or(DecideError::NotFound(id))?;
         let duration = duration.unwrap_or(Duration::from_secs(pending.duration_secs));
-        if duration.is_zero() || duration > self.limits.max_duration {
-            return Err(DecideError::BadDuration(format!(
-                "duration must be between 1s and {}",
-                humantime::format_duration(self.limits.max_duration)
-            )));
-        }
         let now = now();
-        let expires = now + i64::try_from(duration.as_secs()).unwrap_or(i64::MAX / 2);
+        let Some(expires) = self.expiry(now, duration) else {
+            return Err(DecideError::BadDuration(self.duration_bounds()));
+        };
         let grant = self.transition(id, &[GrantState::Pending], "pending", |tx| {
             tx.execute(
                 "UPDATE grants SET state = 'approved', decided_at = ?2, decided_by = ?3, \
@@ -375,6 +390,10 @@ impl Grants {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::arithmetic_side_effects,
+    reason = "tests step clocks by known amounts"
+)]
 mod tests {
     use super::*;
 
@@ -490,6 +509,101 @@ mod tests {
             .request(&other, GrantKind::Elevation, "r", vec!["x".into()], d)
             .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::Busy);
+    }
+
+    #[test]
+    fn durations_are_checked_at_both_edges() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let max = PermissionsTool::default().max_duration;
+        let c = Caller::Local(7);
+        let ask = |d: Duration| g.request(&c, GrantKind::Elevation, "r", vec!["x".into()], d);
+        for bad in [
+            Duration::ZERO,
+            Duration::from_millis(500),
+            Duration::from_millis(1500),
+            max + Duration::from_secs(1),
+            Duration::from_secs(u64::MAX),
+        ] {
+            let err = ask(bad).unwrap_err();
+            assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad:?}");
+            assert!(
+                err.message.contains("between 1s and 1day"),
+                "{}",
+                err.message
+            );
+        }
+        let one = ask(Duration::from_secs(1)).unwrap();
+        let top = ask(max).unwrap();
+        // Approval: the caller's duration, or the operator's, under the same bounds.
+        for bad in [
+            Duration::ZERO,
+            max + Duration::from_secs(1),
+            Duration::from_secs(300_000_000_000 * 31_557_600),
+            Duration::from_secs(u64::MAX),
+        ] {
+            assert!(
+                matches!(
+                    g.approve(one.grant_id, "local:0", Some(bad)),
+                    Err(DecideError::BadDuration(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            g.get(one.grant_id).unwrap().unwrap().state,
+            GrantState::Pending
+        );
+        let approved = g.approve(top.grant_id, "local:0", None).unwrap();
+        let (decided, expires) = (approved.decided_at.unwrap(), approved.expires_at.unwrap());
+        assert_eq!(expires - decided, i64::try_from(max.as_secs()).unwrap());
+        let approved = g
+            .approve(one.grant_id, "local:0", Some(Duration::from_secs(1)))
+            .unwrap();
+        assert_eq!(
+            approved.expires_at.unwrap() - approved.decided_at.unwrap(),
+            1
+        );
+    }
+
+    #[test]
+    fn an_unbounded_maximum_cannot_overflow_the_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = Grants::new(
+            Arc::new(Store::open(dir.path()).unwrap()),
+            Arc::new(Audit::new()),
+            Metrics::new(),
+            PermissionsTool {
+                max_duration: Duration::MAX,
+                ..PermissionsTool::default()
+            },
+        );
+        let c = Caller::Local(7);
+        let huge = Duration::from_secs(u64::MAX);
+        let err = g
+            .request(&c, GrantKind::Elevation, "r", vec!["x".into()], huge)
+            .unwrap_err();
+        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+        let near = Duration::from_secs(u64::try_from(i64::MAX).unwrap() - 10);
+        assert_eq!(
+            g.request(&c, GrantKind::Elevation, "r", vec!["x".into()], near)
+                .unwrap_err()
+                .code,
+            ToolErrorCode::InvalidArguments
+        );
+        let ok = g
+            .request(
+                &c,
+                GrantKind::Elevation,
+                "r",
+                vec!["x".into()],
+                Duration::from_secs(60),
+            )
+            .unwrap();
+        assert!(matches!(
+            g.approve(ok.grant_id, "local:0", Some(near)),
+            Err(DecideError::BadDuration(_))
+        ));
     }
 
     #[test]

@@ -10,6 +10,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod json;
+
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -42,8 +44,12 @@ impl Request {
     }
 
     /// Strictly decode one frame: a JSON object whose `v` is [`PROTOCOL_VERSION`], a known
-    /// `cmd`, and no field the command does not define.
+    /// `cmd`, no field the command does not define, and no key twice anywhere.
     pub fn decode(frame: &[u8]) -> Result<Request, (ErrorCode, String)> {
+        json::reject_duplicate_keys(frame).map_err(|e| match e {
+            json::JsonError::Syntax(_) => (ErrorCode::BadRequest, e.to_string()),
+            _ => (ErrorCode::BadRequest, format!("bad request: {e}")),
+        })?;
         let value: serde_json::Value = serde_json::from_slice(frame)
             .map_err(|e| (ErrorCode::BadRequest, format!("not JSON: {e}")))?;
         let Some(v) = value.get("v").and_then(serde_json::Value::as_u64) else {
@@ -426,6 +432,19 @@ pub struct AuditRecord {
     /// Grant events only: which grant, whose, and who acted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant: Option<GrantRef>,
+    /// Aggregates only: this record stands for `count` (2 or more) refusals with these
+    /// fields in the one-second interval starting at `time`, past the rate at which each
+    /// refusal gets a record of its own. Absent on every other record, which stands for
+    /// one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+}
+
+impl AuditRecord {
+    /// How many refusals or events this record stands for: `count`, else 1.
+    pub fn events(&self) -> u64 {
+        self.count.unwrap_or(1)
+    }
 }
 
 /// The grant an audit record is about.
@@ -627,6 +646,33 @@ mod tests {
         assert_eq!(code(r#"{"cmd":"status"}"#), Err(ErrorCode::BadRequest));
         assert_eq!(code("[1]"), Err(ErrorCode::BadRequest));
         assert_eq!(code("not json"), Err(ErrorCode::BadRequest));
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused_whichever_comes_last() {
+        for frame in [
+            r#"{"v":1,"cmd":"status","cmd":"stop"}"#,
+            r#"{"v":1,"cmd":"stop","cmd":"status"}"#,
+            r#"{"v":1,"v":1,"cmd":"status"}"#,
+            r#"{"v":1,"cmd":"bearer-revoke","label":"a","label":"b"}"#,
+            r#"{"v":1,"cmd":"status","\u0063md":"stop"}"#,
+        ] {
+            let got = Request::decode(frame.as_bytes());
+            match got {
+                Err((ErrorCode::BadRequest, message)) => {
+                    assert!(
+                        message.starts_with("bad request: duplicate key"),
+                        "{message}"
+                    )
+                }
+                other => panic!("{frame} gave {other:?}"),
+            }
+        }
+        // Each key once still decodes.
+        assert_eq!(
+            Request::decode(br#"{"v":1,"cmd":"stop"}"#),
+            Ok(Request::new(Command::Stop))
+        );
     }
 
     #[test]

@@ -225,9 +225,16 @@ fn classify(values: &[Value]) -> Examples {
                 }
             }
         } else if value.get("seq").is_some() && value.get("reason").is_some() {
-            // `robota-mcpctl --json audit` output: one bare record per line.
-            serde_json::from_value::<robota_proto::AuditRecord>(value.clone()).unwrap_or_else(
-                |err| panic!("audit record example does not decode: {err}: {value}"),
+            // `robota-mcpctl --json audit` output: one bare record per line, each field
+            // one the record defines (it re-encodes to exactly the example).
+            let record = serde_json::from_value::<robota_proto::AuditRecord>(value.clone())
+                .unwrap_or_else(|err| {
+                    panic!("audit record example does not decode: {err}: {value}")
+                });
+            assert_eq!(
+                serde_json::to_value(&record).unwrap(),
+                *value,
+                "audit record example with fields the record does not have"
             );
         } else if value.get("kind").is_some() {
             // `robota-mcpctl --json` output: a bare reply object. With `--output` the bearer

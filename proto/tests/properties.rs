@@ -1,10 +1,13 @@
 //! Property tests for [`Request::decode`], the strict decoder of untrusted control frames:
 //! it never panics, what it accepts re-encodes to the same fields, it refuses fields a
-//! command does not define, and it answers `unsupported-version` for any other `v`.
+//! command does not define and keys given twice, and it answers `unsupported-version` for
+//! any other `v`. Also for [`json::reject_duplicate_keys`], which it uses: it accepts
+//! exactly the well-formed JSON without repeated keys and names where a repeat is.
 
 use proptest::collection::{btree_map, vec};
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
+use robota_proto::json::{self, JsonError};
 use robota_proto::{Command, ErrorCode, PROTOCOL_VERSION, Request};
 use serde_json::{Map, Value, json};
 
@@ -174,5 +177,145 @@ proptest! {
         frame["v"] = v.into();
         let got = Request::decode(frame.to_string().as_bytes());
         prop_assert!(matches!(got, Err((ErrorCode::UnsupportedVersion, _))), "{} gave {:?}", frame, got);
+    }
+}
+
+/// `key` as a JSON string literal, its first character written as a `\u` escape when
+/// `escape` is set (so the repeat differs in bytes but not in meaning).
+fn key_literal(key: &str, escape: bool) -> String {
+    let mut chars = key.chars();
+    match chars.next() {
+        Some(first) if escape && first.len_utf16() == 1 => {
+            let rest = serde_json::to_string(chars.as_str()).unwrap();
+            format!("\"\\u{:04x}{}", u32::from(first), &rest[1..])
+        }
+        _ => serde_json::to_string(key).unwrap(),
+    }
+}
+
+/// JSON text of `value` in which the `target`-th non-empty object (in document order)
+/// repeats its first key at its end with `extra` as the value. Returns the text and,
+/// when some object was the target, its JSON Pointer and the repeated key.
+fn with_repeat(
+    value: &Value,
+    target: usize,
+    extra: &Value,
+    escape: bool,
+) -> (String, Option<(String, String)>) {
+    struct Emitter<'a> {
+        seen: usize,
+        target: usize,
+        extra: &'a Value,
+        escape: bool,
+        out: String,
+        found: Option<(String, String)>,
+    }
+    impl Emitter<'_> {
+        fn emit(&mut self, v: &Value, pointer: &str) {
+            match v {
+                Value::Array(items) => {
+                    self.out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            self.out.push(',');
+                        }
+                        self.emit(item, &format!("{pointer}/{i}"));
+                    }
+                    self.out.push(']');
+                }
+                Value::Object(map) => {
+                    let mine = !map.is_empty() && self.seen == self.target;
+                    if !map.is_empty() {
+                        self.seen += 1;
+                    }
+                    self.out.push('{');
+                    for (i, (k, item)) in map.iter().enumerate() {
+                        if i > 0 {
+                            self.out.push(',');
+                        }
+                        self.out.push_str(&serde_json::to_string(k).unwrap());
+                        self.out.push(':');
+                        let escaped = k.replace('~', "~0").replace('/', "~1");
+                        self.emit(item, &format!("{pointer}/{escaped}"));
+                    }
+                    if mine {
+                        let (first, _) = map.iter().next().unwrap();
+                        self.out.push(',');
+                        self.out.push_str(&key_literal(first, self.escape));
+                        self.out.push(':');
+                        self.out.push_str(&self.extra.to_string());
+                        self.found = Some((pointer.to_owned(), first.clone()));
+                    }
+                    self.out.push('}');
+                }
+                leaf => self.out.push_str(&leaf.to_string()),
+            }
+        }
+    }
+    let mut e = Emitter {
+        seen: 0,
+        target,
+        extra,
+        escape,
+        out: String::new(),
+        found: None,
+    };
+    e.emit(value, "");
+    (e.out, e.found)
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// Arbitrary bytes never panic the check, and it accepts only what serde_json parses.
+    #[test]
+    fn the_check_accepts_only_json(bytes in vec(any::<u8>(), 0..256)) {
+        if json::reject_duplicate_keys(&bytes).is_ok() {
+            prop_assert!(serde_json::from_slice::<Value>(&bytes).is_ok());
+        }
+    }
+
+    /// Every JSON document serde_json writes (its objects cannot repeat a key) passes.
+    #[test]
+    fn documents_without_repeats_pass(value in json_value()) {
+        prop_assert_eq!(json::reject_duplicate_keys(value.to_string().as_bytes()), Ok(()));
+        prop_assert_eq!(json::reject_duplicate_keys(&serde_json::to_vec_pretty(&value).unwrap()), Ok(()));
+    }
+
+    /// A key repeated in any object, at any depth, written plainly or escaped, is refused
+    /// with that object's pointer and the key.
+    #[test]
+    fn a_repeat_anywhere_is_found(
+        value in json_value(),
+        target in 0usize..8,
+        extra in json_value(),
+        escape in any::<bool>(),
+    ) {
+        // Wrapped, so there is always an object to repeat a key in.
+        let value = json!({"a": value, "b/~": [value.clone()]});
+        let (text, expected) = with_repeat(&value, target, &extra, escape);
+        let got = json::reject_duplicate_keys(text.as_bytes());
+        match expected {
+            None => prop_assert_eq!(got, Ok(()), "{}", text),
+            Some((path, key)) => {
+                prop_assert_eq!(got, Err(JsonError::DuplicateKey { path, key }), "{}", text)
+            }
+        }
+    }
+
+    /// A request frame with any of its keys given twice is a bad request, whichever value
+    /// comes last.
+    #[test]
+    fn frames_with_a_repeated_key_are_refused(command in command(), pick in any::<prop::sample::Index>()) {
+        let frame = serde_json::to_value(Request::new(command)).unwrap();
+        let object = frame.as_object().unwrap();
+        let keys: Vec<&String> = object.keys().collect();
+        let key = keys[pick.index(keys.len())];
+        for repeat in [object[key].clone(), json!("stop"), json!(1)] {
+            let text = frame.to_string();
+            let text = format!("{},{}:{}}}", &text[..text.len() - 1], key_literal(key, false), repeat);
+            let got = Request::decode(text.as_bytes());
+            prop_assert!(matches!(&got, Err((ErrorCode::BadRequest, m)) if m.contains("duplicate key")), "{} gave {:?}", text, got);
+        }
     }
 }

@@ -377,12 +377,18 @@ pub fn parse_audit_lines(stdout: &str, what: &str) -> Vec<Value> {
 }
 
 /// Panics unless `v` has exactly the audit fields with the right types and closed-set
-/// values.
+/// values (plus `count`, of 2 or more, on an aggregate).
 pub fn check_audit_record(v: &Value, what: &str) {
     let obj = v
         .as_object()
         .unwrap_or_else(|| panic!("{what}: audit record is not an object: {v}"));
-    let keys: BTreeSet<&str> = obj.keys().map(String::as_str).collect();
+    let mut keys: BTreeSet<&str> = obj.keys().map(String::as_str).collect();
+    if keys.remove("count") {
+        assert!(
+            v["count"].as_u64().is_some_and(|n| n >= 2),
+            "{what}: count: {v}"
+        );
+    }
     let want: BTreeSet<&str> = AUDIT_FIELDS.into_iter().collect();
     assert_eq!(keys, want, "{what}: audit record fields: {v}");
     assert!(v["seq"].is_u64(), "{what}: seq: {v}");
@@ -403,6 +409,14 @@ pub fn check_audit_record(v: &Value, what: &str) {
         "{what}: address_class: {v}"
     );
     assert!(v["reason"].is_string(), "{what}: reason: {v}");
+}
+
+/// How many refusals the records stand for: an aggregate's `count`, else one each.
+pub fn refusal_total(records: &[Value]) -> u64 {
+    records
+        .iter()
+        .map(|r| r["count"].as_u64().unwrap_or(1))
+        .sum()
 }
 
 /// The largest `seq` in `records` (0 when empty).

@@ -348,3 +348,252 @@ async fn remote_refusals_are_audited_and_persist() {
     robota_e2e::assert_no_secrets(&d.secrets(), &text, "audit output");
     d.assert_no_secrets();
 }
+
+/// The daemon's per-interval rate of refusals with records of their own, per carrier and
+/// reason (`audit::PER_KEY`).
+const PER_KEY: u64 = 20;
+/// The longest line the daemon writes to stderr (`logging::MAX_LINE`).
+const MAX_LINE: usize = 4096;
+
+const GRANTS: &str = r#"
+[jobs.hello]
+argv = ["/bin/echo", "hello"]
+
+[[policy]]
+callers = ["bearer:*"]
+tools = ["job.start"]
+decision = "grant"
+"#;
+
+/// `robota_mcpd_refusals_total` for a loopback reason.
+fn refusals_metric(d: &Daemon, reason: &str) -> u64 {
+    let text = d.metrics_text().expect("metrics");
+    robota_e2e::metric_sum(
+        &text,
+        &[
+            "robota_mcpd_refusals_total",
+            "carrier=\"loopback\"",
+            &format!("reason=\"{reason}\""),
+        ],
+    ) as u64
+}
+
+/// The records of `audit.jsonl` as they are now.
+fn file_records(d: &Daemon) -> Vec<Value> {
+    std::fs::read_to_string(d.state_dir().join("audit.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// A flood of bad bearers from many connections: grant records made before survive, the
+/// log stays a few lines a second, the audit folds the flood into aggregates whose counts
+/// add up to the metric, and `status` counts every refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_bad_bearers_is_folded_and_adds_up() {
+    use robota_e2e::http::try_exchange;
+    use robota_e2e::mcp::McpClient;
+    use robota_e2e::remote::refusal_total;
+    use serde_json::json;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let d = Daemon::builder().extra(GRANTS).start();
+    let ci = McpClient::connect(&d, &d.bearer_labeled("ci")).await;
+    let request = ci
+        .call(
+            "permissions.request_elevation",
+            json!({"reason": "before the flood", "scope": ["job.start"]}),
+        )
+        .await
+        .ok("request_elevation");
+    let id = request["grant_id"].as_i64().expect("grant_id").to_string();
+    d.ctl_ok(&["grants", "approve", &id]);
+    ci.close().await;
+    let lines_before = d.stderr_text().lines().count();
+
+    // 32 connections at a time, for three seconds.
+    let addr = d.loopback_addr();
+    let sent = Arc::new(AtomicU64::new(0));
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let workers: Vec<_> = (0..32)
+        .map(|_| {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                let req = Request::mcp(addr.port(), Some(&"0".repeat(64)), &tools_list(1));
+                while std::time::Instant::now() < deadline {
+                    if let Ok(resp) = try_exchange(addr, &req).await {
+                        assert_eq!(resp.status, 401, "{}", resp.describe());
+                        sent.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.expect("a flood worker panicked");
+    }
+    let answered = sent.load(Ordering::Relaxed);
+    eprintln!("flood: {answered} refusals answered in 3 s from 32 connections");
+    let flood_secs = 3 + 2;
+    assert!(
+        answered > 3 * flood_secs * PER_KEY,
+        "the flood must exceed the rate to test it: {answered} refusals"
+    );
+
+    // Every refusal is counted; the audit's records add up to the same number once the
+    // last interval has closed (within about a second).
+    let total = refusals_metric(&d, "bad-bearer");
+    assert!(total >= answered, "{total} counted, {answered} answered");
+    let mut records = Vec::new();
+    let settled = poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
+        records = audit(&d, &["--reason", "bad-bearer"]);
+        refusal_total(&records) == total
+    })
+    .await;
+    assert!(
+        settled,
+        "audit records stand for {} refusals, the metric says {total}",
+        refusal_total(&records)
+    );
+    let aggregates: Vec<&Value> = records
+        .iter()
+        .filter(|r| r.get("count").is_some())
+        .collect();
+    assert!(
+        !aggregates.is_empty(),
+        "no aggregate after {total} refusals"
+    );
+    // Bounded: at most the rate per second plus one aggregate per second.
+    let bound = (flood_secs * (PER_KEY + 1)) as usize;
+    assert!(
+        records.len() <= bound,
+        "{} records for {total} refusals",
+        records.len()
+    );
+
+    // `status` counts from counters, equal to the metric.
+    let st = d.status();
+    assert_eq!(
+        st.refusals_last_hour.get("bad-bearer").copied(),
+        Some(total),
+        "{:?}",
+        st.refusals_last_hour
+    );
+
+    // The grant's request and approval are still there.
+    let all = d.ctl_ok(&["--json", "audit"]).stdout;
+    let events: Vec<Value> = all
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("audit JSON line"))
+        .filter(|r| r.get("grant").is_some())
+        .collect();
+    let reasons: Vec<&str> = events.iter().filter_map(|r| r["reason"].as_str()).collect();
+    assert_eq!(reasons, ["grant-requested", "grant-approved"]);
+
+    // The file holds the same bounded, honest account.
+    let mut file = Vec::new();
+    let persisted = poll_until(Duration::from_secs(10), Duration::from_millis(100), || {
+        file = file_records(&d);
+        let bad: Vec<Value> = file
+            .iter()
+            .filter(|r| r["reason"] == "bad-bearer")
+            .cloned()
+            .collect();
+        refusal_total(&bad) == total
+    })
+    .await;
+    assert!(persisted, "audit.jsonl does not add up to {total}");
+    assert!(
+        file.len() <= bound + 8,
+        "{} lines in audit.jsonl",
+        file.len()
+    );
+    assert!(
+        file.iter().any(|r| r["reason"] == "grant-approved"),
+        "the approval is persisted"
+    );
+
+    // The log: a bounded number of lines, each refusal past the rate summarised.
+    let stderr = d.stderr_text();
+    let new: Vec<&str> = stderr.lines().skip(lines_before).collect();
+    let refused = new.iter().filter(|l| l.contains("request refused")).count();
+    let summaries: Vec<&&str> = new
+        .iter()
+        .filter(|l| l.contains("refusals past the rate"))
+        .collect();
+    eprintln!(
+        "flood: {total} refusals, {} audit records ({} aggregates), {} lines in audit.jsonl, {} log lines ({refused} refusal lines, {} summaries)",
+        records.len(),
+        aggregates.len(),
+        file.len(),
+        new.len(),
+        summaries.len()
+    );
+    assert!(
+        new.len() <= bound + 50,
+        "{} log lines for {total} refusals",
+        new.len()
+    );
+    assert!(
+        refused as u64 <= flood_secs * PER_KEY,
+        "{refused} refusal lines"
+    );
+    assert!(!summaries.is_empty());
+    let summed: u64 = summaries
+        .iter()
+        .filter_map(|l| {
+            l.split("count=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    assert_eq!(
+        summed + refused as u64,
+        total,
+        "log lines and summaries account for every refusal"
+    );
+    assert!(
+        summaries
+            .iter()
+            .all(|l| l.contains("interval=1s") && l.contains("reason=bad-bearer")),
+        "{summaries:?}"
+    );
+    d.assert_no_secrets();
+}
+
+/// rmcp logs an unknown method's name; a request with a method of about 1 MiB leaves no
+/// line over the cap, and the whole log stays small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_method_name_leaves_no_log_line_over_the_cap() {
+    use serde_json::json;
+    let d = Daemon::start("[limits]\nrequest_body = \"2MiB\"\n");
+    let bearer = d.bearer();
+    let addr = d.loopback_addr();
+    let before = d.stderr_text().len();
+    let method = format!("x/{}", "\u{202e}m\n".repeat(300_000));
+    for id in 1..=3 {
+        let message = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": {}});
+        let resp = exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &message)).await;
+        assert!(resp.status < 500, "{}", resp.describe());
+        // Also as the request id.
+        let message = json!({"jsonrpc": "2.0", "id": method, "method": "nope"});
+        let resp = exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &message)).await;
+        assert!(resp.status < 500, "{}", resp.describe());
+    }
+    d.ctl_ok(&["status"]);
+    let stderr = d.stderr_text();
+    let written = &stderr[before..];
+    for line in stderr.lines() {
+        assert!(line.len() < MAX_LINE, "a log line of {} bytes", line.len());
+    }
+    assert!(
+        written.len() < 64 * 1024,
+        "{} bytes of log for six requests",
+        written.len()
+    );
+}

@@ -292,3 +292,82 @@ fn control_frames_are_limited_to_64_kib() {
     }
     d.ctl_ok(&["status"]);
 }
+
+/// A frame that names a key twice (`cmd` here) is refused as a bad request and does
+/// nothing: JSON parsers disagree on which of the two wins.
+#[test]
+fn control_frames_with_a_repeated_key_are_refused() {
+    use robota_proto::{ErrorCode, Outcome, Response};
+    let d = Daemon::start("");
+    for frame in [
+        &br#"{"v":1,"cmd":"status","cmd":"stop"}"#[..],
+        br#"{"v":1,"cmd":"stop","cmd":"status"}"#,
+        br#"{"v":1,"cmd":"status","\u0063md":"stop"}"#,
+    ] {
+        let mut line = frame.to_vec();
+        line.push(b'\n');
+        let answer = control_exchange(&d, &line);
+        let resp: Response = serde_json::from_str(answer.trim())
+            .unwrap_or_else(|e| panic!("reply to {frame:?} ({e}): {answer:?}"));
+        match resp.outcome {
+            Outcome::Error(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}");
+                assert!(e.message.contains("duplicate key"), "{e:?}");
+            }
+            other => panic!("a frame with a repeated key must be refused: {other:?}"),
+        }
+    }
+    // Nothing stopped: the daemon still answers, as the same process.
+    assert!(d.try_exit().is_none(), "the daemon exited");
+    let st = d.status();
+    assert_eq!(st.pid, d.pid() as u32);
+    assert_eq!(st.state, "serving");
+}
+
+/// A TTL meets the clock checked: `--ttl 0` is bad usage in the CLI and `ttl_secs: 0` a
+/// bad request from the daemon; a TTL past the documented maximum, or past what a clock
+/// can hold (`300000000000y`), is `bad-request` instead of a panic. Nothing is minted and
+/// the daemon keeps answering.
+#[test]
+fn absurd_bearer_ttls_are_refused_and_the_daemon_keeps_serving() {
+    use robota_proto::{ErrorCode, Outcome, Response};
+    let d = Daemon::start("");
+    d.ctl(&["bearer", "issue", "--label", "zero", "--ttl", "0s"])
+        .expect_code(2, "--ttl 0s");
+    for ttl in ["300000000000y", "366d"] {
+        let out = d.ctl(&["bearer", "issue", "--label", "huge", "--ttl", ttl]);
+        out.expect_code(1, &format!("bearer issue --ttl {ttl}"));
+        assert!(
+            out.stderr
+                .contains("bad-request: a bearer's ttl must be between 1s and 365d"),
+            "{}",
+            out.stderr
+        );
+        assert!(!out.stdout.lines().any(is_bearer_text), "{}", out.stdout);
+    }
+    for ttl in [0, u64::MAX] {
+        let frame =
+            format!("{{\"v\":1,\"cmd\":\"bearer-issue\",\"label\":\"raw\",\"ttl_secs\":{ttl}}}\n");
+        let answer = control_exchange(&d, frame.as_bytes());
+        let resp: Response = serde_json::from_str(answer.trim())
+            .unwrap_or_else(|e| panic!("reply to ttl_secs {ttl} ({e}): {answer:?}"));
+        match resp.outcome {
+            Outcome::Error(e) => assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}"),
+            other => panic!("ttl_secs {ttl} must be refused: {other:?}"),
+        }
+    }
+    assert!(d.try_exit().is_none(), "the daemon exited");
+    let st = d.status();
+    assert_eq!(st.state, "serving");
+    assert_eq!(st.bearer_count, 1, "only the host bearer: {st:?}");
+    // The edge itself is fine.
+    let year = d.take_ttl_bearer("year", "365d");
+    assert!(is_bearer_text(&year));
+    let out = d.ctl_ok(&["--json", "bearer", "list"]);
+    let reply: Value = serde_json::from_str(&out.stdout).expect("bearers JSON");
+    let entry = reply["bearers"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["label"] == "year"))
+        .unwrap_or_else(|| panic!("no bearer \"year\": {reply}"));
+    assert!(entry["expires_at"].as_u64().is_some(), "{reply}");
+}

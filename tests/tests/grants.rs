@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use robota_e2e::Daemon;
 use robota_e2e::mcp::McpClient;
+use robota_e2e::{Daemon, poll_until_async};
 use serde_json::{Value, json};
 
 const CONFIG: &str = r#"
@@ -156,10 +156,18 @@ async fn a_grant_ends_at_its_expiry_and_callers_can_give_theirs_back() {
     ci.call("job.start", json!({"template": "hello"}))
         .await
         .ok("allowed while the grant lasts");
-    tokio::time::sleep(Duration::from_millis(3100)).await;
-    ci.call("job.start", json!({"template": "hello"}))
-        .await
-        .err("interactive_permission_required", "after expiry");
+    let expired = poll_until_async(
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            ci.call("job.start", json!({"template": "hello"}))
+                .await
+                .error_code()
+                == Some("interactive_permission_required")
+        },
+    )
+    .await;
+    assert!(expired, "a 2s grant still covers calls after 10 s");
     let all = d.ctl_ok(&["--json", "grants", "list", "--all"]);
     let reply: Value = serde_json::from_str(&all.stdout).unwrap();
     assert_eq!(reply["grants"][0]["state"], "expired", "{reply}");
@@ -213,5 +221,48 @@ async fn a_grant_ends_at_its_expiry_and_callers_can_give_theirs_back() {
     )
     .await
     .err("invalid_arguments", "over the maximum duration");
+    ci.close().await;
+}
+
+/// Durations an operator gives meet the clock checked: zero is bad usage in the CLI, one
+/// past the maximum or past what a clock can hold (`300000000000y`) is `bad-request` from
+/// the daemon, the grant stays pending, and the daemon keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_approval_durations_are_refused_and_change_nothing() {
+    let d = Daemon::builder().extra(CONFIG).start();
+    let ci = McpClient::connect(&d, &d.bearer_labeled("ci")).await;
+    let request = ci
+        .call(
+            "permissions.request_elevation",
+            json!({"reason": "edge", "scope": ["job.start"], "duration": "10m"}),
+        )
+        .await
+        .ok("request_elevation");
+    let id = grant_id(&request);
+    d.ctl(&["grants", "approve", &id, "--duration", "0s"])
+        .expect_code(2, "a zero duration is bad usage");
+    for huge in ["300000000000y", "25h"] {
+        let out = d.ctl(&["grants", "approve", &id, "--duration", huge]);
+        out.expect_code(1, &format!("approve --duration {huge}"));
+        assert!(
+            out.stderr.contains("bad-request") && out.stderr.contains("between 1s and"),
+            "{}",
+            out.stderr
+        );
+    }
+    // The request asked for an absurd duration is refused before it is stored.
+    ci.call(
+        "permissions.request_elevation",
+        json!({"reason": "x", "scope": ["job.start"], "duration": "300000000000y"}),
+    )
+    .await
+    .err("invalid_arguments", "an absurd requested duration");
+    let listed = d.ctl_ok(&["--json", "grants", "list"]);
+    let reply: Value = serde_json::from_str(&listed.stdout).unwrap();
+    let grants = reply["grants"].as_array().unwrap();
+    assert_eq!(grants.len(), 1, "{reply}");
+    assert_eq!(grants[0]["state"], "pending", "{reply}");
+    assert_eq!(d.status().state, "serving");
+    d.ctl_ok(&["grants", "approve", &id, "--duration", "24h"]);
     ci.close().await;
 }
