@@ -392,7 +392,10 @@ fn container_description(containers: &[String]) -> String {
 
 /// `since`: unix seconds, or a duration meaning that long ago.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "unix seconds (an integer) or a duration such as \"10m\""
+)]
 enum Since {
     Seconds(u64),
     Ago(String),
@@ -658,7 +661,10 @@ mod tests {
                 crate::session::catalog::parse_args::<LogsArgs>(args.as_object().cloned().unwrap())
                     .unwrap_err();
             assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad}");
-            assert!(err.message.starts_with("since"), "{bad}: {err}");
+            assert_eq!(
+                err.message, "since: unix seconds (an integer) or a duration such as \"10m\"",
+                "{bad}"
+            );
         }
     }
 
