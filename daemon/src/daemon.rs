@@ -28,8 +28,7 @@ use crate::control::{self, ControlApi, Peer};
 use crate::host::Host;
 use crate::metrics::{self, Metrics};
 use crate::notify;
-use crate::session::catalog::CatalogError;
-use crate::session::{HostView, RuntimeTools, Session, TurnSubmission};
+use crate::session::{HostView, RuntimeTools, Session, SessionError, TurnSubmission};
 use crate::transport::{LifecycleError, McpTransport};
 
 type Loopback = McpTransport<Session, LoopbackCarrier>;
@@ -37,8 +36,8 @@ type Remote = McpTransport<Session, RemoteCarrier>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("the catalog is invalid")]
-    Catalog(#[source] CatalogError),
+    #[error(transparent)]
+    Session(SessionError),
     #[error("control socket")]
     Control(#[source] control::ControlError),
     #[error("cannot bind the metrics listener on {addr}")]
@@ -75,7 +74,7 @@ impl DaemonError {
     /// Configuration-class errors get the configuration exit code.
     pub fn exit_code(&self) -> i32 {
         match self {
-            DaemonError::Catalog(_)
+            DaemonError::Session(_)
             | DaemonError::Loopback {
                 source: LifecycleError::WireNames(_),
                 ..
@@ -238,7 +237,7 @@ impl Core {
                 self.host.clone(),
                 self.metrics.clone(),
             )
-            .map_err(DaemonError::Catalog)?,
+            .map_err(DaemonError::Session)?,
         );
         if let (Some(loopback), Some(config)) = (&self.loopback, &self.config.loopback) {
             let failed = |source| DaemonError::Loopback {

@@ -98,7 +98,7 @@ fn check(config: &config::Config) -> Result<(), String> {
     use robota_mcpd::session::{RuntimeTools, TurnSubmission};
     let host = robota_mcpd::host::Host::detached(config).map_err(|e| e.to_string())?;
     let session = Session::new(config, Arc::new(NoCarriers), host, metrics::Metrics::new())
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| error_chain(&e))?;
     let build = |profile, aliases| {
         robota_mcpd::mcp::WireNames::build(
             session.catalog(),

@@ -1,10 +1,11 @@
 //! `file.read` and `file.write` through the real daemon and a real MCP client: round trips,
 //! path escapes (`..`, outside paths, symlinks, FIFOs, devices, directories), symlink-swap
-//! races, idempotent retries, crash safety of the atomic replace under SIGKILL, the
-//! no-roots answer and the size limits.
+//! races, roots another user could swap (refused by `check-config` and at start), a root's
+//! path swapped after start, idempotent retries, crash safety of the atomic replace under
+//! SIGKILL, the no-roots answer, the size limits and names too long for the filesystem.
 
 use std::io::Write as _;
-use std::os::unix::fs::{MetadataExt, symlink};
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -15,9 +16,10 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use nix::sys::signal::Signal;
 use nix::sys::stat::{Mode, SFlag};
+use robota_e2e::daemon::{READY_LIMIT, check_config};
 use robota_e2e::http::{Request, tools_call};
 use robota_e2e::mcp::{McpClient, ToolResult};
-use robota_e2e::{Daemon, within};
+use robota_e2e::{Daemon, EXIT_CONFIG, within};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
@@ -935,5 +937,167 @@ async fn an_interrupted_idempotent_write_is_never_reported_cancelled() {
         }
     }
     eprintln!("interrupted idempotent appends: {outcomes:?}");
+    c.close().await;
+}
+
+/// `[tools.file]` with one write root.
+fn write_root_config(root: &Path) -> String {
+    format!(
+        "[tools.file]\nwrite_roots = [\"{}\"]\n{ALLOW_WRITE}",
+        root.display()
+    )
+}
+
+/// `check-config` and a start with `config` both fail with the configuration exit code,
+/// naming `key` and saying `problem`; the daemon never gets ready.
+fn refused_by_check_and_start(config: &str, key: &str, problem: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, config).expect("write config");
+    let out = check_config(&path);
+    out.expect_code(EXIT_CONFIG, "check-config");
+    assert!(
+        out.stderr.contains(key) && out.stderr.contains(problem),
+        "check-config must name {key} and say {problem:?}: {}",
+        out.stderr
+    );
+
+    let d = Daemon::builder().extra(config).spawn();
+    let status = d
+        .wait_exit(READY_LIMIT)
+        .expect("the daemon did not exit on an unsafe root");
+    assert_eq!(status.code(), Some(EXIT_CONFIG), "{}", d.stderr_text());
+    assert_eq!(d.notify().count("READY=1"), 0, "{:?}", d.notify().lines());
+    let stderr = d.stderr_text();
+    assert!(
+        stderr.contains(key) && stderr.contains(problem),
+        "start must name {key} and say {problem:?}: {stderr}"
+    );
+}
+
+/// The reported attack: a write root below a world-writable sticky directory, whose middle
+/// component belongs to another user (uid 65534). That user could swap the root for a
+/// link to anywhere, so the root is refused before anything is served.
+#[test]
+fn a_root_another_user_could_swap_is_refused_at_start_and_by_check_config() {
+    let dir = tempfile::Builder::new()
+        .prefix("files-e2e-")
+        .tempdir()
+        .expect("tempdir");
+    let public = dir.path().join("public");
+    std::fs::create_dir(&public).expect("mkdir");
+    std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let theirs = public.join("app");
+    std::fs::create_dir(&theirs).expect("mkdir");
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).expect("chown");
+    let root = theirs.join("conf");
+    std::fs::create_dir(&root).expect("mkdir");
+    refused_by_check_and_start(
+        &write_root_config(&root),
+        "tools.file.write_roots[0]",
+        &format!("{} is owned by uid 65534", theirs.display()),
+    );
+
+    // A root that is itself a link, and one that does not exist, are refused the same way.
+    let link = dir.path().join("link");
+    symlink(&root, &link).expect("symlink");
+    refused_by_check_and_start(
+        &write_root_config(&link),
+        "tools.file.write_roots[0]",
+        "is a symbolic link",
+    );
+    refused_by_check_and_start(
+        &format!(
+            "[tools.file]\nread_roots = [\"{}\"]\n",
+            dir.path().join("missing").display()
+        ),
+        "tools.file.read_roots[0]",
+        "does not exist",
+    );
+}
+
+/// After start, the write root's parent is renamed away and a link to a directory outside
+/// every root takes its name: a write to the root's path lands in the directory the daemon
+/// opened at start, and the outside file is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_swapped_after_start_still_means_the_directory_opened_at_start() {
+    let dir = tempfile::Builder::new()
+        .prefix("files-e2e-")
+        .tempdir()
+        .expect("tempdir");
+    let base = dir.path();
+    let parent = base.join("app");
+    let root = parent.join("conf");
+    std::fs::create_dir_all(&root).expect("mkdir");
+    std::fs::write(root.join("settings"), "original").expect("seed");
+    // The decoy: `decoy/conf` leads to `outside`, which holds the file to protect.
+    let outside = base.join("outside");
+    std::fs::create_dir(&outside).expect("mkdir");
+    std::fs::write(outside.join("settings"), SECRET).expect("secret");
+    std::fs::create_dir(base.join("decoy")).expect("mkdir");
+    symlink(&outside, base.join("decoy/conf")).expect("symlink");
+
+    let d = Daemon::start(&write_root_config(&root));
+    let c = connect(&d).await;
+    let path = root.join("settings").display().to_string();
+    c.call("file.read", json!({"path": path}))
+        .await
+        .ok("read before the swap");
+
+    std::fs::rename(&parent, base.join("app-moved")).expect("rename the parent away");
+    symlink(base.join("decoy"), &parent).expect("link in its place");
+    assert_eq!(
+        std::fs::read_to_string(&path).expect("by path"),
+        SECRET,
+        "by path, the root now leads outside"
+    );
+
+    let r = c
+        .call(
+            "file.write",
+            json!({"path": path, "content": "written", "mode": "overwrite"}),
+        )
+        .await;
+    assert_no_secret(&r, "write after the swap");
+    r.ok("write after the swap");
+    assert_eq!(
+        std::fs::read_to_string(base.join("app-moved/conf/settings")).expect("moved"),
+        "written",
+        "the write lands in the directory opened at start"
+    );
+    let r = c.call("file.read", json!({"path": path})).await;
+    assert_no_secret(&r, "read after the swap");
+    assert_eq!(
+        std::fs::read_to_string(outside.join("settings")).expect("outside"),
+        SECRET,
+        "the outside file is untouched"
+    );
+    assert_eq!(names(&outside), vec!["settings".to_owned()]);
+    c.close().await;
+}
+
+/// A name longer than the filesystem allows is the caller's mistake, on both tools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_too_long_for_the_filesystem_is_invalid_arguments() {
+    let t = Tree::new();
+    let d = Daemon::start(&t.config(""));
+    let c = connect(&d).await;
+    let long = t.rw(&"n".repeat(256));
+    for mode in ["create", "overwrite", "append"] {
+        let msg = c
+            .call(
+                "file.write",
+                json!({"path": long, "content": "x", "mode": mode}),
+            )
+            .await
+            .err("invalid_arguments", "a 256-byte name");
+        assert!(msg.contains("longer than the filesystem allows"), "{msg}");
+    }
+    let msg = c
+        .call("file.read", json!({"path": long}))
+        .await
+        .err("invalid_arguments", "a 256-byte name");
+    assert!(msg.contains("longer than the filesystem allows"), "{msg}");
+    assert!(temp_files(&t.rw).is_empty());
     c.close().await;
 }

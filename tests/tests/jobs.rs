@@ -147,6 +147,34 @@ async fn a_template_job_runs_to_its_end_and_its_output_pages_by_cursor() {
         )
         .await
         .err("invalid_arguments", "extra argument");
+
+    // Numbers are what the schema promises: a cursor past what the store can hold (2^63),
+    // or a number that is no integer of the argument's type, is the caller's mistake,
+    // never a page from 0.
+    for (args, name) in [
+        (
+            json!({"job_id": id, "cursor": 9_223_372_036_854_775_808u64}),
+            "cursor",
+        ),
+        (json!({"job_id": id, "cursor": 1.0}), "cursor"),
+        (json!({"job_id": id, "max_bytes": 5.0}), "max_bytes"),
+        (json!({"job_id": 1.0}), "job_id"),
+    ] {
+        let msg = client
+            .call("job.tail", args.clone())
+            .await
+            .err("invalid_arguments", &args.to_string());
+        assert!(msg.contains(name), "{args}: {msg}");
+    }
+    let end = client
+        .call(
+            "job.tail",
+            json!({"job_id": id, "cursor": 9_223_372_036_854_775_807u64}),
+        )
+        .await
+        .ok("the largest cursor");
+    let hello = wait_finished(&client, id).await;
+    assert_eq!(end["next_cursor"], hello["output_bytes"], "{end}");
     client.close().await;
     d.assert_no_secrets();
 }

@@ -1,9 +1,17 @@
 //! The canonical tool catalog: entries, start-up validation and argument validation.
+//!
+//! A first-party tool's arguments are one Rust type, a [`TypedTool::Args`] struct that
+//! derives both `Deserialize` and `JsonSchema`: the input schema a client sees is
+//! generated from it ([`ToolSpec::typed`]), and a call's arguments are parsed into it
+//! ([`parse_args`]) after they passed that schema. So `{"offset": 1.0}` or an integer
+//! beyond the field's type is `invalid_arguments`, never a default in disguise.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
@@ -44,8 +52,9 @@ impl Annotations {
 /// The argument every replay-safe tool accepts.
 pub const IDEMPOTENCY_KEY: &str = "idempotency_key";
 
-/// Its schema: printable ASCII, 1 to 128 characters.
-pub fn idempotency_key_schema() -> Value {
+/// Its schema: printable ASCII, 1 to 128 characters. [`ToolSpec::typed`] adds it to every
+/// replay-safe tool; the session takes the key out before the tool parses its arguments.
+fn idempotency_key_schema() -> Value {
     json!({
         "type": "string",
         "minLength": 1,
@@ -65,13 +74,115 @@ pub struct ToolSpec {
     pub annotations: Annotations,
 }
 
+impl ToolSpec {
+    /// A spec whose input schema is generated from the argument type `T`: a plain object
+    /// schema (every subschema inlined, no `$schema`, `title` or top-level `description`),
+    /// with field doc comments as property descriptions. A replay-safe tool's schema gets
+    /// the optional [`IDEMPOTENCY_KEY`] property as well.
+    pub fn typed<T: JsonSchema>(
+        name: &str,
+        description: impl Into<String>,
+        annotations: Annotations,
+    ) -> ToolSpec {
+        let mut settings = schemars::generate::SchemaSettings::draft2020_12();
+        settings.inline_subschemas = true;
+        settings.meta_schema = None;
+        let mut input_schema = match settings.into_generator().into_root_schema_for::<T>().into() {
+            Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        input_schema.remove("title");
+        input_schema.remove("description");
+        // Some clients want `properties` on every object schema, even an empty one.
+        input_schema
+            .entry("properties")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if annotations.replay_safe
+            && let Some(Value::Object(properties)) = input_schema.get_mut("properties")
+        {
+            properties.insert(IDEMPOTENCY_KEY.into(), idempotency_key_schema());
+        }
+        ToolSpec {
+            name: name.to_owned(),
+            description: description.into(),
+            input_schema,
+            annotations,
+        }
+    }
+
+    /// The schema of one property, to adjust what depends on the configuration (a
+    /// description naming the configured units, an `enum` of the configured templates).
+    pub fn property_mut(&mut self, name: &str) -> Option<&mut serde_json::Map<String, Value>> {
+        self.input_schema
+            .get_mut("properties")?
+            .get_mut(name)?
+            .as_object_mut()
+    }
+
+    /// Replaces one property's description.
+    pub fn describe(mut self, property: &str, description: impl Into<String>) -> Self {
+        if let Some(schema) = self.property_mut(property) {
+            schema.insert("description".into(), Value::String(description.into()));
+        }
+        self
+    }
+}
+
+/// Parses arguments that passed the tool's schema into its argument type. What the schema
+/// cannot say (`1.0` is an integer to JSON Schema, not to a `u64`; a number past the
+/// field's type) fails here, as `invalid_arguments` naming the argument.
+pub fn parse_args<T: DeserializeOwned>(args: Args) -> Result<T, ToolError> {
+    serde_path_to_error::deserialize(Value::Object(args)).map_err(|e| {
+        let path = e.path().to_string();
+        let problem = e.into_inner().to_string();
+        ToolError::new(
+            ToolErrorCode::InvalidArguments,
+            if path == "." {
+                problem
+            } else {
+                format!("{path}: {problem}")
+            },
+        )
+    })
+}
+
 pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = Result<ToolOutput, ToolError>> + Send + 'a>>;
 
-/// A first-party tool implementation.
+/// A tool implementation as the catalog holds it.
 pub trait HostTool: Send + Sync + 'static {
     fn spec(&self) -> ToolSpec;
     fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a>;
 }
+
+/// A tool with typed arguments: every first-party tool. Its [`HostTool`] impl parses the
+/// (schema-checked) arguments into [`TypedTool::Args`] once, then runs it.
+pub trait TypedTool: Send + Sync + 'static {
+    /// `#[derive(Deserialize, JsonSchema)]` with `#[serde(deny_unknown_fields)]`.
+    type Args: DeserializeOwned + JsonSchema + Send;
+
+    /// Built with [`ToolSpec::typed`]`::<Self::Args>`.
+    fn spec(&self) -> ToolSpec;
+
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Self::Args) -> ToolFuture<'a>;
+}
+
+impl<T: TypedTool> HostTool for T {
+    fn spec(&self) -> ToolSpec {
+        TypedTool::spec(self)
+    }
+
+    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        match parse_args::<T::Args>(args) {
+            Ok(args) => self.run(ctx, args),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        }
+    }
+}
+
+/// The arguments of a tool that takes none.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoArgs {}
 
 /// A validated entry: the spec, its compiled argument validator and the implementation.
 pub struct Entry {
@@ -223,22 +334,22 @@ fn validate_with(validator: &jsonschema::Validator, args: &Args) -> Result<(), T
     }
 }
 
-/// The submission extension's spec: `{prompt: string, minLength 1}`, nothing else.
+/// The submission extension's arguments: `{prompt: string, minLength 1}`, nothing else.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SubmissionArgs {
+    /// The turn's input, given to the host's agent.
+    #[schemars(length(min = 1))]
+    prompt: String,
+}
+
+/// The submission extension's spec.
 pub fn submission_spec(name: &str) -> ToolSpec {
-    let schema = json!({
-        "type": "object",
-        "properties": {
-            "prompt": {"type": "string", "minLength": 1, "description": "The turn's input, given to the host's agent."}
-        },
-        "required": ["prompt"],
-        "additionalProperties": false
-    });
-    ToolSpec {
-        name: name.to_owned(),
-        description: "Submit one turn to the host's agent. One turn runs at a time; while one runs, this answers `busy`.".into(),
-        input_schema: schema.as_object().cloned().unwrap_or_default(),
-        annotations: Annotations::default(),
-    }
+    ToolSpec::typed::<SubmissionArgs>(
+        name,
+        "Submit one turn to the host's agent. One turn runs at a time; while one runs, this answers `busy`.",
+        Annotations::default(),
+    )
 }
 
 /// Parse submission arguments (validated against [`submission_spec`]'s schema).
@@ -248,11 +359,7 @@ pub fn submission_prompt(args: &Args) -> Result<String, ToolError> {
             .expect("the submission schema compiles")
     });
     validate_with(&VALIDATOR, args)?;
-    Ok(args
-        .get("prompt")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned())
+    parse_args::<SubmissionArgs>(args.clone()).map(|a| a.prompt)
 }
 
 #[cfg(test)]
@@ -339,6 +446,82 @@ mod tests {
             "the submission tool \"agent_submit\" collides with the runtime tool \"agent_submit\""
         );
         assert!(catalog.check_submission(&submission_spec("turn")).is_ok());
+    }
+
+    /// Arguments of a made-up replay-safe tool.
+    #[derive(Debug, PartialEq, serde::Deserialize, JsonSchema)]
+    #[serde(deny_unknown_fields)]
+    struct Sample {
+        /// How many.
+        #[schemars(range(min = 1, max = 10))]
+        count: u64,
+        /// Where from.
+        #[serde(default)]
+        offset: u64,
+    }
+
+    #[test]
+    fn a_typed_spec_is_a_plain_object_schema_of_its_type() {
+        let replay_safe = Annotations {
+            replay_safe: true,
+            ..Annotations::default()
+        };
+        let spec = ToolSpec::typed::<Sample>("sample.tool", "A sample.", replay_safe)
+            .describe("offset", "Where to start.");
+        assert_eq!(
+            Value::Object(spec.input_schema.clone()),
+            json!({
+                "type": "object",
+                "properties": {
+                    "count": {"type": "integer", "format": "uint64", "minimum": 1, "maximum": 10, "description": "How many."},
+                    "offset": {"type": "integer", "format": "uint64", "minimum": 0, "default": 0, "description": "Where to start."},
+                    IDEMPOTENCY_KEY: idempotency_key_schema(),
+                },
+                "required": ["count"],
+                "additionalProperties": false
+            })
+        );
+        Catalog::new(vec![Box::new(Fake(spec))]).expect("the schema compiles");
+        let plain = ToolSpec::typed::<NoArgs>("none", "Nothing.", Annotations::READ_ONLY);
+        assert_eq!(
+            Value::Object(plain.input_schema),
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        );
+    }
+
+    #[test]
+    fn parsing_refuses_what_the_type_cannot_hold_naming_the_argument() {
+        let parse = |v: Value| parse_args::<Sample>(v.as_object().cloned().unwrap());
+        assert_eq!(
+            parse(json!({"count": 3})).unwrap(),
+            Sample {
+                count: 3,
+                offset: 0
+            }
+        );
+        for (args, message) in [
+            (
+                json!({"count": 1.0}),
+                "count: invalid type: floating point `1.0`, expected u64",
+            ),
+            (
+                json!({"count": 1, "offset": -1}),
+                "offset: invalid value: integer `-1`, expected u64",
+            ),
+            (
+                serde_json::from_str(r#"{"count": 1, "offset": 18446744073709551616}"#).unwrap(),
+                "offset: invalid type: floating point `1.8446744073709552e+19`, expected u64",
+            ),
+            (json!({}), "missing field `count`"),
+            (
+                json!({"count": 1, "more": true}),
+                "more: unknown field `more`, expected `count` or `offset`",
+            ),
+        ] {
+            let err = parse(args.clone()).unwrap_err();
+            assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{args}");
+            assert_eq!(err.message, message, "{args}");
+        }
     }
 
     #[test]

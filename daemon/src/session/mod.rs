@@ -179,6 +179,15 @@ pub struct ToolContext<'a> {
     pub host: &'a dyn HostView,
 }
 
+/// Why a session could not be built; a configuration error, reported before serving.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("the catalog is invalid")]
+    Catalog(#[from] CatalogError),
+    #[error("the host tools cannot be built")]
+    Tools(#[from] crate::tools::BuildError),
+}
+
 /// The daemon's session: first-party tools behind the permission wrapper, plus turns.
 pub struct Session {
     catalog: Catalog,
@@ -191,15 +200,15 @@ pub struct Session {
 }
 
 impl Session {
-    /// Build and validate the session. Fails on an invalid catalog or a submission-tool
-    /// name that collides with a runtime tool.
+    /// Build and validate the session. Fails on a file root that cannot be opened safely,
+    /// an invalid catalog or a submission-tool name that collides with a runtime tool.
     pub fn new(
         config: &Config,
         view: Arc<dyn HostView>,
         host: Arc<Host>,
         metrics: Metrics,
-    ) -> Result<Self, CatalogError> {
-        let catalog = Catalog::new(crate::tools::first_party(config, &host))?;
+    ) -> Result<Self, SessionError> {
+        let catalog = Catalog::new(crate::tools::first_party(config, &host)?)?;
         let submission = catalog::submission_spec(&config.session.submission_tool);
         catalog.check_submission(&submission)?;
         Ok(Self {

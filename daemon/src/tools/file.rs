@@ -1,4 +1,15 @@
-//! `file.read` and `file.write`: regular files under the configured roots only (SPEC §10).
+//! `file.read` and `file.write`: regular files under the configured roots only.
+//!
+//! Each root is opened once, when the tools are built, by a walk from `/` that follows no
+//! symbolic link in any component, and only if nobody but root or the daemon's user could
+//! swap a directory above it: every ancestor must belong to root or to the daemon's euid
+//! and must not be writable by group or others unless it is sticky (in a sticky directory
+//! only an entry's owner may rename it, and that owner is the next ancestor's, checked in
+//! turn). The root itself may be writable by its group (that is what a write root is
+//! for) but must be a real directory. A root that fails any of this is a configuration
+//! error (`check-config` and start-up name its key). The tools then hold the root's
+//! descriptor: renaming a component of the root's path, or putting a symbolic link in its
+//! place, after start-up changes nothing; every path resolves beneath the held directory.
 //!
 //! A path is first checked lexically (absolute, no `..`, no NUL, under one configured root;
 //! the longest matching root wins), then the kernel resolves it beneath a descriptor of
@@ -33,15 +44,15 @@ use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, OpenHow, RenameFlags, ResolveFlag};
 use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::{Gid, Uid, UnlinkatFlags};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::{arg_str, arg_u64, internal, invalid, schema};
-use crate::config::FileTool;
-use crate::session::catalog::{
-    Annotations, HostTool, IDEMPOTENCY_KEY, ToolFuture, ToolSpec, idempotency_key_schema,
-};
-use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use super::{internal, invalid};
+use crate::config::{ConfigIssue, FileTool};
+use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
 
 /// Longest path a caller may name (PATH_MAX).
 const MAX_PATH: usize = 4096;
@@ -57,38 +68,169 @@ const KEPT_MODE_BITS: u32 = 0o777;
 /// Mode of a new file before the umask.
 const NEW_FILE_MODE: u32 = 0o666;
 
-pub fn tools(config: &FileTool) -> Vec<Box<dyn HostTool>> {
-    let files = Arc::new(Files::new(config));
-    vec![
+/// The two tools over the configured roots; each problem with a root is an issue naming
+/// its key (`tools.file.write_roots[0]`).
+pub fn tools(config: &FileTool) -> Result<Vec<Box<dyn HostTool>>, Vec<ConfigIssue>> {
+    let files = Arc::new(Files::new(config)?);
+    Ok(vec![
         Box::new(ReadTool(Arc::clone(&files))),
         Box::new(WriteTool(files)),
-    ]
+    ])
+}
+
+/// A configured root and the directory descriptor opened for it at start-up.
+#[derive(Debug, Clone)]
+struct Root {
+    path: PathBuf,
+    /// `O_PATH | O_DIRECTORY`: every resolution starts here, never at `path`.
+    dir: Arc<OwnedFd>,
+}
+
+impl AsRef<Path> for Root {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// What the two tools share: the roots and the size caps.
+#[derive(Debug)]
 struct Files {
     /// Read roots, then write roots (write roots are readable too), without repeats.
-    readable: Vec<PathBuf>,
-    writable: Vec<PathBuf>,
+    readable: Vec<Root>,
+    writable: Vec<Root>,
     max_read: u64,
     max_write: u64,
 }
 
 impl Files {
-    fn new(config: &FileTool) -> Self {
-        let mut readable: Vec<PathBuf> = Vec::new();
-        for root in config.read_roots.iter().chain(&config.write_roots) {
-            if !readable.contains(root) {
-                readable.push(root.clone());
+    /// Opens every root once (a root listed twice shares one descriptor).
+    fn new(config: &FileTool) -> Result<Self, Vec<ConfigIssue>> {
+        let mut opened: Vec<(&PathBuf, Option<Root>)> = Vec::new();
+        let mut issues = Vec::new();
+        let (mut readable, mut writable) = (Vec::<Root>::new(), Vec::new());
+        let lists = [
+            ("tools.file.read_roots", &config.read_roots, false),
+            ("tools.file.write_roots", &config.write_roots, true),
+        ];
+        for (key, paths, write) in lists {
+            for (i, path) in paths.iter().enumerate() {
+                let root = match opened.iter().find(|(p, _)| *p == path) {
+                    Some((_, root)) => root.clone(),
+                    None => {
+                        let root = match open_root(path) {
+                            Ok(dir) => Some(Root {
+                                path: path.clone(),
+                                dir: Arc::new(dir),
+                            }),
+                            Err(problem) => {
+                                issues.push(ConfigIssue {
+                                    path: format!("{key}[{i}]"),
+                                    problem: format!("{}: {problem}", path.display()),
+                                });
+                                None
+                            }
+                        };
+                        opened.push((path, root.clone()));
+                        root
+                    }
+                };
+                let Some(root) = root else { continue };
+                if !readable.iter().any(|r| r.path == root.path) {
+                    readable.push(root.clone());
+                }
+                if write {
+                    writable.push(root);
+                }
             }
         }
-        Self {
+        if !issues.is_empty() {
+            return Err(issues);
+        }
+        Ok(Self {
             readable,
-            writable: config.write_roots.clone(),
+            writable,
             max_read: config.max_read,
             max_write: config.max_write,
-        }
+        })
     }
+}
+
+/// Opens `root` from `/` one component at a time, following no symbolic link, after
+/// checking that nobody but root or the daemon's user could swap the component: the
+/// directory holding it belongs to one of them and is not writable by group or others
+/// (unless sticky). The answer is the root's `O_PATH` descriptor, or why not.
+fn open_root(root: &Path) -> Result<OwnedFd, String> {
+    let walk = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut at = PathBuf::from("/");
+    let mut dir = nix::fcntl::open(&at, walk, Mode::empty())
+        .map_err(|e| format!("cannot open /: {}", e.desc()))?;
+    let names: Vec<_> = root
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(name) => Some(name),
+            _ => None,
+        })
+        .collect();
+    for (i, name) in names.iter().enumerate() {
+        let next = at.join(name);
+        // The message is about the root itself ("does not exist") or names the component.
+        let which = if i + 1 == names.len() {
+            String::new()
+        } else {
+            format!("{} ", next.display())
+        };
+        let st = nix::sys::stat::fstat(&dir)
+            .map_err(|e| format!("cannot inspect {}: {}", at.display(), e.desc()))?;
+        guards(&at, &st, &next, nix::unistd::geteuid())?;
+        dir = match nix::fcntl::openat(&dir, *name, walk, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Err(format!("{which}does not exist")),
+            Err(Errno::ENOTDIR | Errno::ELOOP) => {
+                let link = nix::sys::stat::fstatat(&dir, *name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| file_kind(&st) == SFlag::S_IFLNK);
+                return Err(if link {
+                    format!(
+                        "{which}is a symbolic link; name the directory it leads to (a root and the directories above it are never reached through a link)"
+                    )
+                } else {
+                    format!("{which}is not a directory")
+                });
+            }
+            Err(e) => return Err(format!("cannot open {}: {}", next.display(), e.desc())),
+        };
+        at = next;
+    }
+    Ok(dir)
+}
+
+/// Why `dir` (at `at`, holding `next`) would let someone other than root or `euid` replace
+/// `next`; `Ok` when it would not.
+fn guards(at: &Path, dir: &FileStat, next: &Path, euid: Uid) -> Result<(), String> {
+    if dir.st_uid != 0 && dir.st_uid != euid.as_raw() {
+        return Err(format!(
+            "{} is owned by uid {}, who could replace {} (with a symbolic link, say); the directories above a root must belong to root or to the daemon's user (uid {euid})",
+            at.display(),
+            dir.st_uid,
+            next.display()
+        ));
+    }
+    let mode = dir.st_mode;
+    let sticky = mode & Mode::S_ISVTX.bits() != 0;
+    let (group, others) = (mode & 0o020 != 0, mode & 0o002 != 0);
+    if (group || others) && !sticky {
+        let who = match (group, others) {
+            (true, true) => format!("its group (gid {}) and by others", dir.st_gid),
+            (true, false) => format!("its group (gid {})", dir.st_gid),
+            _ => "others".to_owned(),
+        };
+        return Err(format!(
+            "{} is writable by {who} (mode {:04o}) and not sticky, so another user could replace {}; the directories above a root must not be",
+            at.display(),
+            mode & 0o7777,
+            next.display()
+        ));
+    }
+    Ok(())
 }
 
 fn denied(message: String) -> ToolError {
@@ -103,29 +245,24 @@ fn no_roots() -> ToolError {
     unavailable("no file roots are configured on this host")
 }
 
-fn show_roots(roots: &[PathBuf]) -> String {
+fn show_roots<R: AsRef<Path>>(roots: &[R]) -> String {
     roots
         .iter()
-        .map(|r| r.display().to_string())
+        .map(|r| r.as_ref().display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
 }
 
 /// `text` (UTF-8) or `base64` (standard alphabet, padded).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
 enum Encoding {
+    #[default]
     Text,
     Base64,
 }
 
 impl Encoding {
-    fn parse(args: &Args) -> Self {
-        match arg_str(args, "encoding") {
-            Some("base64") => Encoding::Base64,
-            _ => Encoding::Text,
-        }
-    }
-
     fn as_str(self) -> &'static str {
         match self {
             Encoding::Text => "text",
@@ -134,35 +271,22 @@ impl Encoding {
     }
 }
 
-fn encoding_schema(what: &str) -> Value {
-    json!({
-        "type": "string",
-        "enum": ["text", "base64"],
-        "description": format!("How {what}: `text` (UTF-8, the default) or `base64`.")
-    })
-}
-
-fn path_schema() -> Value {
-    json!({
-        "type": "string",
-        "minLength": 1,
-        "maxLength": MAX_PATH,
-        "description": "Absolute path under one of this host's file roots; no `..` components."
-    })
-}
-
 /// A caller's path placed under the configured root it lies in.
 #[derive(Debug)]
-struct Target<'r> {
+struct Target<'r, R = Root> {
     /// As the caller wrote it, for messages.
     shown: String,
-    root: &'r Path,
+    root: &'r R,
     /// The path's components below the root; empty for the root itself.
     rel: PathBuf,
 }
 
 /// The lexical checks: absolute, no NUL, no `..`, under one of `roots` (the longest match).
-fn locate<'r>(path: &str, roots: &'r [PathBuf], which: &str) -> Result<Target<'r>, ToolError> {
+fn locate<'r, R: AsRef<Path>>(
+    path: &str,
+    roots: &'r [R],
+    which: &str,
+) -> Result<Target<'r, R>, ToolError> {
     if path.contains('\0') {
         return Err(invalid("path must not contain a NUL character"));
     }
@@ -186,7 +310,7 @@ fn locate<'r>(path: &str, roots: &'r [PathBuf], which: &str) -> Result<Target<'r
     let best = roots
         .iter()
         .filter_map(|root| p.strip_prefix(root).ok().map(|rest| (root, rest)))
-        .max_by_key(|(root, _)| root.components().count());
+        .max_by_key(|(root, _)| root.as_ref().components().count());
     let Some((root, rest)) = best else {
         return Err(denied(format!(
             "{path} is outside the configured {which} roots ({})",
@@ -201,21 +325,6 @@ fn locate<'r>(path: &str, roots: &'r [PathBuf], which: &str) -> Result<Target<'r
         shown: path.to_owned(),
         root,
         rel,
-    })
-}
-
-fn open_root(root: &Path) -> Result<OwnedFd, ToolError> {
-    nix::fcntl::open(
-        root,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| {
-        tracing::warn!(root = %root.display(), error = %e, "cannot open a file root");
-        unavailable(format!(
-            "the configured root {} cannot be opened on this host",
-            root.display()
-        ))
     })
 }
 
@@ -243,7 +352,7 @@ fn escapes(t: &Target<'_>) -> ToolError {
     denied(format!(
         "{} escapes the root {} through a symbolic link",
         t.shown,
-        t.root.display()
+        t.root.path.display()
     ))
 }
 
@@ -260,7 +369,6 @@ fn resolve_error(t: &Target<'_>, e: Errno) -> ToolError {
             "{} cannot be resolved: too many symbolic links, or a link the daemon does not follow",
             t.shown
         )),
-        Errno::ENAMETOOLONG => invalid(format!("a component of {} is too long", t.shown)),
         Errno::EAGAIN => ToolError::new(
             ToolErrorCode::Busy,
             format!("{} kept changing while it was resolved; retry", t.shown),
@@ -284,6 +392,12 @@ fn host_error(t: &Target<'_>, e: Errno, what: &str) -> ToolError {
             unavailable(format!("no space left on the filesystem of {}", t.shown))
         }
         Errno::EISDIR => not_regular(t, "directory"),
+        // The caller's path is not one this filesystem can hold.
+        Errno::ENAMETOOLONG => invalid(format!(
+            "a component of {} is longer than the filesystem allows (255 bytes on most)",
+            t.shown
+        )),
+        Errno::EILSEQ => invalid(format!("{} is not a valid name on its filesystem", t.shown)),
         other => internal(&format!("file {what}"), other),
     }
 }
@@ -366,28 +480,25 @@ fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
-/// `file.read` arguments (types already checked by the schema).
-#[derive(Debug, Clone)]
-struct ReadRequest {
+/// `file.read` arguments.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ReadArgs {
+    /// Absolute path under one of this host's file roots; no `..` components.
+    #[schemars(length(min = 1, max = MAX_PATH))]
     path: String,
+    /// Byte offset to start at.
+    #[serde(default)]
     offset: u64,
+    /// Bytes to return at most (default and ceiling: the read limit).
     length: Option<u64>,
+    /// How to return the content: `text` (UTF-8) or `base64`.
+    #[serde(default)]
     encoding: Encoding,
 }
 
-impl ReadRequest {
-    fn parse(args: &Args) -> Self {
-        Self {
-            path: arg_str(args, "path").unwrap_or_default().to_owned(),
-            offset: arg_u64(args, "offset").unwrap_or(0),
-            length: arg_u64(args, "length"),
-            encoding: Encoding::parse(args),
-        }
-    }
-}
-
 impl Files {
-    fn read(&self, req: &ReadRequest) -> Result<Value, ToolError> {
+    fn read(&self, req: &ReadArgs) -> Result<Value, ToolError> {
         if self.readable.is_empty() {
             return Err(no_roots());
         }
@@ -402,8 +513,7 @@ impl Files {
             None => self.max_read,
         };
         let t = locate(&req.path, &self.readable, "read")?;
-        let root = open_root(t.root)?;
-        let (file, st) = open_regular(root.as_fd(), &t)?;
+        let (file, st) = open_regular(t.root.dir.as_fd(), &t)?;
         let stat_size = u64::try_from(st.st_size).unwrap_or(0);
         // A file that fits the read limit is read whole: its hash describes exactly the
         // bytes the range is cut from, even if it changes meanwhile.
@@ -455,25 +565,21 @@ impl Files {
 }
 
 /// What `file.write` does with an existing file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
 enum WriteMode {
-    /// Only a new file; an existing one is refused.
+    // (Plain comments: doc comments on the variants would turn the schema's `enum` into a
+    // `oneOf` of constants.)
+    // Only a new file; an existing one is refused.
+    #[default]
     Create,
-    /// Replace the content (a missing file is created).
+    // Replace the content (a missing file is created).
     Overwrite,
-    /// Old content followed by the new, replaced atomically (a missing file is created).
+    // Old content followed by the new, replaced atomically (a missing file is created).
     Append,
 }
 
 impl WriteMode {
-    fn parse(args: &Args) -> Self {
-        match arg_str(args, "mode") {
-            Some("overwrite") => WriteMode::Overwrite,
-            Some("append") => WriteMode::Append,
-            _ => WriteMode::Create,
-        }
-    }
-
     fn as_str(self) -> &'static str {
         match self {
             WriteMode::Create => "create",
@@ -483,27 +589,24 @@ impl WriteMode {
     }
 }
 
-/// `file.write` arguments (types already checked by the schema; the session has taken the
-/// idempotency key out).
-#[derive(Debug, Clone)]
-struct WriteRequest {
+/// `file.write` arguments (the session has taken the idempotency key out).
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct WriteArgs {
+    /// Absolute path under one of this host's write roots; no `..` components.
+    #[schemars(length(min = 1, max = MAX_PATH))]
     path: String,
+    /// The bytes to write, encoded as `encoding` says.
     content: String,
+    /// How `content` is encoded: `text` (UTF-8) or `base64`.
+    #[serde(default)]
     encoding: Encoding,
+    /// `create` (the file must not exist), `overwrite` or `append` (both create a missing file).
+    #[serde(default)]
     mode: WriteMode,
+    /// Hex SHA-256 the file's current content must have (as file.read reports it); otherwise nothing is written.
+    #[schemars(regex(pattern = r"^[0-9a-fA-F]{64}$"))]
     expected_sha256: Option<String>,
-}
-
-impl WriteRequest {
-    fn parse(args: &Args) -> Self {
-        Self {
-            path: arg_str(args, "path").unwrap_or_default().to_owned(),
-            content: arg_str(args, "content").unwrap_or_default().to_owned(),
-            encoding: Encoding::parse(args),
-            mode: WriteMode::parse(args),
-            expected_sha256: arg_str(args, "expected_sha256").map(str::to_ascii_lowercase),
-        }
-    }
 }
 
 /// The file a write is about to replace.
@@ -645,7 +748,7 @@ impl Drop for TempFile<'_> {
 }
 
 impl Files {
-    fn write(&self, req: &WriteRequest) -> Result<Value, ToolError> {
+    fn write(&self, req: &WriteArgs) -> Result<Value, ToolError> {
         if self.writable.is_empty() {
             return Err(if self.readable.is_empty() {
                 no_roots()
@@ -672,27 +775,26 @@ impl Files {
         else {
             return Err(not_regular(&t, "directory"));
         };
-        let root = open_root(t.root)?;
-        let dir = resolve(root.as_fd(), parent, OFlag::O_RDONLY | OFlag::O_DIRECTORY).map_err(
-            |e| match e {
+        let root = t.root.dir.as_fd();
+        let dir =
+            resolve(root, parent, OFlag::O_RDONLY | OFlag::O_DIRECTORY).map_err(|e| match e {
                 Errno::ENOENT | Errno::ENOTDIR => {
                     invalid(format!("the directory of {} does not exist", t.shown))
                 }
                 other => resolve_error(&t, other),
-            },
-        )?;
+            })?;
 
         // From reading the current file to the rename, writes are serialized: two appends,
         // or two writes with the same expected_sha256, must not both win.
         let _serial = WRITES.lock();
-        let current = self.current(root.as_fd(), dir.as_fd(), &t, name, req, data.len())?;
+        let current = self.current(root, dir.as_fd(), &t, name, req, data.len())?;
         if req.mode == WriteMode::Create && current.is_some() {
             return Err(invalid(format!(
                 "{} already exists; use mode \"overwrite\" or \"append\" to change it",
                 t.shown
             )));
         }
-        if let Some(expected) = &req.expected_sha256 {
+        if let Some(expected) = req.expected_sha256.as_deref().map(str::to_ascii_lowercase) {
             match &current {
                 None => {
                     return Err(invalid(format!(
@@ -774,7 +876,7 @@ impl Files {
         dir: BorrowedFd<'_>,
         t: &Target<'_>,
         name: &str,
-        req: &WriteRequest,
+        req: &WriteArgs,
         adding: usize,
     ) -> Result<Option<Current>, ToolError> {
         let st = match nix::sys::stat::fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
@@ -850,7 +952,9 @@ where
 
 struct ReadTool(Arc<Files>);
 
-impl HostTool for ReadTool {
+impl TypedTool for ReadTool {
+    type Args = ReadArgs;
+
     fn spec(&self) -> ToolSpec {
         let f = &self.0;
         let roots = if f.readable.is_empty() {
@@ -858,37 +962,34 @@ impl HostTool for ReadTool {
         } else {
             format!("Readable roots: {}.", show_roots(&f.readable))
         };
-        ToolSpec {
-            name: "file.read".into(),
-            description: format!(
+        ToolSpec::typed::<Self::Args>(
+            "file.read",
+            format!(
                 "Read a regular file under this host's file roots. {roots} Returns up to `length` bytes (default and ceiling {max} bytes) from `offset` as UTF-8 text or base64, the file's `size`, `eof`, and `sha256` of the whole file when it is at most {max} bytes (pass it to file.write as expected_sha256). Symbolic links are followed only while they stay inside the root (relative link targets only).",
                 max = f.max_read
             ),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "path": path_schema(),
-                    "offset": {"type": "integer", "minimum": 0, "description": "Byte offset to start at (default 0)."},
-                    "length": {"type": "integer", "minimum": 0, "description": format!("Bytes to return at most (default and ceiling {}).", f.max_read)},
-                    "encoding": encoding_schema("to return the content"),
-                },
-                "required": ["path"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations::READ_ONLY,
-        }
+            Annotations::READ_ONLY,
+        )
+        .describe(
+            "length",
+            format!(
+                "Bytes to return at most (default and ceiling {}).",
+                f.max_read
+            ),
+        )
     }
 
-    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: ReadArgs) -> ToolFuture<'a> {
         let files = Arc::clone(&self.0);
-        let req = ReadRequest::parse(&args);
-        Box::pin(blocking(move || files.read(&req)))
+        Box::pin(blocking(move || files.read(&args)))
     }
 }
 
 struct WriteTool(Arc<Files>);
 
-impl HostTool for WriteTool {
+impl TypedTool for WriteTool {
+    type Args = WriteArgs;
+
     fn spec(&self) -> ToolSpec {
         let f = &self.0;
         let roots = if f.writable.is_empty() {
@@ -896,47 +997,25 @@ impl HostTool for WriteTool {
         } else {
             format!("Write roots: {}.", show_roots(&f.writable))
         };
-        ToolSpec {
-            name: "file.write".into(),
-            description: format!(
+        ToolSpec::typed::<Self::Args>(
+            "file.write",
+            format!(
                 "Write a regular file under this host's write roots, atomically: readers see the old or the new content, never a mix. {roots} `mode` is `create` (default; the file must not exist), `overwrite` or `append` (both create a missing file). At most {max} bytes of content, and of the file after an append. `expected_sha256` makes the write conditional on the current content. Symbolic links as the last path component are refused.",
                 max = f.max_write
             ),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "path": path_schema(),
-                    "content": {"type": "string", "description": "The bytes to write, encoded as `encoding` says."},
-                    "encoding": encoding_schema("`content` is encoded"),
-                    "mode": {
-                        "type": "string",
-                        "enum": ["create", "overwrite", "append"],
-                        "description": "`create` (default), `overwrite` or `append`."
-                    },
-                    "expected_sha256": {
-                        "type": "string",
-                        "pattern": "^[0-9a-fA-F]{64}$",
-                        "description": "Hex SHA-256 the file's current content must have (as file.read reports it); otherwise nothing is written."
-                    },
-                    IDEMPOTENCY_KEY: idempotency_key_schema(),
-                },
-                "required": ["path", "content"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations {
+            Annotations {
                 read_only: false,
                 destructive: true,
                 idempotent: false,
                 self_service: false,
                 replay_safe: true,
             },
-        }
+        )
     }
 
-    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: WriteArgs) -> ToolFuture<'a> {
         let files = Arc::clone(&self.0);
-        let req = WriteRequest::parse(&args);
-        Box::pin(blocking(move || files.write(&req)))
+        Box::pin(blocking(move || files.write(&args)))
     }
 }
 
@@ -970,7 +1049,8 @@ mod tests {
                 write_roots: vec![dir.path().join("rw")],
                 max_read,
                 max_write,
-            });
+            })
+            .expect("the roots open");
             Tree { dir, files }
         }
 
@@ -981,15 +1061,13 @@ mod tests {
         fn read(&self, rel: &str, extra: Value) -> Result<Value, ToolError> {
             let mut args = json!({"path": self.path(rel)});
             merge(&mut args, extra);
-            self.files
-                .read(&ReadRequest::parse(args.as_object().unwrap()))
+            self.files.read(&parsed(args)?)
         }
 
         fn write(&self, rel: &str, content: &str, extra: Value) -> Result<Value, ToolError> {
             let mut args = json!({"path": self.path(rel), "content": content});
             merge(&mut args, extra);
-            self.files
-                .write(&WriteRequest::parse(args.as_object().unwrap()))
+            self.files.write(&parsed(args)?)
         }
 
         fn temp_files(&self, rel: &str) -> Vec<String> {
@@ -999,6 +1077,10 @@ mod tests {
                 .filter(|n| n.ends_with(TEMP_SUFFIX))
                 .collect()
         }
+    }
+
+    fn parsed<T: serde::de::DeserializeOwned>(args: Value) -> Result<T, ToolError> {
+        crate::session::catalog::parse_args(args.as_object().cloned().unwrap())
     }
 
     fn merge(args: &mut Value, extra: Value) {
@@ -1228,7 +1310,7 @@ mod tests {
             ToolErrorCode::InvalidArguments,
             "`..`",
         );
-        let req = |path: &str| ReadRequest {
+        let req = |path: &str| ReadArgs {
             path: path.into(),
             offset: 0,
             length: None,
@@ -1276,11 +1358,200 @@ mod tests {
         assert_eq!(t.rel, Path::new("conf/x.toml"));
         let t = locate("/srv/application", &roots, "read").unwrap();
         assert_eq!(
-            (t.root, t.rel.as_path()),
+            (t.root.as_path(), t.rel.as_path()),
             (Path::new("/srv"), Path::new("application"))
         );
         let t = locate("/srv", &roots, "read").unwrap();
         assert!(t.rel.as_os_str().is_empty());
+    }
+
+    fn chown(path: &Path, uid: u32) {
+        nix::unistd::chown(path, Some(Uid::from_raw(uid)), None).unwrap();
+    }
+
+    fn mkdir(path: &Path, mode: u32) {
+        std::fs::create_dir(path).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn write_root(root: &Path) -> Result<Files, Vec<ConfigIssue>> {
+        Files::new(&FileTool {
+            write_roots: vec![root.to_path_buf()],
+            ..FileTool::default()
+        })
+    }
+
+    /// The one problem with `root` as `tools.file.write_roots[0]`, without the path prefix.
+    #[track_caller]
+    fn root_problem(root: &Path) -> String {
+        let issues = write_root(root).expect_err("the root should be refused");
+        assert_eq!(issues.len(), 1, "{issues:?}");
+        assert_eq!(issues[0].path, "tools.file.write_roots[0]");
+        let prefix = format!("{}: ", root.display());
+        issues[0]
+            .problem
+            .strip_prefix(&prefix)
+            .unwrap_or_else(|| panic!("{:?} should start with {prefix:?}", issues[0].problem))
+            .to_owned()
+    }
+
+    #[test]
+    fn roots_below_a_directory_another_user_could_swap_are_refused() {
+        // The tests run as root: uid 65534 stands for any other user.
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path();
+        // Sticky and world-writable, like /tmp: only an entry's owner may rename it.
+        let public = base.join("public");
+        mkdir(&public, 0o1777);
+        let theirs = public.join("theirs");
+        mkdir(&theirs, 0o755);
+        chown(&theirs, 65534);
+        mkdir(&theirs.join("conf"), 0o755);
+        let problem = root_problem(&theirs.join("conf"));
+        assert!(
+            problem.starts_with(&format!(
+                "{} is owned by uid 65534, who could replace {}",
+                theirs.display(),
+                theirs.join("conf").display()
+            )),
+            "{problem}"
+        );
+        // The same place with a directory of root's in the middle is fine.
+        let ours = public.join("ours");
+        mkdir(&ours, 0o755);
+        mkdir(&ours.join("conf"), 0o755);
+        write_root(&ours.join("conf")).expect("a root below root's own directories");
+
+        for (mode, who) in [
+            (0o775, "its group (gid 0)"),
+            (0o757, "others"),
+            (0o777, "its group (gid 0) and by others"),
+        ] {
+            let open = base.join(format!("open-{mode:o}"));
+            mkdir(&open, mode);
+            mkdir(&open.join("conf"), 0o755);
+            let problem = root_problem(&open.join("conf"));
+            assert_eq!(
+                problem,
+                format!(
+                    "{} is writable by {who} (mode {mode:04o}) and not sticky, so another user could replace {}; the directories above a root must not be",
+                    open.display(),
+                    open.join("conf").display()
+                )
+            );
+        }
+
+        // The root itself may be anyone's and writable by its group: that is what a
+        // write root is for. Only what is above it must be safe.
+        let app = base.join("app");
+        mkdir(&app, 0o2775);
+        chown(&app, 65534);
+        write_root(&app).expect("a group-writable root of another user");
+    }
+
+    #[test]
+    fn a_root_must_be_a_directory_reached_without_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path();
+        mkdir(&base.join("real"), 0o755);
+        mkdir(&base.join("real/conf"), 0o755);
+        std::fs::write(base.join("file"), "x").unwrap();
+        symlink(base.join("real"), base.join("link")).unwrap();
+
+        let missing = base.join("missing/conf");
+        assert_eq!(
+            root_problem(&missing),
+            format!("{} does not exist", base.join("missing").display())
+        );
+        assert_eq!(root_problem(&base.join("missing")), "does not exist");
+        assert!(
+            root_problem(&base.join("link")).starts_with("is a symbolic link; name the directory"),
+            "{}",
+            root_problem(&base.join("link"))
+        );
+        let problem = root_problem(&base.join("link/conf"));
+        assert!(
+            problem.starts_with(&format!(
+                "{} is a symbolic link",
+                base.join("link").display()
+            )),
+            "{problem}"
+        );
+        assert_eq!(root_problem(&base.join("file")), "is not a directory");
+        assert_eq!(
+            root_problem(&base.join("file/conf")),
+            format!("{} is not a directory", base.join("file").display())
+        );
+
+        // Every bad root is reported, once, under the first key that names it.
+        let issues = Files::new(&FileTool {
+            read_roots: vec![missing.clone(), base.join("real")],
+            write_roots: vec![base.join("real/conf"), missing.clone(), base.join("link")],
+            ..FileTool::default()
+        })
+        .unwrap_err();
+        let keys: Vec<&str> = issues.iter().map(|i| i.path.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["tools.file.read_roots[0]", "tools.file.write_roots[2]"]
+        );
+    }
+
+    #[test]
+    fn the_held_root_is_used_after_its_path_is_swapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path();
+        mkdir(&base.join("p"), 0o755);
+        mkdir(&base.join("p/rw"), 0o755);
+        std::fs::write(base.join("p/rw/in-root"), "root content").unwrap();
+        mkdir(&base.join("decoy"), 0o755);
+        mkdir(&base.join("decoy/rw"), 0o755);
+        std::fs::write(base.join("decoy/rw/in-root"), SECRET).unwrap();
+        let files = write_root(&base.join("p/rw")).unwrap();
+
+        // The root's parent goes away; a link to the decoy takes its name.
+        std::fs::rename(base.join("p"), base.join("p-moved")).unwrap();
+        symlink(base.join("decoy"), base.join("p")).unwrap();
+
+        let path = base.join("p/rw/in-root").display().to_string();
+        let read = files.read(&parsed(json!({"path": path})).unwrap()).unwrap();
+        assert_eq!(read["content"], "root content");
+        files
+            .write(&parsed(json!({"path": path, "content": "new", "mode": "overwrite"})).unwrap())
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(base.join("p-moved/rw/in-root")).unwrap(),
+            "new"
+        );
+        assert_eq!(
+            std::fs::read_to_string(base.join("decoy/rw/in-root")).unwrap(),
+            SECRET
+        );
+        assert_eq!(std::fs::read_dir(base.join("decoy/rw")).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_name_too_long_for_the_filesystem_is_the_callers_mistake() {
+        let t = Tree::new();
+        let long = format!("rw/{}", "n".repeat(256));
+        for mode in ["create", "overwrite", "append"] {
+            refused(
+                t.write(&long, "x", json!({"mode": mode})),
+                ToolErrorCode::InvalidArguments,
+                "longer than the filesystem allows",
+            );
+        }
+        refused(
+            t.read(&long, json!({})),
+            ToolErrorCode::InvalidArguments,
+            "longer than the filesystem allows",
+        );
+        refused(
+            t.write(&format!("{long}/x"), "x", json!({})),
+            ToolErrorCode::InvalidArguments,
+            "longer than the filesystem allows",
+        );
+        assert!(t.temp_files("rw").is_empty());
     }
 
     #[test]
@@ -1499,20 +1770,14 @@ mod tests {
 
     #[test]
     fn without_roots_the_tools_are_unavailable() {
-        let files = Files::new(&FileTool::default());
+        let files = Files::new(&FileTool::default()).unwrap();
         let e = files
-            .read(&ReadRequest::parse(
-                json!({"path": "/etc/hostname"}).as_object().unwrap(),
-            ))
+            .read(&parsed(json!({"path": "/etc/hostname"})).unwrap())
             .unwrap_err();
         assert_eq!(e.code, ToolErrorCode::Unavailable);
         assert!(e.message.contains("no file roots are configured"), "{e}");
         let e = files
-            .write(&WriteRequest::parse(
-                json!({"path": "/tmp/x", "content": ""})
-                    .as_object()
-                    .unwrap(),
-            ))
+            .write(&parsed(json!({"path": "/tmp/x", "content": ""})).unwrap())
             .unwrap_err();
         assert_eq!(e.code, ToolErrorCode::Unavailable);
         // With read roots only, writes are unavailable and reads work.
@@ -1520,13 +1785,10 @@ mod tests {
         let ro = Files::new(&FileTool {
             read_roots: vec![t.dir.path().join("ro")],
             ..FileTool::default()
-        });
+        })
+        .unwrap();
         let e = ro
-            .write(&WriteRequest::parse(
-                json!({"path": t.path("ro/x"), "content": ""})
-                    .as_object()
-                    .unwrap(),
-            ))
+            .write(&parsed(json!({"path": t.path("ro/x"), "content": ""})).unwrap())
             .unwrap_err();
         assert_eq!(e.code, ToolErrorCode::Unavailable);
         assert!(e.message.contains("write roots"), "{e}");
@@ -1573,7 +1835,8 @@ mod tests {
             read_roots: vec![t.dir.path().join("ro")],
             write_roots: vec![t.dir.path().join("rw")],
             ..FileTool::default()
-        });
+        })
+        .unwrap();
         let specs: Vec<ToolSpec> = tools.iter().map(|t| t.spec()).collect();
         assert_eq!(specs[0].name, "file.read");
         assert_eq!(specs[0].annotations, Annotations::READ_ONLY);
@@ -1582,7 +1845,7 @@ mod tests {
         assert!(!specs[1].annotations.read_only);
         assert!(
             specs[1].input_schema["properties"]
-                .get(IDEMPOTENCY_KEY)
+                .get(crate::session::catalog::IDEMPOTENCY_KEY)
                 .is_some()
         );
         assert!(specs[0].description.contains(&t.path("ro")));
@@ -1595,7 +1858,8 @@ mod tests {
         let tools = tools(&FileTool {
             write_roots: vec![t.dir.path().join("rw")],
             ..FileTool::default()
-        });
+        })
+        .unwrap();
         let caller = crate::session::Caller::Local(0);
         let ctx = ToolContext {
             caller: &caller,

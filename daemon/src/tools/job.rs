@@ -4,16 +4,21 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::json;
 
-use super::{arg_str, arg_u64, invalid, schema};
+use super::invalid;
 use crate::config::JobTemplate;
 use crate::host::Host;
 use crate::jobs::{JobKind, Jobs, TAIL_PAGE_MAX, Work};
-use crate::session::catalog::{
-    Annotations, HostTool, IDEMPOTENCY_KEY, ToolFuture, ToolSpec, idempotency_key_schema,
-};
-use crate::session::{Args, ToolContext, ToolError, ToolOutput};
+use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{ToolContext, ToolError, ToolOutput};
+
+/// What `job.tail` returns at most when the caller names no `max_bytes`.
+const TAIL_PAGE_DEFAULT: u64 = 64 * 1024;
+/// The largest cursor: output offsets are stored as SQLite integers (`i64`).
+const CURSOR_MAX: u64 = i64::MAX as u64;
 
 pub fn tools(
     templates: &BTreeMap<String, JobTemplate>,
@@ -37,14 +42,42 @@ fn structured<T: serde::Serialize>(value: &T) -> Result<ToolOutput, ToolError> {
         .map_err(|e| super::internal("encoding the job", e))
 }
 
-fn job_id(args: &Args) -> Result<i64, ToolError> {
-    args.get("job_id")
-        .and_then(serde_json::Value::as_i64)
-        .ok_or_else(|| invalid("job_id must be an integer"))
+/// `job.start` arguments (the session has taken the idempotency key out).
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct StartArgs {
+    /// The name of a job template configured on this host ([jobs.<name>]).
+    template: String,
 }
 
-fn job_id_schema() -> serde_json::Value {
-    json!({"type": "integer", "minimum": 1, "description": "The job handle job.start returned."})
+/// `job.status` and `job.cancel` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct JobArgs {
+    /// The job handle job.start returned.
+    #[schemars(range(min = 1))]
+    job_id: i64,
+}
+
+/// `job.tail` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct TailArgs {
+    /// The job handle job.start returned.
+    #[schemars(range(min = 1))]
+    job_id: i64,
+    /// Byte offset in the job's output to start at (0 for the beginning; next_cursor of the previous page).
+    #[serde(default)]
+    #[schemars(range(max = CURSOR_MAX))]
+    cursor: u64,
+    /// Bytes to return at most (default 65536).
+    #[serde(default = "tail_page_default")]
+    #[schemars(range(min = 1, max = TAIL_PAGE_MAX))]
+    max_bytes: u64,
+}
+
+fn tail_page_default() -> u64 {
+    TAIL_PAGE_DEFAULT
 }
 
 struct Start {
@@ -52,38 +85,33 @@ struct Start {
     jobs: Arc<Jobs>,
 }
 
-impl HostTool for Start {
+impl TypedTool for Start {
+    type Args = StartArgs;
+
     fn spec(&self) -> ToolSpec {
-        let names: Vec<&String> = self.templates.keys().collect();
-        let mut template = json!({
-            "type": "string",
-            "description": "The name of a job template configured on this host ([jobs.<name>])."
-        });
-        if !names.is_empty() {
-            template["enum"] = json!(names);
-        }
-        ToolSpec {
-            name: "job.start".into(),
-            description: "Start a job from a template configured on this host; returns a durable job handle at once. Follow it with job.status and job.tail.".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {"template": template, IDEMPOTENCY_KEY: idempotency_key_schema()},
-                "required": ["template"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations {
+        let mut spec = ToolSpec::typed::<Self::Args>(
+            "job.start",
+            "Start a job from a template configured on this host; returns a durable job handle at once. Follow it with job.status and job.tail.",
+            Annotations {
                 read_only: false,
                 destructive: false,
                 idempotent: false,
                 self_service: false,
                 replay_safe: true,
             },
+        );
+        let names: Vec<&String> = self.templates.keys().collect();
+        if !names.is_empty()
+            && let Some(template) = spec.property_mut("template")
+        {
+            template.insert("enum".into(), json!(names));
         }
+        spec
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: StartArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let name = arg_str(&args, "template").unwrap_or_default();
+            let name = args.template.as_str();
             let Some(template) = self.templates.get(name) else {
                 return Err(invalid(format!(
                     "there is no job template {name:?} on this host"
@@ -103,55 +131,40 @@ impl HostTool for Start {
 
 struct Status(Arc<Jobs>);
 
-impl HostTool for Status {
+impl TypedTool for Status {
+    type Args = JobArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "job.status".into(),
-            description: "The state of one of your jobs: running, succeeded, failed, cancelled, timed-out or outcome-unknown (the daemon stopped while it ran; it was not re-run).".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {"job_id": job_id_schema()},
-                "required": ["job_id"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations::READ_ONLY,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "job.status",
+            "The state of one of your jobs: running, succeeded, failed, cancelled, timed-out or outcome-unknown (the daemon stopped while it ran; it was not re-run).",
+            Annotations::READ_ONLY,
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
-        Box::pin(async move { structured(&self.0.visible(Some(ctx.caller), job_id(&args)?)?) })
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: JobArgs) -> ToolFuture<'a> {
+        Box::pin(async move { structured(&self.0.visible(Some(ctx.caller), args.job_id)?) })
     }
 }
 
 struct Tail(Arc<Jobs>);
 
-impl HostTool for Tail {
+impl TypedTool for Tail {
+    type Args = TailArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "job.tail".into(),
-            description: "A page of one of your jobs' output from a cursor (a byte offset; start at 0). Pass next_cursor back for the next page; complete is true once the job has ended and everything was read.".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "job_id": job_id_schema(),
-                    "cursor": {"type": "integer", "minimum": 0},
-                    "max_bytes": {"type": "integer", "minimum": 1, "maximum": TAIL_PAGE_MAX}
-                },
-                "required": ["job_id"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations::READ_ONLY,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "job.tail",
+            "A page of one of your jobs' output from a cursor (a byte offset; start at 0). Pass next_cursor back for the next page; complete is true once the job has ended and everything was read.",
+            Annotations::READ_ONLY,
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: TailArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let page = self.0.tail(
-                Some(ctx.caller),
-                job_id(&args)?,
-                arg_u64(&args, "cursor").unwrap_or(0),
-                arg_u64(&args, "max_bytes").unwrap_or(64 * 1024),
-            )?;
+            let page = self
+                .0
+                .tail(Some(ctx.caller), args.job_id, args.cursor, args.max_bytes)?;
             structured(&page)
         })
     }
@@ -159,28 +172,24 @@ impl HostTool for Tail {
 
 struct Cancel(Arc<Jobs>);
 
-impl HostTool for Cancel {
+impl TypedTool for Cancel {
+    type Args = JobArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "job.cancel".into(),
-            description: "Cancel one of your running jobs (its whole process group is killed). Cancelling a finished job changes nothing and returns its state.".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {"job_id": job_id_schema()},
-                "required": ["job_id"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations {
+        ToolSpec::typed::<Self::Args>(
+            "job.cancel",
+            "Cancel one of your running jobs (its whole process group is killed). Cancelling a finished job changes nothing and returns its state.",
+            Annotations {
                 read_only: false,
                 destructive: true,
                 idempotent: true,
                 self_service: true,
                 replay_safe: false,
             },
-        }
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
-        Box::pin(async move { structured(&self.0.cancel(Some(ctx.caller), job_id(&args)?)?) })
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: JobArgs) -> ToolFuture<'a> {
+        Box::pin(async move { structured(&self.0.cancel(Some(ctx.caller), args.job_id)?) })
     }
 }

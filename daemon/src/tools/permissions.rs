@@ -4,13 +4,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
 
-use super::{arg_str, invalid, schema};
-use crate::grants::{GrantKind, Grants};
+use super::{internal, invalid};
+use crate::grants::{GrantKind, Grants, MAX_REASON, MAX_SCOPE};
 use crate::host::Host;
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
-use crate::session::{Args, ToolContext, ToolError, ToolOutput};
+use crate::session::catalog::{Annotations, HostTool, NoArgs, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{Caller, ToolContext, ToolError, ToolOutput};
 
 /// A request's duration when the caller names none.
 const DEFAULT_DURATION: Duration = Duration::from_secs(3600);
@@ -18,14 +20,8 @@ const DEFAULT_DURATION: Duration = Duration::from_secs(3600);
 pub fn tools(host: &Arc<Host>) -> Vec<Box<dyn HostTool>> {
     let g = &host.grants;
     vec![
-        Box::new(Request {
-            grants: Arc::clone(g),
-            kind: GrantKind::RootAccess,
-        }),
-        Box::new(Request {
-            grants: Arc::clone(g),
-            kind: GrantKind::Elevation,
-        }),
+        Box::new(RootAccess(Arc::clone(g))),
+        Box::new(Elevation(Arc::clone(g))),
         Box::new(List(Arc::clone(g))),
         Box::new(Revoke(Arc::clone(g))),
     ]
@@ -42,135 +38,172 @@ const SELF_SERVICE: Annotations = Annotations {
 fn structured<T: serde::Serialize>(value: &T) -> Result<ToolOutput, ToolError> {
     serde_json::to_value(value)
         .map(ToolOutput::Structured)
-        .map_err(|e| super::internal("encoding the grant", e))
+        .map_err(|e| internal("encoding the grant", e))
 }
 
-struct Request {
-    grants: Arc<Grants>,
+/// `permissions.request_root_access` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RootAccessArgs {
+    /// Why you need it; the operator reads this.
+    #[schemars(length(min = 1, max = MAX_REASON))]
+    reason: String,
+    /// Canonical tool names or patterns the grant should cover (default: every tool that policy puts behind a grant).
+    #[schemars(length(min = 1, max = MAX_SCOPE), inner(regex(pattern = r"^[A-Za-z0-9_.*-]{1,64}$")))]
+    scope: Option<Vec<String>>,
+    /// How long, e.g. "30m" or "2h".
+    duration: Option<String>,
+}
+
+/// `permissions.request_elevation` arguments: as for root access, with a scope required.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ElevationArgs {
+    /// Why you need it; the operator reads this.
+    #[schemars(length(min = 1, max = MAX_REASON))]
+    reason: String,
+    /// Canonical tool names or patterns the grant should cover.
+    #[schemars(length(min = 1, max = MAX_SCOPE), inner(regex(pattern = r"^[A-Za-z0-9_.*-]{1,64}$")))]
+    scope: Vec<String>,
+    /// How long, e.g. "30m" or "2h".
+    duration: Option<String>,
+}
+
+fn max_duration(grants: &Grants) -> String {
+    humantime::format_duration(grants.max_duration()).to_string()
+}
+
+/// Files a pending request; the answer tells the caller what happens next.
+fn request(
+    grants: &Grants,
+    caller: &Caller,
     kind: GrantKind,
+    reason: &str,
+    scope: Vec<String>,
+    duration: Option<&str>,
+) -> Result<ToolOutput, ToolError> {
+    let duration = match duration {
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid(format!("duration {text:?}: {e}")))?,
+        None => DEFAULT_DURATION.min(grants.max_duration()),
+    };
+    let grant = grants.request(caller, kind, reason, scope, duration)?;
+    let mut out = serde_json::to_value(&grant).map_err(|e| internal("encoding the grant", e))?;
+    out["next"] = json!(format!(
+        "an operator approves it with `robota-mcpctl grants approve {}`; check with permissions.list_root_access",
+        grant.grant_id
+    ));
+    Ok(ToolOutput::Structured(out))
 }
 
-impl HostTool for Request {
+struct RootAccess(Arc<Grants>);
+
+impl TypedTool for RootAccess {
+    type Args = RootAccessArgs;
+
     fn spec(&self) -> ToolSpec {
-        let max = humantime::format_duration(self.grants.max_duration()).to_string();
-        let (name, description, scope_required) = match self.kind {
-            GrantKind::RootAccess => (
-                "permissions.request_root_access",
-                format!(
-                    "Ask an operator for root access: a grant covering every tool that policy puts behind a grant (or the tools named in scope), for a limited time (default 1h, at most {max}). Returns a pending grant; calls it covers succeed once an operator approves it."
-                ),
-                false,
+        ToolSpec::typed::<Self::Args>(
+            "permissions.request_root_access",
+            format!(
+                "Ask an operator for root access: a grant covering every tool that policy puts behind a grant (or the tools named in scope), for a limited time (default 1h, at most {}). Returns a pending grant; calls it covers succeed once an operator approves it.",
+                max_duration(&self.0)
             ),
-            GrantKind::Elevation => (
-                "permissions.request_elevation",
-                format!(
-                    "Ask an operator for a grant covering the tools named in scope (patterns like \"file.write\" or \"service.*\") for a limited time (default 1h, at most {max}). Returns a pending grant; calls it covers succeed once an operator approves it."
-                ),
-                true,
-            ),
-        };
-        let mut input = json!({
-            "type": "object",
-            "properties": {
-                "reason": {"type": "string", "minLength": 1, "maxLength": crate::grants::MAX_REASON,
-                           "description": "Why you need it; the operator reads this."},
-                "scope": {"type": "array", "minItems": 1, "maxItems": crate::grants::MAX_SCOPE,
-                          "items": {"type": "string", "pattern": "^[A-Za-z0-9_.*-]{1,64}$"},
-                          "description": "Canonical tool names or patterns the grant should cover."},
-                "duration": {"type": "string", "description": "How long, e.g. \"30m\" or \"2h\"."}
-            },
-            "required": ["reason"],
-            "additionalProperties": false
-        });
-        if scope_required {
-            input["required"] = json!(["reason", "scope"]);
-        }
-        ToolSpec {
-            name: name.into(),
-            description,
-            input_schema: schema(input),
-            annotations: SELF_SERVICE,
-        }
+            SELF_SERVICE,
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: RootAccessArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let reason = arg_str(&args, "reason").unwrap_or_default();
-            let scope: Vec<String> = match args.get("scope").and_then(Value::as_array) {
-                Some(items) => items
-                    .iter()
-                    .filter_map(Value::as_str)
-                    .map(str::to_owned)
-                    .collect(),
-                None => vec!["*".into()],
-            };
-            let duration = match arg_str(&args, "duration") {
-                Some(text) => humantime::parse_duration(text)
-                    .map_err(|e| invalid(format!("duration {text:?}: {e}")))?,
-                None => DEFAULT_DURATION.min(self.grants.max_duration()),
-            };
-            let grant = self
-                .grants
-                .request(ctx.caller, self.kind, reason, scope, duration)?;
-            let mut out = serde_json::to_value(&grant)
-                .map_err(|e| super::internal("encoding the grant", e))?;
-            out["next"] = json!(format!(
-                "an operator approves it with `robota-mcpctl grants approve {}`; check with permissions.list_root_access",
-                grant.grant_id
-            ));
-            Ok(ToolOutput::Structured(out))
+            let scope = args.scope.unwrap_or_else(|| vec!["*".into()]);
+            request(
+                &self.0,
+                ctx.caller,
+                GrantKind::RootAccess,
+                &args.reason,
+                scope,
+                args.duration.as_deref(),
+            )
+        })
+    }
+}
+
+struct Elevation(Arc<Grants>);
+
+impl TypedTool for Elevation {
+    type Args = ElevationArgs;
+
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::typed::<Self::Args>(
+            "permissions.request_elevation",
+            format!(
+                "Ask an operator for a grant covering the tools named in scope (patterns like \"file.write\" or \"service.*\") for a limited time (default 1h, at most {}). Returns a pending grant; calls it covers succeed once an operator approves it.",
+                max_duration(&self.0)
+            ),
+            SELF_SERVICE,
+        )
+    }
+
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: ElevationArgs) -> ToolFuture<'a> {
+        Box::pin(async move {
+            request(
+                &self.0,
+                ctx.caller,
+                GrantKind::Elevation,
+                &args.reason,
+                args.scope,
+                args.duration.as_deref(),
+            )
         })
     }
 }
 
 struct List(Arc<Grants>);
 
-impl HostTool for List {
+impl TypedTool for List {
+    type Args = NoArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "permissions.list_root_access".into(),
-            description: "Your grants, newest first: pending, approved (with expiry), denied, revoked and expired.".into(),
-            input_schema: schema(json!({"type": "object", "properties": {}, "additionalProperties": false})),
-            annotations: Annotations::READ_ONLY,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "permissions.list_root_access",
+            "Your grants, newest first: pending, approved (with expiry), denied, revoked and expired.",
+            Annotations::READ_ONLY,
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, _args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, _args: NoArgs) -> ToolFuture<'a> {
         Box::pin(async move {
             let grants = self
                 .0
                 .list(Some(&ctx.caller.to_string()), false)
-                .map_err(|e| super::internal("reading grants", e))?;
+                .map_err(|e| internal("reading grants", e))?;
             structured(&json!({"grants": grants}))
         })
     }
 }
 
+/// `permissions.revoke_root_access` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RevokeArgs {
+    /// The grant to give back (its grant_id).
+    #[schemars(range(min = 1))]
+    grant_id: i64,
+}
+
 struct Revoke(Arc<Grants>);
 
-impl HostTool for Revoke {
+impl TypedTool for Revoke {
+    type Args = RevokeArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "permissions.revoke_root_access".into(),
-            description: "Give back one of your grants (pending or approved) before it expires."
-                .into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {"grant_id": {"type": "integer", "minimum": 1}},
-                "required": ["grant_id"],
-                "additionalProperties": false
-            })),
-            annotations: SELF_SERVICE,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "permissions.revoke_root_access",
+            "Give back one of your grants (pending or approved) before it expires.",
+            SELF_SERVICE,
+        )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
-        Box::pin(async move {
-            let id = args
-                .get("grant_id")
-                .and_then(Value::as_i64)
-                .ok_or_else(|| invalid("grant_id must be an integer"))?;
-            structured(&self.0.revoke_own(ctx.caller, id)?)
-        })
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: RevokeArgs) -> ToolFuture<'a> {
+        Box::pin(async move { structured(&self.0.revoke_own(ctx.caller, args.grant_id)?) })
     }
 }

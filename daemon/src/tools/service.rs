@@ -14,17 +14,19 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use futures_util::StreamExt;
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use zbus::Connection;
 use zbus::proxy::CacheProperties;
 use zbus::zvariant::{ObjectPath, OwnedObjectPath, OwnedValue};
 
-use super::{allowed, arg_str, invalid, schema};
+use super::{allowed, invalid};
 use crate::config::ServiceTool;
 use crate::host::Host;
 use crate::jobs::{Finish, JobKind, JobState, Jobs, OutputSink, Work};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
-use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
 
 const UNIT_IFACE: &str = "org.freedesktop.systemd1.Unit";
 const SERVICE_IFACE: &str = "org.freedesktop.systemd1.Service";
@@ -403,43 +405,47 @@ async fn properties(
 
 struct Status(Arc<Systemd>);
 
-fn unit_schema(patterns: &[String]) -> Value {
-    let description = if patterns.is_empty() {
+/// The `unit` description, naming what this host allows.
+fn unit_description(patterns: &[String]) -> String {
+    if patterns.is_empty() {
         "A systemd unit name. No units are configured on this host.".to_owned()
     } else {
         format!(
             "A systemd unit name with its type suffix (e.g. nginx.service). This host allows units matching: {}.",
             patterns.join(", ")
         )
-    };
-    json!({"type": "string", "minLength": 1, "maxLength": UNIT_NAME_MAX, "description": description})
+    }
 }
 
-impl HostTool for Status {
+/// `service.status` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct StatusArgs {
+    /// A systemd unit name.
+    #[schemars(length(min = 1, max = UNIT_NAME_MAX))]
+    unit: String,
+}
+
+impl TypedTool for Status {
+    type Args = StatusArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "service.status".into(),
-            description: "The state of a systemd unit this host allows: load, active and sub state, description, unit file state, main PID (services) and when it last became active. A unit that does not exist has load_state \"not-found\".".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {"unit": unit_schema(&self.0.units)},
-                "required": ["unit"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations::READ_ONLY,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "service.status",
+            "The state of a systemd unit this host allows: load, active and sub state, description, unit file state, main PID (services) and when it last became active. A unit that does not exist has load_state \"not-found\".",
+            Annotations::READ_ONLY,
+        )
+        .describe("unit", unit_description(&self.0.units))
     }
 
-    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
-        Box::pin(async move {
-            let unit = arg_str(&args, "unit").unwrap_or_default();
-            self.0.status(unit).await.map(ToolOutput::Structured)
-        })
+    fn run<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: StatusArgs) -> ToolFuture<'a> {
+        Box::pin(async move { self.0.status(&args.unit).await.map(ToolOutput::Structured) })
     }
 }
 
 /// What `service.action` asks systemd to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
 enum Verb {
     Start,
     Stop,
@@ -448,8 +454,6 @@ enum Verb {
 }
 
 impl Verb {
-    const ALL: [Verb; 4] = [Verb::Start, Verb::Stop, Verb::Restart, Verb::Reload];
-
     fn as_str(self) -> &'static str {
         match self {
             Verb::Start => "start",
@@ -457,10 +461,6 @@ impl Verb {
             Verb::Restart => "restart",
             Verb::Reload => "reload",
         }
-    }
-
-    fn parse(text: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|v| v.as_str() == text)
     }
 
     fn method(self) -> &'static str {
@@ -483,46 +483,44 @@ impl Verb {
     }
 }
 
+/// `service.action` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ActionArgs {
+    /// A systemd unit name.
+    #[schemars(length(min = 1, max = UNIT_NAME_MAX))]
+    unit: String,
+    /// What to ask systemd to do.
+    action: Verb,
+}
+
 struct Action {
     systemd: Arc<Systemd>,
     jobs: Arc<Jobs>,
     timeout: Duration,
 }
 
-impl HostTool for Action {
+impl TypedTool for Action {
+    type Args = ActionArgs;
+
     fn spec(&self) -> ToolSpec {
-        let verbs: Vec<&str> = Verb::ALL.iter().map(|v| v.as_str()).collect();
-        ToolSpec {
-            name: "service.action".into(),
-            description: "Start, stop, restart or reload a systemd unit this host allows. Returns a durable job handle at once; follow it with job.status and job.tail. The job succeeds when systemd's job ends with result \"done\". Never retried: calling twice acts twice.".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "unit": unit_schema(&self.systemd.units),
-                    "action": {"type": "string", "enum": verbs}
-                },
-                "required": ["unit", "action"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations {
+        ToolSpec::typed::<Self::Args>(
+            "service.action",
+            "Start, stop, restart or reload a systemd unit this host allows. Returns a durable job handle at once; follow it with job.status and job.tail. The job succeeds when systemd's job ends with result \"done\". Never retried: calling twice acts twice.",
+            Annotations {
                 read_only: false,
                 destructive: true,
                 idempotent: false,
                 self_service: false,
                 replay_safe: false,
             },
-        }
+        )
+        .describe("unit", unit_description(&self.systemd.units))
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: ActionArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let unit = arg_str(&args, "unit").unwrap_or_default().to_owned();
-            let action = arg_str(&args, "action").unwrap_or_default();
-            let verb = Verb::parse(action).ok_or_else(|| {
-                invalid(format!(
-                    "{action:?} is not one of start, stop, restart, reload"
-                ))
-            })?;
+            let ActionArgs { unit, action: verb } = args;
             admit(&self.systemd.units, &unit)?;
             let conn = self.systemd.connection().await?;
             // Resolve first, so that an alias of a unit outside the allow-list is refused
@@ -825,11 +823,16 @@ mod tests {
 
     #[test]
     fn verbs_map_to_manager_methods() {
-        for v in Verb::ALL {
-            assert_eq!(Verb::parse(v.as_str()), Some(v));
+        for (text, verb, method) in [
+            ("start", Verb::Start, "StartUnit"),
+            ("stop", Verb::Stop, "StopUnit"),
+            ("restart", Verb::Restart, "RestartUnit"),
+            ("reload", Verb::Reload, "ReloadUnit"),
+        ] {
+            assert_eq!(serde_json::from_value::<Verb>(json!(text)).unwrap(), verb);
+            assert_eq!((verb.as_str(), verb.method()), (text, method));
         }
-        assert_eq!(Verb::Restart.method(), "RestartUnit");
-        assert_eq!(Verb::parse("kill"), None);
+        assert!(serde_json::from_value::<Verb>(json!("kill")).is_err());
     }
 
     #[tokio::test]

@@ -4,8 +4,8 @@ use serde_json::{Value, json};
 use std::collections::HashSet;
 
 use super::internal;
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
-use crate::session::{Args, ToolContext, ToolError, ToolOutput};
+use crate::session::catalog::{Annotations, NoArgs, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{ToolContext, ToolError, ToolOutput};
 
 /// Filesystems `system.health` reports on (deduplicated by device).
 const HEALTH_PATHS: [&str; 3] = ["/", "/var", "/tmp"];
@@ -14,29 +14,20 @@ const HEALTH_PATHS: [&str; 3] = ["/", "/var", "/tmp"];
 const DISK_PRESSURE: f64 = 0.90;
 const MEMORY_PRESSURE: f64 = 0.90;
 
-fn read_only_spec(name: &str, description: &str) -> ToolSpec {
-    ToolSpec {
-        name: name.into(),
-        description: description.into(),
-        input_schema: json!({"type": "object", "properties": {}, "additionalProperties": false})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-        annotations: Annotations::READ_ONLY,
-    }
-}
-
 pub struct Info;
 
-impl HostTool for Info {
+impl TypedTool for Info {
+    type Args = NoArgs;
+
     fn spec(&self) -> ToolSpec {
-        read_only_spec(
+        ToolSpec::typed::<Self::Args>(
             "system.info",
             "Host identity: hostname, OS release, kernel, architecture, uptime, CPUs, memory and the daemon's version.",
+            Annotations::READ_ONLY,
         )
     }
 
-    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, _args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, _ctx: &'a ToolContext<'a>, _args: NoArgs) -> ToolFuture<'a> {
         Box::pin(async { info().map(ToolOutput::Structured) })
     }
 }
@@ -101,15 +92,18 @@ fn meminfo_bytes(text: &str, key: &str) -> Option<u64> {
 
 pub struct Health;
 
-impl HostTool for Health {
+impl TypedTool for Health {
+    type Args = NoArgs;
+
     fn spec(&self) -> ToolSpec {
-        read_only_spec(
+        ToolSpec::typed::<Self::Args>(
             "system.health",
             "Host health: load, memory and disk pressure, and the daemon's serving carriers; `status` is `ok` or `degraded`.",
+            Annotations::READ_ONLY,
         )
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, _args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, _args: NoArgs) -> ToolFuture<'a> {
         Box::pin(async move { health(ctx).map(ToolOutput::Structured) })
     }
 }

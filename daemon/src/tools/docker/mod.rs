@@ -14,14 +14,16 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{Method, StatusCode};
+use schemars::JsonSchema;
+use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{allowed, arg_str, arg_u64, invalid, schema};
+use super::{allowed, invalid};
 use crate::config::DockerTool;
 use crate::host::Host;
 use crate::jobs::{Finish, Jobs, OutputSink, Work};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec};
-use crate::session::{Args, ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
 use engine::{Engine, EngineError, Response};
 use logs::Collector;
 
@@ -41,6 +43,8 @@ const LOG_BODY_CEILING: u64 = 64 * 1024 * 1024;
 /// `tail` bounds and default.
 const TAIL_MAX: u64 = 10_000;
 const TAIL_DEFAULT: u64 = 100;
+/// The latest `since` in unix seconds: the engine reads it as a signed 64-bit integer.
+const SINCE_MAX: u64 = i64::MAX as u64;
 /// Longest container name accepted.
 const NAME_MAX: usize = 255;
 
@@ -83,14 +87,13 @@ impl Docker {
 
     /// The container argument, checked: grammar first, then the allow-list. Nothing is
     /// sent to the engine for a name that fails either.
-    fn permitted<'a>(&self, args: &'a Args) -> Result<&'a str, ToolError> {
+    fn permitted<'a>(&self, name: &'a str) -> Result<&'a str, ToolError> {
         if self.containers.is_empty() {
             return Err(ToolError::new(
                 ToolErrorCode::Unavailable,
                 "no containers are configured on this host ([tools.docker] containers is empty)",
             ));
         }
-        let name = arg_str(args, "container").unwrap_or_default();
         check_name(name).map_err(invalid)?;
         if !allowed(&self.containers, name) {
             return Err(not_allowed(name));
@@ -193,23 +196,15 @@ impl Docker {
         }
     }
 
-    async fn logs(&self, args: &Args) -> Result<Value, ToolError> {
-        let name = self.permitted(args)?;
-        let tail = arg_u64(args, "tail").unwrap_or(TAIL_DEFAULT);
-        if !(1..=TAIL_MAX).contains(&tail) {
-            return Err(invalid(format!("tail must be between 1 and {TAIL_MAX}")));
-        }
-        let since = match args.get("since") {
-            None | Some(Value::Null) => None,
-            Some(value) => Some(since(value, SystemTime::now()).map_err(invalid)?),
+    async fn logs(&self, args: &LogsArgs) -> Result<Value, ToolError> {
+        let name = self.permitted(&args.container)?;
+        let tail = args.tail;
+        let since = match &args.since {
+            None => None,
+            Some(Since::Seconds(secs)) => Some(*secs),
+            Some(Since::Ago(text)) => Some(since_ago(text, SystemTime::now()).map_err(invalid)?),
         };
-        let flag =
-            |key: &str, default: bool| args.get(key).and_then(Value::as_bool).unwrap_or(default);
-        let (stdout, stderr, timestamps) = (
-            flag("stdout", true),
-            flag("stderr", true),
-            flag("timestamps", false),
-        );
+        let (stdout, stderr, timestamps) = (args.stdout, args.stderr, args.timestamps);
         if !stdout && !stderr {
             return Err(invalid("at least one of stdout and stderr must be true"));
         }
@@ -372,65 +367,111 @@ fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `since`: unix seconds, or a duration (`"10m"`) meaning that long before `now`.
-fn since(value: &Value, now: SystemTime) -> Result<u64, String> {
-    const PROBLEM: &str = "since must be unix seconds (an integer) or a duration such as \"10m\"";
-    match value {
-        Value::Number(n) => n.as_u64().ok_or_else(|| PROBLEM.to_owned()),
-        Value::String(text) => {
-            let ago = humantime::parse_duration(text.trim())
-                .map_err(|e| format!("{PROBLEM}; {text:?}: {e}"))?;
-            let at = now.checked_sub(ago).unwrap_or(UNIX_EPOCH);
-            Ok(at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()))
-        }
-        _ => Err(PROBLEM.to_owned()),
-    }
+/// A duration (`"10m"`) meaning that long before `now`, in unix seconds.
+fn since_ago(text: &str, now: SystemTime) -> Result<u64, String> {
+    let ago = humantime::parse_duration(text.trim()).map_err(|e| {
+        format!(
+            "since must be unix seconds (an integer) or a duration such as \"10m\"; {text:?}: {e}"
+        )
+    })?;
+    let at = now.checked_sub(ago).unwrap_or(UNIX_EPOCH);
+    Ok(at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()))
 }
 
-fn container_schema(containers: &[String]) -> Value {
-    let description = if containers.is_empty() {
+/// The `container` description, naming what this host allows.
+fn container_description(containers: &[String]) -> String {
+    if containers.is_empty() {
         "A container's exact name. No containers are configured on this host.".to_owned()
     } else {
         format!(
             "A container's exact name (not an ID); allowed on this host: {}.",
             containers.join(", ")
         )
-    };
-    json!({"type": "string", "minLength": 1, "maxLength": NAME_MAX, "description": description})
+    }
+}
+
+/// `since`: unix seconds, or a duration meaning that long ago.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "unix seconds (an integer) or a duration such as \"10m\""
+)]
+enum Since {
+    Seconds(u64),
+    Ago(String),
+}
+
+/// Written out rather than derived: the derive would nest an `anyOf` in another, where one
+/// schema with two types says the same to every client.
+impl JsonSchema for Since {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Since".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": ["integer", "string"],
+            "minimum": 0,
+            "maximum": SINCE_MAX,
+            "maxLength": 64
+        })
+    }
+}
+
+/// `docker.logs` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct LogsArgs {
+    /// A container's exact name.
+    #[schemars(length(min = 1, max = NAME_MAX))]
+    container: String,
+    /// How many of the newest lines.
+    #[serde(default = "tail_default")]
+    #[schemars(range(min = 1, max = TAIL_MAX))]
+    tail: u64,
+    /// Only lines from then on: unix seconds, or a duration such as "10m" meaning that long ago.
+    since: Option<Since>,
+    /// Include stdout.
+    #[serde(default = "yes")]
+    stdout: bool,
+    /// Include stderr.
+    #[serde(default = "yes")]
+    stderr: bool,
+    /// Prefix each line with the engine's RFC 3339 timestamp.
+    #[serde(default)]
+    timestamps: bool,
+}
+
+fn tail_default() -> u64 {
+    TAIL_DEFAULT
+}
+
+fn yes() -> bool {
+    true
 }
 
 struct Logs(Arc<Docker>);
 
-impl HostTool for Logs {
+impl TypedTool for Logs {
+    type Args = LogsArgs;
+
     fn spec(&self) -> ToolSpec {
-        ToolSpec {
-            name: "docker.logs".into(),
-            description: "Recent log lines of a container this host allows, from the Docker engine: each line with its stream (stdout or stderr). At most 1 MiB of text; past it the oldest lines are dropped and truncated is true.".into(),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "container": container_schema(&self.0.containers),
-                    "tail": {"type": "integer", "minimum": 1, "maximum": TAIL_MAX,
-                             "description": "How many of the newest lines (default 100)."},
-                    "since": {"type": ["integer", "string"], "minimum": 0, "maxLength": 64,
-                              "description": "Only lines from then on: unix seconds, or a duration such as \"10m\" meaning that long ago."},
-                    "stdout": {"type": "boolean", "description": "Include stdout (default true)."},
-                    "stderr": {"type": "boolean", "description": "Include stderr (default true)."},
-                    "timestamps": {"type": "boolean", "description": "Prefix each line with the engine's RFC 3339 timestamp (default false)."}
-                },
-                "required": ["container"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations::READ_ONLY,
-        }
+        ToolSpec::typed::<Self::Args>(
+            "docker.logs",
+            "Recent log lines of a container this host allows, from the Docker engine: each line with its stream (stdout or stderr). At most 1 MiB of text; past it the oldest lines are dropped and truncated is true.",
+            Annotations::READ_ONLY,
+        )
+        .describe("container", container_description(&self.0.containers))
     }
 
-    fn call<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, _ctx: &'a ToolContext<'a>, args: LogsArgs) -> ToolFuture<'a> {
         Box::pin(async move { self.0.logs(&args).await.map(ToolOutput::Structured) })
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What `docker.action` asks the engine to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
 enum Action {
     Start,
     Stop,
@@ -438,8 +479,6 @@ enum Action {
 }
 
 impl Action {
-    const ALL: [Action; 3] = [Action::Start, Action::Stop, Action::Restart];
-
     fn as_str(self) -> &'static str {
         match self {
             Action::Start => "start",
@@ -455,10 +494,17 @@ impl Action {
             Action::Restart => "restarted",
         }
     }
+}
 
-    fn parse(text: &str) -> Option<Action> {
-        Action::ALL.into_iter().find(|a| a.as_str() == text)
-    }
+/// `docker.action` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ActionArgs {
+    /// A container's exact name.
+    #[schemars(length(min = 1, max = NAME_MAX))]
+    container: String,
+    /// What to ask the engine to do.
+    action: Action,
 }
 
 struct ActionTool {
@@ -466,40 +512,31 @@ struct ActionTool {
     jobs: Arc<Jobs>,
 }
 
-impl HostTool for ActionTool {
+impl TypedTool for ActionTool {
+    type Args = ActionArgs;
+
     fn spec(&self) -> ToolSpec {
-        let actions: Vec<&str> = Action::ALL.iter().map(|a| a.as_str()).collect();
-        ToolSpec {
-            name: "docker.action".into(),
-            description: format!(
+        ToolSpec::typed::<Self::Args>(
+            "docker.action",
+            format!(
                 "Start, stop or restart a container this host allows. Returns a job handle at once; follow it with job.status and job.tail. Not retried: if you lose the answer, check job.status or docker.logs before acting again. A job may take up to {}.",
                 humantime::format_duration(self.docker.timeout)
             ),
-            input_schema: schema(json!({
-                "type": "object",
-                "properties": {
-                    "container": container_schema(&self.docker.containers),
-                    "action": {"type": "string", "enum": actions}
-                },
-                "required": ["container", "action"],
-                "additionalProperties": false
-            })),
-            annotations: Annotations {
+            Annotations {
                 read_only: false,
                 destructive: true,
                 idempotent: false,
                 self_service: false,
                 replay_safe: false,
             },
-        }
+        )
+        .describe("container", container_description(&self.docker.containers))
     }
 
-    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: ActionArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let name = self.docker.permitted(&args)?.to_owned();
-            let action = arg_str(&args, "action")
-                .and_then(Action::parse)
-                .ok_or_else(|| invalid("action must be start, stop or restart"))?;
+            let name = self.docker.permitted(&args.container)?.to_owned();
+            let action = args.action;
             // The engine must know the container, under this very name, before a job exists.
             let id = self.docker.resolve(&name).await?.id;
             let docker = Arc::clone(&self.docker);
@@ -561,18 +598,16 @@ mod tests {
         }
     }
 
-    fn args(container: &str) -> Args {
-        let mut a = Args::new();
-        a.insert("container".into(), json!(container));
-        a
+    fn logs_args(args: Value) -> LogsArgs {
+        crate::session::catalog::parse_args(args.as_object().cloned().unwrap()).unwrap()
     }
 
     #[test]
     fn the_allow_list_is_checked_after_the_grammar() {
         let d = docker(&["web", "worker-*"]);
-        assert_eq!(d.permitted(&args("web")), Ok("web"));
-        assert_eq!(d.permitted(&args("worker-7")), Ok("worker-7"));
-        let denied = d.permitted(&args("db")).unwrap_err();
+        assert_eq!(d.permitted("web"), Ok("web"));
+        assert_eq!(d.permitted("worker-7"), Ok("worker-7"));
+        let denied = d.permitted("db").unwrap_err();
         assert_eq!(denied.code, ToolErrorCode::PermissionDenied);
         assert!(
             denied.message.contains("container db is not among"),
@@ -580,40 +615,64 @@ mod tests {
             denied.message
         );
         assert_eq!(
-            d.permitted(&args("webx")).unwrap_err().code,
+            d.permitted("webx").unwrap_err().code,
             ToolErrorCode::PermissionDenied
         );
         assert_eq!(
-            d.permitted(&args("worker-/x")).unwrap_err().code,
+            d.permitted("worker-/x").unwrap_err().code,
             ToolErrorCode::InvalidArguments
         );
         assert_eq!(
-            d.permitted(&args("")).unwrap_err().code,
+            d.permitted("").unwrap_err().code,
             ToolErrorCode::InvalidArguments
         );
 
-        let none = docker(&[]).permitted(&args("web")).unwrap_err();
+        let none = docker(&[]).permitted("web").unwrap_err();
         assert_eq!(none.code, ToolErrorCode::Unavailable);
     }
 
     #[test]
     fn since_takes_seconds_or_a_duration_ago() {
         let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-        assert_eq!(since(&json!(1_600_000_000), now), Ok(1_600_000_000));
-        assert_eq!(since(&json!("10m"), now), Ok(1_700_000_000 - 600));
-        assert_eq!(since(&json!("1h 30m"), now), Ok(1_700_000_000 - 5400));
-        assert_eq!(since(&json!("100years"), now), Ok(0));
-        assert!(since(&json!("10"), now).is_err());
-        assert!(since(&json!("soon"), now).unwrap_err().contains("duration"));
-        assert!(since(&json!(-5), now).is_err());
-        assert!(since(&json!(true), now).is_err());
+        assert_eq!(since_ago("10m", now), Ok(1_700_000_000 - 600));
+        assert_eq!(since_ago("1h 30m", now), Ok(1_700_000_000 - 5400));
+        assert_eq!(since_ago("100years", now), Ok(0));
+        assert!(since_ago("10", now).is_err());
+        assert!(since_ago("soon", now).unwrap_err().contains("duration"));
+        let since = |v: Value| logs_args(json!({"container": "web", "since": v})).since;
+        assert_eq!(
+            since(json!(1_600_000_000)),
+            Some(Since::Seconds(1_600_000_000))
+        );
+        assert_eq!(since(json!("10m")), Some(Since::Ago("10m".into())));
+        let defaults = logs_args(json!({"container": "web"}));
+        assert_eq!(
+            (
+                defaults.tail,
+                defaults.stdout,
+                defaults.stderr,
+                defaults.timestamps
+            ),
+            (TAIL_DEFAULT, true, true, false)
+        );
+        for bad in [json!(-5), json!(true), json!(1.0), json!(1e300)] {
+            let args = json!({"container": "web", "since": bad});
+            let err =
+                crate::session::catalog::parse_args::<LogsArgs>(args.as_object().cloned().unwrap())
+                    .unwrap_err();
+            assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad}");
+            assert_eq!(
+                err.message, "since: unix seconds (an integer) or a duration such as \"10m\"",
+                "{bad}"
+            );
+        }
     }
 
     #[test]
     fn specs_declare_what_they_are() {
         let host_free = docker(&["web"]);
         let shared = Arc::new(host_free);
-        let logs = Logs(Arc::clone(&shared)).spec();
+        let logs = TypedTool::spec(&Logs(Arc::clone(&shared)));
         assert_eq!(logs.annotations, Annotations::READ_ONLY);
         assert!(
             logs.input_schema["properties"]["container"]["description"]
@@ -621,8 +680,18 @@ mod tests {
                 .unwrap()
                 .contains("web")
         );
-        assert_eq!(Action::parse("restart"), Some(Action::Restart));
-        assert_eq!(Action::parse("kill"), None);
+        for (text, action) in [
+            ("start", Action::Start),
+            ("stop", Action::Stop),
+            ("restart", Action::Restart),
+        ] {
+            assert_eq!(
+                serde_json::from_value::<Action>(json!(text)).unwrap(),
+                action
+            );
+            assert_eq!(action.as_str(), text);
+        }
+        assert!(serde_json::from_value::<Action>(json!("kill")).is_err());
     }
 
     #[tokio::test]
@@ -633,7 +702,10 @@ mod tests {
             containers: vec!["web".into()],
             timeout: Duration::from_secs(60),
         };
-        let err = d.logs(&args("web")).await.unwrap_err();
+        let err = d
+            .logs(&logs_args(json!({"container": "web"})))
+            .await
+            .unwrap_err();
         assert_eq!(err.code, ToolErrorCode::Unavailable);
         assert!(err.message.contains("docker.sock"), "{}", err.message);
     }
