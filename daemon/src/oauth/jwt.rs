@@ -45,8 +45,9 @@ use crate::metrics::{FetchOutcome, Metrics, RefreshTrigger};
 pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
 /// Least time between two key-set fetches triggered by tokens.
 pub const REFETCH_COOLDOWN: Duration = Duration::from_secs(30);
-/// Longest a request waits for the key-set fetch its unknown `kid` started or joined; then
-/// it is answered `keys-unavailable` and the fetch goes on without it.
+/// How long after a key-set fetch started a request with an unknown `kid` may still wait
+/// for it; then it is answered `keys-unavailable` and the fetch goes on without it. (A
+/// request arriving at a fetch that has run that long already is answered at once.)
 pub const UNKNOWN_KEY_WAIT: Duration = Duration::from_secs(1);
 /// Most tokens remembered as verified.
 pub const VERIFIED_CACHE_ENTRIES: usize = 10_000;
@@ -230,8 +231,9 @@ type Done = watch::Receiver<Option<Outcome>>;
 
 #[derive(Default)]
 struct RefreshState {
-    /// The fetch running now; its outcome is published here when it ends.
-    in_flight: Option<Done>,
+    /// The fetch running now, and when it started; its outcome is published here when it
+    /// ends.
+    in_flight: Option<(Done, tokio::time::Instant)>,
     /// When a token last started a fetch (the refetch cooldown).
     last_token_fetch: Option<Instant>,
     /// The `jwks_uri` found by discovery, reused until a fetch from it fails.
@@ -249,9 +251,13 @@ struct RefreshState {
 impl RefreshState {
     /// The fetch running now, if any (one whose task is gone counts as none).
     fn running(&self) -> Option<Done> {
+        self.running_since().map(|(done, _)| done)
+    }
+
+    fn running_since(&self) -> Option<(Done, tokio::time::Instant)> {
         self.in_flight
             .as_ref()
-            .filter(|done| done.borrow().is_none() && done.has_changed().is_ok())
+            .filter(|(done, _)| done.borrow().is_none() && done.has_changed().is_ok())
             .cloned()
     }
 }
@@ -469,7 +475,7 @@ impl Inner {
     /// outcome on the returned channel.
     fn begin(self: &Arc<Self>, trigger: RefreshTrigger, state: &mut RefreshState) -> Done {
         let (tx, done) = watch::channel(None);
-        state.in_flight = Some(done.clone());
+        state.in_flight = Some((done.clone(), tokio::time::Instant::now()));
         let inner = self.clone();
         tokio::spawn(async move {
             let outcome = inner.attempt(trigger).await;
@@ -510,11 +516,12 @@ impl Inner {
     }
 
     /// For a token naming a key we do not hold: join the fetch that is running, or start
-    /// one unless a token started one less than [`REFETCH_COOLDOWN`] ago.
-    fn token_fetch(self: &Arc<Self>, why: &'static str) -> Option<Done> {
+    /// one unless a token started one less than [`REFETCH_COOLDOWN`] ago. With the time
+    /// until which the token may wait for it.
+    fn token_fetch(self: &Arc<Self>, why: &'static str) -> Option<(Done, tokio::time::Instant)> {
         let mut state = self.state.lock();
-        if let Some(done) = state.running() {
-            return Some(done);
+        if let Some((done, since)) = state.running_since() {
+            return Some((done, since + UNKNOWN_KEY_WAIT));
         }
         let now = (self.clock)();
         if let Some(last) = state.last_token_fetch
@@ -525,7 +532,8 @@ impl Inner {
         }
         state.last_token_fetch = Some(now);
         tracing::info!(issuer = %self.policy.issuer, why, "refetching the signing key set");
-        Some(self.begin(RefreshTrigger::Token, &mut state))
+        let done = self.begin(RefreshTrigger::Token, &mut state);
+        Some((done, tokio::time::Instant::now() + UNKNOWN_KEY_WAIT))
     }
 
     /// One fetch (or read), start to end: obtain and install the keys, then record how it
@@ -710,8 +718,8 @@ impl Inner {
     }
 
     /// The key for a token's `kid` and `alg`. For a key we do not hold, a fetch is started
-    /// or joined and waited for at most [`UNKNOWN_KEY_WAIT`]: a new key that is slow to
-    /// fetch is `keys-unavailable` (try again), not `unknown-key` (a bad token).
+    /// or joined and waited for until it has run [`UNKNOWN_KEY_WAIT`]: a new key that is
+    /// slow to fetch is `keys-unavailable` (try again), not `unknown-key` (a bad token).
     async fn find_key(
         self: &Arc<Self>,
         kid: Option<&str>,
@@ -730,14 +738,14 @@ impl Inner {
         } else {
             "no key set"
         };
-        let Some(done) = self.token_fetch(why) else {
+        let Some((done, until)) = self.token_fetch(why) else {
             return Err(if held.is_some() {
                 Reason::UnknownKey
             } else {
                 Reason::KeysUnavailable
             });
         };
-        if tokio::time::timeout(UNKNOWN_KEY_WAIT, outcome_of(done))
+        if tokio::time::timeout_at(until, outcome_of(done))
             .await
             .is_err()
         {
@@ -2510,7 +2518,6 @@ mod tests {
         let t = Instant::now();
         assert!(verdict(&v, &a.sign(&a.header(), &claims)).await.is_ok());
         assert!(t.elapsed() < UNKNOWN_KEY_WAIT / 2, "{:?}", t.elapsed());
-        assert!(v.key_set().refreshing);
         while let Some(joined) = burst.join_next().await {
             let (verdict, waited) = joined.unwrap();
             assert_eq!(verdict, Err(Reason::KeysUnavailable));
@@ -2518,13 +2525,17 @@ mod tests {
         }
         assert!(started.elapsed() < UNKNOWN_KEY_WAIT * 2);
         assert_eq!(server.hits("/jwks"), 2, "one fetch for the whole burst");
-        // Still stalled: a later unknown kid joins the same fetch.
+        assert!(v.key_set().refreshing);
+        // Still stalled: a later unknown kid joins the same fetch, which has run its
+        // second already, and is answered at once.
         let mut header = a.header();
         header["kid"] = json!("later");
+        let t = Instant::now();
         assert_eq!(
             verdict(&v, &a.sign(&header, &claims)).await,
             Err(Reason::KeysUnavailable)
         );
+        assert!(t.elapsed() < UNKNOWN_KEY_WAIT / 2, "{:?}", t.elapsed());
         assert_eq!(server.hits("/jwks"), 2);
     }
 }
