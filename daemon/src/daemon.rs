@@ -33,7 +33,7 @@ use crate::session::{HostView, RuntimeTools, Session, TurnSubmission};
 use crate::transport::{LifecycleError, McpTransport};
 
 /// How long a reload waits for the key-set fetch it starts.
-const RELOAD_KEYS_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+const RELOAD_KEYS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long `keys-refresh` waits (discovery and a fetch may take 3 × 10 s; the CLI's own
 /// timeout is 30 s).
 const OPERATOR_KEYS_WAIT: std::time::Duration = std::time::Duration::from_secs(25);
