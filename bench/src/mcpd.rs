@@ -108,6 +108,8 @@ impl KeySet {
             start_without_keys: None,
             throttle: None,
             max_addresses: None,
+            ipv6_prefix: None,
+            key_refresh: Vec::new(),
             tls: None,
             lines: Vec::new(),
         }

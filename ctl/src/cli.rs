@@ -82,6 +82,10 @@ a \"count\" of the refusals it stands for.")]
     #[command(subcommand)]
     Grants(GrantsCommand),
 
+    /// The remote carrier's signing keys
+    #[command(subcommand)]
+    Keys(KeysCommand),
+
     /// Serve MCP on stdin/stdout, relayed to the running daemon's session (for desktop
     /// clients that only launch children); the caller is local:<your uid>
     #[command(after_help = "\
@@ -161,6 +165,20 @@ Examples:
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Fetch (or re-read) the key set now and show it; a key the issuer removed stops
+    /// being trusted at once
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl keys refresh
+  robota-mcpctl --json keys refresh | jq .keys
+
+Exits 1 when the fetch fails; the keys held stay in use and `robota-mcpctl status` shows
+the error.")]
+    Refresh,
 }
 
 #[derive(Debug, Subcommand)]

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use robota_proto::{Command, Reply, Request, Secret};
 
-use crate::cli::{BearerCommand, CtlCommand, GrantsCommand, JobsCommand};
+use crate::cli::{BearerCommand, CtlCommand, GrantsCommand, JobsCommand, KeysCommand};
 use crate::client;
 use crate::error::CtlError;
 use crate::render;
@@ -107,6 +107,13 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
                 other => Err(unexpected("grant", &other)),
             }
         }
+        CtlCommand::Keys(KeysCommand::Refresh) => match call(ctx, Command::KeysRefresh)? {
+            Reply::KeySet(keys) if !ctx.json => {
+                print(&format!("key set refreshed: {}\n", render::key_set(&keys)))
+            }
+            reply @ Reply::KeySet(_) => print_json(&reply),
+            other => Err(unexpected("key-set", &other)),
+        },
         CtlCommand::Stdio => stdio(ctx),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {
             Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),

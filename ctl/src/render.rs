@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use robota_proto::{BearerInfo, GrantRecord, JobRecord, Status};
+use robota_proto::{BearerInfo, GrantRecord, JobRecord, KeySetStatus, Status};
 
 /// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
 /// `char::is_control` covers: Unicode's format characters (bidi embeddings, overrides and
@@ -174,8 +174,8 @@ pub fn status(status: &Status) -> String {
         ("bearers", status.bearer_count.to_string()),
     ];
     let mut facts = facts.to_vec();
-    if let Some(key_set) = &status.key_set {
-        facts.push(("key set", clean(key_set).into_owned()));
+    if let Some(keys) = &status.key_set {
+        facts.push(("key set", key_set(keys)));
     }
     let rows: Vec<Vec<String>> = facts
         .into_iter()
@@ -229,6 +229,38 @@ pub fn status(status: &Status) -> String {
                 ("COUNT", Align::Right),
             ],
             &rows,
+        ));
+    }
+    out
+}
+
+/// The remote verifier's key set in one line: what is held, when it was fetched, when it
+/// is refreshed next, and the last failure.
+pub fn key_set(k: &KeySetStatus) -> String {
+    let mut out = match (k.keys, &k.location) {
+        (0, _) | (_, None) => format!(
+            "no keys ({}): tokens are refused with keys-unavailable",
+            k.source.as_str()
+        ),
+        (n, Some(location)) => format!(
+            "{n} key{} from {}{}, fetched {}",
+            if n == 1 { "" } else { "s" },
+            if k.from_cache { "the cache of " } else { "" },
+            clean(location),
+            opt_time(k.fetched_at)
+        ),
+    };
+    if let Some(next) = k.next_refresh_at {
+        out.push_str(&format!("; next refresh {}", rfc3339(next)));
+    }
+    if k.refreshing {
+        out.push_str("; refreshing now");
+    }
+    if let Some(error) = &k.last_error {
+        out.push_str(&format!(
+            "; the last refresh ({}) failed: {}",
+            opt_time(k.last_attempt_at),
+            clean(error)
         ));
     }
     out
@@ -592,5 +624,50 @@ mod tests {
         let all: String = (0..=0x10FFFF).filter_map(char::from_u32).collect();
         let shown = clean(&all);
         assert!(!shown.chars().any(hidden), "a hidden character got through");
+    }
+
+    #[test]
+    fn key_set_line_says_what_is_held_and_what_failed() {
+        use robota_proto::KeySourceKind;
+        let held = KeySetStatus {
+            source: KeySourceKind::Discovery,
+            location: Some("https://auth.example.com/jwks".into()),
+            keys: 3,
+            from_cache: false,
+            fetched_at: Some(1_700_000_000),
+            last_attempt_at: Some(1_700_000_600),
+            last_error: None,
+            next_refresh_at: Some(1_700_000_600),
+            refreshing: false,
+        };
+        assert_eq!(
+            key_set(&held),
+            "3 keys from https://auth.example.com/jwks, fetched 2023-11-14T22:13:20Z; \
+             next refresh 2023-11-14T22:23:20Z"
+        );
+        let failing = KeySetStatus {
+            keys: 1,
+            from_cache: true,
+            refreshing: true,
+            last_error: Some("GET https://auth.example.com/jwks answered 503\x1b[2J".into()),
+            ..held.clone()
+        };
+        assert_eq!(
+            key_set(&failing),
+            "1 key from the cache of https://auth.example.com/jwks, fetched 2023-11-14T22:13:20Z; \
+             next refresh 2023-11-14T22:23:20Z; refreshing now; the last refresh \
+             (2023-11-14T22:23:20Z) failed: GET https://auth.example.com/jwks answered 503\u{fffd}[2J"
+        );
+        let none = KeySetStatus {
+            source: KeySourceKind::JwksFile,
+            location: None,
+            keys: 0,
+            next_refresh_at: None,
+            ..held
+        };
+        assert_eq!(
+            key_set(&none),
+            "no keys (jwks-file): tokens are refused with keys-unavailable"
+        );
     }
 }

@@ -128,6 +128,7 @@ fn main() {
             ca_file: None,
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
+            refresh: robota_mcpd::oauth::KeyRefresh::DEFAULT,
         },
         Metrics::new(),
     )

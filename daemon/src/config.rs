@@ -110,6 +110,9 @@ pub struct Config {
     pub limits: Limits,
     pub policy: Vec<PolicyRule>,
     pub tools: ToolsConfig,
+    /// Settings that are valid but probably not what was meant: `check-config` prints
+    /// them and still succeeds, the daemon logs them at start.
+    pub warnings: Vec<ConfigIssue>,
 }
 
 #[derive(Debug, Clone)]
@@ -180,6 +183,7 @@ pub struct RemoteConfig {
     pub algorithms: Vec<jsonwebtoken::Algorithm>,
     pub trusted_proxies: Vec<ipnet::IpNet>,
     pub start_without_keys: bool,
+    pub key_refresh: KeyRefresh,
     pub throttle: ThrottleConfig,
     pub tls: Option<TlsFiles>,
     pub wire_names: WireNameProfile,
@@ -188,6 +192,7 @@ pub struct RemoteConfig {
 }
 
 pub use crate::oauth::jwks::KeySource;
+pub use crate::oauth::jwt::KeyRefresh;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThrottleConfig {
@@ -195,6 +200,8 @@ pub struct ThrottleConfig {
     pub failures: u32,
     pub window: Duration,
     pub max_addresses: usize,
+    /// IPv6 clients are counted by this prefix of their address (IPv4 by the address).
+    pub ipv6_prefix: u8,
 }
 
 /// PEM certificate chain and private key for TLS termination.
@@ -510,6 +517,8 @@ struct RawRemote {
     #[serde(default)]
     start_without_keys: bool,
     #[serde(default)]
+    key_refresh: RawKeyRefresh,
+    #[serde(default)]
     throttle: RawThrottle,
     tls: Option<RawTls>,
     wire_names: Option<WireNameProfile>,
@@ -530,6 +539,15 @@ struct RawThrottle {
     failures: Option<u32>,
     window: Option<DurationText>,
     max_addresses: Option<usize>,
+    ipv6_prefix: Option<u8>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKeyRefresh {
+    default: Option<DurationText>,
+    min: Option<DurationText>,
+    max: Option<DurationText>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -575,13 +593,20 @@ struct RawPolicy {
     decision: Decision,
 }
 
-/// Collects issues during validation.
+/// Collects issues (errors) and warnings during validation.
 #[derive(Default)]
-struct Issues(Vec<ConfigIssue>);
+struct Issues(Vec<ConfigIssue>, Vec<ConfigIssue>);
 
 impl Issues {
     fn add(&mut self, path: impl Into<String>, problem: impl Into<String>) {
         self.0.push(ConfigIssue {
+            path: path.into(),
+            problem: problem.into(),
+        });
+    }
+
+    fn warn(&mut self, path: impl Into<String>, problem: impl Into<String>) {
+        self.1.push(ConfigIssue {
             path: path.into(),
             problem: problem.into(),
         });
@@ -826,6 +851,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         },
         policy,
         tools,
+        warnings: issues.1,
     })
 }
 
@@ -972,13 +998,31 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
     };
     let mut trusted_proxies = Vec::new();
     for (i, text) in r.trusted_proxies.iter().enumerate() {
-        match crate::carrier::remote::forwarded::parse_net(text) {
-            Some(net) => trusted_proxies.push(net),
-            None => issues.add(
-                format!("remote.trusted_proxies[{i}]"),
-                format!("not an IP or CIDR: {text:?}"),
-            ),
+        let key = format!("remote.trusted_proxies[{i}]");
+        let Some(net) = crate::carrier::remote::forwarded::parse_net(text) else {
+            issues.add(key, format!("not an IP or CIDR: {text:?}"));
+            continue;
+        };
+        // Whoever a trusted net holds may write X-Forwarded-For, so may pick the address it
+        // is throttled as; every address is nobody's proxy.
+        if net.prefix_len() == 0 {
+            issues.add(
+                key,
+                format!(
+                    "{net} trusts every address: any client could forge X-Forwarded-For and escape throttling; list only the proxies in front of the daemon"
+                ),
+            );
+            continue;
         }
+        if crate::carrier::remote::forwarded::holds_public(&net) {
+            issues.warn(
+                key,
+                format!(
+                    "{net} holds public addresses: a client there could forge X-Forwarded-For and pick its own throttling budget; list only the proxies in front of the daemon"
+                ),
+            );
+        }
+        trusted_proxies.push(net);
     }
     for (i, scope) in r.scopes.iter().enumerate() {
         let ok = !scope.is_empty()
@@ -1012,6 +1056,14 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
             "must be between 1 and 1048576",
         );
     }
+    let ipv6_prefix = r.throttle.ipv6_prefix.unwrap_or(64);
+    if !(32..=128).contains(&ipv6_prefix) {
+        issues.add(
+            "remote.throttle.ipv6_prefix",
+            format!("must be between 32 and 128, got {ipv6_prefix}"),
+        );
+    }
+    let key_refresh = validate_key_refresh(&r.key_refresh, issues);
     let bounds = validate_bounds(
         "remote",
         [r.max_connections, r.max_in_flight],
@@ -1042,10 +1094,12 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         algorithms,
         trusted_proxies,
         start_without_keys: r.start_without_keys,
+        key_refresh,
         throttle: ThrottleConfig {
             failures,
             window,
             max_addresses,
+            ipv6_prefix,
         },
         tls: r.tls.map(|t| TlsFiles {
             cert: t.cert,
@@ -1056,6 +1110,52 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         bounds,
         public_url,
     })
+}
+
+/// `[remote.key_refresh]`: each bound 1s to 7d, `min <= default <= max`.
+fn validate_key_refresh(raw: &RawKeyRefresh, issues: &mut Issues) -> KeyRefresh {
+    let d = KeyRefresh::DEFAULT;
+    let refresh = KeyRefresh {
+        default: raw.default.map_or(d.default, |t| t.0),
+        min: raw.min.map_or(d.min, |t| t.0),
+        max: raw.max.map_or(d.max, |t| t.0),
+    };
+    let mut in_range = true;
+    for (key, value) in [
+        ("default", refresh.default),
+        ("min", refresh.min),
+        ("max", refresh.max),
+    ] {
+        if !KeyRefresh::RANGE.contains(&value) {
+            issues.add(
+                format!("remote.key_refresh.{key}"),
+                format!(
+                    "must be between 1s and 7d, got {}",
+                    humantime::format_duration(value)
+                ),
+            );
+            in_range = false;
+        }
+    }
+    if in_range && refresh.min > refresh.default {
+        issues.add(
+            "remote.key_refresh.min",
+            format!(
+                "must not exceed default ({})",
+                humantime::format_duration(refresh.default)
+            ),
+        );
+    }
+    if in_range && refresh.default > refresh.max {
+        issues.add(
+            "remote.key_refresh.max",
+            format!(
+                "must not be less than default ({})",
+                humantime::format_duration(refresh.default)
+            ),
+        );
+    }
+    refresh
 }
 
 fn is_endpoint_path(path: &str) -> bool {
@@ -1230,5 +1330,90 @@ mod tests {
         let found = issues("[remote]\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n");
         assert_eq!(found[0].path, "remote.public_url");
         assert!(found[0].problem.contains("required"));
+    }
+
+    #[test]
+    fn remote_throttle_prefix_and_key_refresh() {
+        let r = parse(REMOTE, &env()).unwrap().remote.unwrap();
+        assert_eq!(r.throttle.ipv6_prefix, 64);
+        assert_eq!(r.key_refresh, KeyRefresh::DEFAULT);
+        assert_eq!(KeyRefresh::DEFAULT.default, Duration::from_secs(600));
+        let r = parse(
+            &format!(
+                "{REMOTE}[remote.throttle]\nipv6_prefix = 48\n\
+                 [remote.key_refresh]\nmin = \"1s\"\ndefault = \"5m\"\nmax = \"1h\"\n"
+            ),
+            &env(),
+        )
+        .unwrap()
+        .remote
+        .unwrap();
+        assert_eq!(r.throttle.ipv6_prefix, 48);
+        assert_eq!(
+            r.key_refresh,
+            KeyRefresh {
+                default: Duration::from_secs(300),
+                min: Duration::from_secs(1),
+                max: Duration::from_secs(3600),
+            }
+        );
+        let cases: [(&str, &[&str]); 6] = [
+            (
+                "[remote.throttle]\nipv6_prefix = 31\n",
+                &["remote.throttle.ipv6_prefix"],
+            ),
+            (
+                "[remote.throttle]\nipv6_prefix = 129\n",
+                &["remote.throttle.ipv6_prefix"],
+            ),
+            (
+                "[remote.key_refresh]\nmin = \"0s\"\n",
+                &["remote.key_refresh.min"],
+            ),
+            (
+                "[remote.key_refresh]\nmax = \"8d\"\n",
+                &["remote.key_refresh.max"],
+            ),
+            (
+                "[remote.key_refresh]\nmin = \"20m\"\n",
+                &["remote.key_refresh.min"],
+            ),
+            (
+                "[remote.key_refresh]\ndefault = \"2d\"\n",
+                &["remote.key_refresh.max"],
+            ),
+        ];
+        for (extra, want) in cases {
+            let found = issues(&format!("{REMOTE}{extra}"));
+            let paths: Vec<_> = found.iter().map(|i| i.path.as_str()).collect();
+            assert_eq!(paths, want, "{extra}");
+        }
+    }
+
+    #[test]
+    fn trusting_every_address_is_refused_and_public_nets_warned_about() {
+        for all in ["0.0.0.0/0", "::/0", " 0.0.0.0/0 "] {
+            let found = issues(&format!(
+                "{REMOTE}trusted_proxies = [\"127.0.0.1\", \"{all}\"]\n"
+            ));
+            assert_eq!(found.len(), 1, "{all}: {found:?}");
+            assert_eq!(found[0].path, "remote.trusted_proxies[1]");
+            assert!(found[0].problem.contains("every address"), "{found:?}");
+        }
+        let config = parse(
+            &format!(
+                "{REMOTE}trusted_proxies = [\"127.0.0.1\", \"10.0.0.0/8\", \"203.0.113.0/24\", \"::1\", \"2001:db8::/32\"]\n"
+            ),
+            &env(),
+        )
+        .unwrap();
+        let warned: Vec<_> = config.warnings.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(
+            warned,
+            ["remote.trusted_proxies[2]", "remote.trusted_proxies[4]"]
+        );
+        assert!(config.warnings[0].problem.contains("public"));
+        assert_eq!(config.remote.unwrap().trusted_proxies.len(), 5);
+        assert!(parse(REMOTE, &env()).unwrap().warnings.is_empty());
     }
 }

@@ -31,6 +31,12 @@ use crate::notify;
 use crate::session::{HostView, RuntimeTools, Session, SessionError, TurnSubmission};
 use crate::transport::{LifecycleError, McpTransport};
 
+/// How long a reload waits for the key-set fetch it starts.
+const RELOAD_KEYS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long `keys-refresh` waits (discovery and a fetch may take 3 × 10 s; the CLI's own
+/// timeout is 30 s).
+const OPERATOR_KEYS_WAIT: std::time::Duration = std::time::Duration::from_secs(25);
+
 type Loopback = McpTransport<Session, LoopbackCarrier>;
 type Remote = McpTransport<Session, RemoteCarrier>;
 
@@ -215,7 +221,10 @@ impl Core {
                 .as_ref()
                 .map_or(0, |l| l.carrier().bearers().len()),
             refusals_last_hour: self.audit.last_hour(SystemTime::now()),
-            key_set: self.remote.as_ref().map(|r| r.carrier().key_set_state()),
+            key_set: self
+                .remote
+                .as_ref()
+                .map(|r| Box::new(r.carrier().verifier().key_set())),
         }
     }
 
@@ -265,6 +274,7 @@ impl Core {
         *self.state.write() = State::Restarting;
         notify::reloading();
         tracing::info!("restarting: fresh attach, new bearers");
+        self.reload_keys().await;
         self.stop_carriers().await;
         *self.session.write() = None;
         // A fresh attach ends the relayed sessions of the old one.
@@ -274,6 +284,54 @@ impl Core {
         *self.state.write() = State::Serving;
         notify::ready(&self.ready_status());
         Ok(())
+    }
+
+    /// A reload re-reads the remote verifier's keys (the verifier outlives restarts), while
+    /// the old carriers still serve. A slow issuer delays the restart by at most
+    /// [`RELOAD_KEYS_WAIT`]; the fetch then goes on and `status` shows how it ends.
+    async fn reload_keys(&self) {
+        let Some(remote) = &self.remote else { return };
+        let refresh = remote
+            .carrier()
+            .verifier()
+            .refresh(metrics::RefreshTrigger::Reload);
+        match tokio::time::timeout(RELOAD_KEYS_WAIT, refresh).await {
+            Ok(Ok(())) => {}
+            // The verifier has logged why; the keys held stay in use.
+            Ok(Err(_)) => {}
+            Err(_) => tracing::warn!(
+                wait = %humantime::format_duration(RELOAD_KEYS_WAIT),
+                "the key-set fetch of the reload is still running; restarting without waiting for it"
+            ),
+        }
+    }
+
+    /// `keys-refresh`: fetch now and answer with the key set, or with why the fetch failed.
+    async fn keys_reply(&self) -> Response {
+        let Some(remote) = &self.remote else {
+            return Response::error(ErrorCode::Unavailable, "the remote carrier is disabled");
+        };
+        let verifier = remote.carrier().verifier();
+        let refresh = verifier.refresh(metrics::RefreshTrigger::Operator);
+        match tokio::time::timeout(OPERATOR_KEYS_WAIT, refresh).await {
+            Ok(Ok(())) => Response::ok(Reply::KeySet(verifier.key_set())),
+            Ok(Err(error)) => {
+                let held = verifier.key_set().keys;
+                Response::error(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the key-set refresh failed: {error}; the {held} keys held stay in use"
+                    ),
+                )
+            }
+            Err(_) => Response::error(
+                ErrorCode::Unavailable,
+                format!(
+                    "the key-set fetch did not end within {}; it goes on, and `robota-mcpctl status` shows how it ends",
+                    humantime::format_duration(OPERATOR_KEYS_WAIT)
+                ),
+            ),
+        }
     }
 
     async fn stop_carriers(&self) {
@@ -492,6 +550,13 @@ impl ControlApi for Api {
                 after_seq,
                 limit,
             } => core.audit_reply(since, reason, after_seq, limit),
+            Command::KeysRefresh => {
+                tracing::info!(
+                    uid = peer.uid,
+                    "key-set refresh requested over the control socket"
+                );
+                core.keys_reply().await
+            }
             command @ (Command::JobsList { .. }
             | Command::JobCancel { .. }
             | Command::GrantsList { .. }
@@ -589,11 +654,13 @@ pub fn verifier_config(
         ca_file: remote.ca_file.clone(),
         cache_path: state_dir.join("jwks-cache.json"),
         start_without_keys: remote.start_without_keys,
+        refresh: remote.key_refresh,
     };
     JwtVerifier::build(config, metrics)
 }
 
-/// The verifier with its keys loaded (or the cache, or nothing when `start_without_keys`).
+/// The verifier with its keys loaded (or the cache, or nothing when `start_without_keys`)
+/// and its refresh schedule running (until the verifier is dropped).
 async fn build_verifier(
     remote: &crate::config::RemoteConfig,
     state_dir: &std::path::Path,
@@ -602,6 +669,7 @@ async fn build_verifier(
     let verifier =
         verifier_config(remote, state_dir, metrics).map_err(DaemonError::VerifierConfig)?;
     verifier.load().await.map_err(DaemonError::VerifierKeys)?;
+    drop(verifier.spawn_schedule());
     Ok(Arc::new(verifier))
 }
 
@@ -639,7 +707,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
     let remote = match &config.remote {
         Some(r) => {
             let verifier = build_verifier(r, &config.state_dir, metrics.clone()).await?;
-            tracing::info!(issuer = %r.issuer, keys = %verifier.key_set_state(), "remote verifier ready");
+            let keys = verifier.key_set();
+            tracing::info!(
+                issuer = %r.issuer,
+                keys = keys.keys,
+                from = keys.location.as_deref().unwrap_or("-"),
+                cached = keys.from_cache,
+                "remote verifier ready"
+            );
             Some(McpTransport::new(
                 Arc::new(RemoteCarrier::new(
                     r.clone(),

@@ -37,6 +37,9 @@ fn main() -> ExitCode {
         }
     };
     if let Some(Sub::CheckConfig) = args.command {
+        for warning in &config.warnings {
+            eprintln!("robota-mcpd: warning ({source}): {warning}");
+        }
         return match check(&config) {
             Ok(()) => {
                 eprintln!("robota-mcpd: configuration OK ({source})");
@@ -47,6 +50,9 @@ fn main() -> ExitCode {
                 code(exit::CONFIG)
             }
         };
+    }
+    for warning in &config.warnings {
+        tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
     }
     // Sockets and files we create are private unless we open them up on purpose.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));

@@ -190,6 +190,41 @@ impl Duplicate {
     }
 }
 
+/// What started a key-set refresh of the remote verifier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefreshTrigger {
+    /// The start-up load.
+    Start,
+    /// The refresh schedule (the key server's `max-age`, within bounds).
+    Schedule,
+    /// A token naming a key the set does not hold (or no set held at all).
+    Token,
+    /// A reload: SIGHUP or `robota-mcpctl restart`.
+    Reload,
+    /// `robota-mcpctl keys refresh`.
+    Operator,
+}
+
+impl RefreshTrigger {
+    pub const ALL: [RefreshTrigger; 5] = [
+        RefreshTrigger::Start,
+        RefreshTrigger::Schedule,
+        RefreshTrigger::Token,
+        RefreshTrigger::Reload,
+        RefreshTrigger::Operator,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefreshTrigger::Start => "start",
+            RefreshTrigger::Schedule => "schedule",
+            RefreshTrigger::Token => "token",
+            RefreshTrigger::Reload => "reload",
+            RefreshTrigger::Operator => "operator",
+        }
+    }
+}
+
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
 pub struct Metrics(Arc<Inner>);
@@ -204,6 +239,8 @@ struct Inner {
     active_turns: IntGauge,
     throttled: IntCounterVec,
     jwks_fetches: IntCounterVec,
+    jwks_refresh_failures: IntCounterVec,
+    jwks_last_success: IntGauge,
     jobs_started: IntCounterVec,
     jobs_finished: IntCounterVec,
     jobs_running: IntGauge,
@@ -281,6 +318,11 @@ impl Metrics {
             "Key-set and discovery fetches by outcome (ok, error, rejected).",
             &["outcome"],
         );
+        let jwks_refresh_failures = counter(
+            "jwks_refresh_failures_total",
+            "Key-set refreshes that failed (the previous set stays in use), by trigger.",
+            &["trigger"],
+        );
         let jobs_started = counter(
             "jobs_started_total",
             "Jobs started, by kind (template, service, docker).",
@@ -349,6 +391,14 @@ impl Metrics {
         registry
             .register(Box::new(jobs_running.clone()))
             .expect("unique gauge");
+        let jwks_last_success = IntGauge::new(
+            "jwks_last_success_timestamp_seconds",
+            "When the remote verifier last fetched or read its key set successfully (unix seconds; 0: not yet).",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(jwks_last_success.clone()))
+            .expect("unique gauge");
         let audit_unpersisted = IntGauge::new(
             "audit_unpersisted_records",
             "Audit records kept in memory only because the audit file writer fell behind.",
@@ -382,6 +432,8 @@ impl Metrics {
             active_turns,
             throttled,
             jwks_fetches,
+            jwks_refresh_failures,
+            jwks_last_success,
             jobs_started,
             jobs_finished,
             jobs_running,
@@ -481,6 +533,22 @@ impl Metrics {
         self.0
             .jwks_fetches
             .with_label_values(&[outcome.as_str()])
+            .inc();
+    }
+
+    pub fn jwks_refreshed(&self, at: std::time::SystemTime) {
+        let secs = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.0
+            .jwks_last_success
+            .set(i64::try_from(secs).unwrap_or(i64::MAX));
+    }
+
+    pub fn jwks_refresh_failed(&self, trigger: RefreshTrigger) {
+        self.0
+            .jwks_refresh_failures
+            .with_label_values(&[trigger.as_str()])
             .inc();
     }
 
@@ -626,6 +694,7 @@ mod tests {
         m.tool_call("system.info", None, Duration::from_millis(1));
         m.policy_denial("system.info", ToolErrorCode::PermissionDenied);
         m.jwks_fetch(FetchOutcome::Ok);
+        m.jwks_refresh_failed(RefreshTrigger::Schedule);
         m.job_started(JobKind::Template);
         m.job_finished(JobKind::Template, JobState::Succeeded);
         m.grant_event(GrantEvent::Approved);
@@ -726,6 +795,13 @@ mod tests {
                 doc.contains(&format!("`{}`", outcome.as_str())),
                 "fetch outcome {}",
                 outcome.as_str()
+            );
+        }
+        for trigger in RefreshTrigger::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", trigger.as_str())),
+                "refresh trigger {}",
+                trigger.as_str()
             );
         }
     }

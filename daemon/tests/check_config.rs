@@ -73,6 +73,16 @@ fn errors_name_their_key_and_exit_78() {
              wire_names = \"compat\"\n[session]\nsubmission_tool = \"system_info\"\n",
             "aliases",
         ),
+        (
+            "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+             trusted_proxies = [\"0.0.0.0/0\"]\n",
+            "remote.trusted_proxies[0]: 0.0.0.0/0 trusts every address",
+        ),
+        (
+            "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+             trusted_proxies = [\"::1\", \"::/0\"]\n",
+            "remote.trusted_proxies[1]: ::/0 trusts every address",
+        ),
     ];
     for (text, needle) in cases {
         let (code, err) = check(text);
@@ -89,4 +99,25 @@ fn a_missing_file_is_a_configuration_error() {
     let out = mcpd(&["check-config", "--config", "/nonexistent/robota-mcpd.toml"]);
     assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/robota-mcpd.toml"));
+}
+
+#[test]
+fn a_trusted_public_net_is_a_warning_not_an_error() {
+    let (code, err) = check(
+        "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+         trusted_proxies = [\"127.0.0.1\", \"198.51.100.0/24\"]\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("warning")
+            && err.contains("remote.trusted_proxies[1]: 198.51.100.0/24 holds public addresses"),
+        "{err}"
+    );
+    assert!(err.contains("configuration OK"), "{err}");
+    let (code, err) = check(
+        "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+         trusted_proxies = [\"127.0.0.1\", \"10.0.0.0/8\"]\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("warning"), "{err}");
 }

@@ -1053,6 +1053,7 @@ fn jwt_pre_checks() {
             ca_file: None,
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
+            refresh: robota_mcpd::oauth::KeyRefresh::DEFAULT,
         },
         Metrics::new(),
     )

@@ -121,8 +121,10 @@ pub fn remote_admission(data: &[u8]) {
     }
 }
 
-/// `X-Forwarded-For`: the client address is the peer, or an address written in one of the
-/// headers; an untrusted peer is always itself. Also: CIDR parsing never panics.
+/// The client address behind proxies, from raw header bytes (any byte a header value may
+/// carry, non-ASCII included): an untrusted peer is the client; otherwise the client is
+/// the peer or a hop of the header, and whenever the rightmost hop is an address no proxy
+/// holds, it is the client, whatever the rest of the header says.
 pub fn forwarded(data: &[u8]) {
     let Some((&selector, rest)) = data.split_first() else {
         return;
@@ -132,44 +134,50 @@ pub fn forwarded(data: &[u8]) {
         1 => IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
         _ => IpAddr::V6(Ipv6Addr::LOCALHOST),
     };
-    let text = String::from_utf8_lossy(rest);
-    let mut lines = text.lines();
-    let proxies: Vec<_> = lines
-        .next()
-        .unwrap_or_default()
+    let mut lines = rest.split(|b| *b == b'\n');
+    let proxies: Vec<_> = String::from_utf8_lossy(lines.next().unwrap_or_default())
         .split(',')
         .filter_map(parse_net)
         .collect();
     let mut headers = HeaderMap::new();
     for line in lines {
-        if let Ok(value) = HeaderValue::from_str(line) {
+        if let Ok(value) = HeaderValue::from_bytes(line) {
             headers.append("x-forwarded-for", value);
         }
     }
+    let trusted = |ip: IpAddr| proxies.iter().any(|net| net.contains(&ip));
     let client = client_address(peer, &headers, &proxies);
-    if !proxies.iter().any(|net| net.contains(&peer)) {
+    if !trusted(peer) {
         assert_eq!(client, peer, "an untrusted peer is the client");
-    } else if client != peer {
-        let written = headers.get_all("x-forwarded-for").iter().any(|v| {
-            v.to_str()
-                .unwrap_or_default()
-                .split(',')
-                .any(|hop| hop.trim().parse::<IpAddr>().is_ok_and(|ip| ip == client))
-        });
-        let mapped = match client {
-            IpAddr::V4(v4) => IpAddr::V6(v4.to_ipv6_mapped()),
-            v6 => v6,
-        };
-        let written_mapped = headers.get_all("x-forwarded-for").iter().any(|v| {
-            v.to_str()
-                .unwrap_or_default()
-                .split(',')
-                .any(|hop| hop.trim().parse::<IpAddr>().is_ok_and(|ip| ip == mapped))
-        });
+        return;
+    }
+    // A hop as an address, the way a proxy writes one (`ip`, `ip:port`, `[v6]:port`).
+    let address = |hop: &[u8]| -> Option<IpAddr> {
+        let text = std::str::from_utf8(hop).ok()?.trim_matches([' ', '\t']);
+        let ip = text
+            .parse::<IpAddr>()
+            .ok()
+            .or_else(|| text.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))?;
+        Some(match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        })
+    };
+    let hops: Vec<&[u8]> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .collect();
+    if client != peer {
         assert!(
-            written || written_mapped,
+            hops.iter().any(|hop| address(hop) == Some(client)),
             "{client} is neither the peer nor a hop"
         );
+    }
+    if let Some(rightmost) = hops.last().and_then(|hop| address(hop))
+        && !trusted(rightmost)
+    {
+        assert_eq!(client, rightmost, "the hop the proxy appended decides");
     }
 }
 
@@ -204,6 +212,7 @@ fn verifier() -> &'static (tokio::runtime::Runtime, JwtVerifier) {
         )
         .expect("jwks");
         let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
             .build()
             .expect("runtime");
         let verifier = JwtVerifier::build(
@@ -218,6 +227,7 @@ fn verifier() -> &'static (tokio::runtime::Runtime, JwtVerifier) {
                 ca_file: None,
                 cache_path: dir.join("jwks-cache.json"),
                 start_without_keys: false,
+                refresh: robota_mcpd::oauth::KeyRefresh::DEFAULT,
             },
             Metrics::new(),
         )

@@ -155,6 +155,8 @@ pub enum Command {
     Stop,
     /// Fresh attach: a new session, new bearers, readiness re-announced.
     Restart,
+    /// Fetch (or re-read) the remote verifier's signing keys now.
+    KeysRefresh,
 }
 
 impl Command {
@@ -174,7 +176,8 @@ impl Command {
             | Command::BearerRotate
             | Command::Mcp
             | Command::Stop
-            | Command::Restart => &[],
+            | Command::Restart
+            | Command::KeysRefresh => &[],
         }
     }
 }
@@ -256,6 +259,8 @@ pub enum Reply {
     Restarted {
         status: Status,
     },
+    /// The key set after a successful `keys-refresh`.
+    KeySet(KeySetStatus),
 }
 
 impl Reply {
@@ -274,6 +279,7 @@ impl Reply {
             Reply::Mcp => "mcp",
             Reply::Stopping => "stopping",
             Reply::Restarted { .. } => "restarted",
+            Reply::KeySet(_) => "key-set",
         }
     }
 }
@@ -569,7 +575,66 @@ pub struct Status {
     pub refusals_last_hour: BTreeMap<String, u64>,
     /// The remote carrier's key set, when it is enabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key_set: Option<String>,
+    pub key_set: Option<Box<KeySetStatus>>,
+}
+
+/// Where the remote verifier's keys come from (`[remote]` `jwks_uri`, `jwks_file`, or
+/// neither).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KeySourceKind {
+    /// The issuer's RFC 8414 (then OpenID) metadata names the key set's URL.
+    Discovery,
+    /// An explicit `https` URL.
+    JwksUri,
+    /// A local JWKS file.
+    JwksFile,
+}
+
+impl KeySourceKind {
+    pub const ALL: [KeySourceKind; 3] = [
+        KeySourceKind::Discovery,
+        KeySourceKind::JwksUri,
+        KeySourceKind::JwksFile,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySourceKind::Discovery => "discovery",
+            KeySourceKind::JwksUri => "jwks-uri",
+            KeySourceKind::JwksFile => "jwks-file",
+        }
+    }
+}
+
+/// The remote verifier's signing keys: what it holds, and how refreshing them goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeySetStatus {
+    pub source: KeySourceKind,
+    /// The URL or file the held keys were read from; absent while none are held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// Usable keys held; 0 means every token is refused with `keys-unavailable`.
+    pub keys: usize,
+    /// The held keys were read back from the state directory's cache at start-up because
+    /// the issuer could not be reached.
+    #[serde(default)]
+    pub from_cache: bool,
+    /// When the held keys were fetched (for cached keys: originally), unix seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched_at: Option<u64>,
+    /// When the last fetch or read ended, successful or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_attempt_at: Option<u64>,
+    /// Why the last attempt failed; absent when it succeeded. The held keys stay in use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// When the schedule refreshes the keys next.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_refresh_at: Option<u64>,
+    /// A fetch is running now.
+    #[serde(default)]
+    pub refreshing: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use robota_proto::{
     BearerInfo, Command, ErrorCode, GrantKind, GrantRecord, GrantState, JobRecord, JobState,
-    PROTOCOL_VERSION, Reply, Request, Response, Secret, Status, exit,
+    KeySetStatus, KeySourceKind, PROTOCOL_VERSION, Reply, Request, Response, Secret, Status, exit,
 };
 use serde_json::Value;
 
@@ -48,7 +48,8 @@ fn all_commands() -> Vec<Command> {
             Command::GrantRevoke { .. } => Some(Command::Mcp),
             Command::Mcp => Some(Command::Stop),
             Command::Stop => Some(Command::Restart),
-            Command::Restart => None,
+            Command::Restart => Some(Command::KeysRefresh),
+            Command::KeysRefresh => None,
         }
     }
     chain(Command::Status, next)
@@ -85,7 +86,8 @@ fn all_replies() -> Vec<Reply> {
             Reply::Grant { .. } => Some(Reply::Mcp),
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
-            Reply::Restarted { .. } => None,
+            Reply::Restarted { .. } => Some(Reply::KeySet(key_set())),
+            Reply::KeySet(_) => None,
         }
     }
     chain(Reply::Status(status()), next)
@@ -130,6 +132,20 @@ fn grant() -> GrantRecord {
         decided_at: None,
         decided_by: None,
         expires_at: None,
+    }
+}
+
+fn key_set() -> KeySetStatus {
+    KeySetStatus {
+        source: KeySourceKind::Discovery,
+        location: Some("https://auth.example.com/jwks".into()),
+        keys: 2,
+        from_cache: false,
+        fetched_at: Some(0),
+        last_attempt_at: Some(0),
+        last_error: None,
+        next_refresh_at: Some(600),
+        refreshing: false,
     }
 }
 
@@ -267,7 +283,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 15, "the command chain lost a link");
+    assert_eq!(commands.len(), 16, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -281,7 +297,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 12, "the reply chain lost a link");
+    assert_eq!(replies.len(), 13, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

@@ -5,13 +5,14 @@
 //!
 //! Controls: publish, withdraw and rotate keys; count requests per path (the daemon's JWKS
 //! fetches); go down (close the listener and every open connection) and come back on the
-//! same port; hang (accept, never answer); serve a raw JWKS body instead of the key set.
+//! same port; hang (accept, never answer); serve a raw JWKS body instead of the key set;
+//! send a `Cache-Control` header with the JWKS.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -411,8 +412,10 @@ struct State {
     extra_jwks: Vec<Value>,
     /// A raw body served at the JWKS path instead of the key set.
     jwks_body: Option<Vec<u8>>,
-    /// Requests per path (query included), with their arrival times.
-    hits: BTreeMap<String, Vec<Instant>>,
+    /// `Cache-Control` sent with the JWKS.
+    jwks_cache_control: Option<String>,
+    /// Requests per path (query included).
+    hits: BTreeMap<String, usize>,
     hang: bool,
 }
 
@@ -568,6 +571,11 @@ impl Authz {
         self.lock().jwks_body = body;
     }
 
+    /// Sends `Cache-Control: <value>` with the JWKS (`None`: no such header).
+    pub fn set_jwks_cache_control(&self, value: Option<&str>) {
+        self.lock().jwks_cache_control = value.map(str::to_owned);
+    }
+
     /// The JWKS document currently published.
     pub fn jwks(&self) -> Value {
         jwks_of(&self.lock())
@@ -580,7 +588,7 @@ impl Authz {
 
     /// Requests seen at `path` (exact, query included) so far.
     pub fn hits(&self, path: &str) -> usize {
-        self.lock().hits.get(path).map_or(0, Vec::len)
+        self.lock().hits.get(path).copied().unwrap_or(0)
     }
 
     /// JWKS fetches seen so far.
@@ -590,24 +598,12 @@ impl Authz {
 
     /// Every request seen so far, on any path.
     pub fn total_hits(&self) -> usize {
-        self.lock().hits.values().map(Vec::len).sum()
+        self.lock().hits.values().sum()
     }
 
     /// Every path requested so far with its count.
     pub fn hit_paths(&self) -> BTreeMap<String, usize> {
-        self.lock()
-            .hits
-            .iter()
-            .map(|(k, v)| (k.clone(), v.len()))
-            .collect()
-    }
-
-    /// When the JWKS was last fetched.
-    pub fn last_jwks_fetch(&self) -> Option<Instant> {
-        self.lock()
-            .hits
-            .get(JWKS_PATH)
-            .and_then(|v| v.last().copied())
+        self.lock().hits.clone()
     }
 
     /// Closes the listener and every open connection: new connections are refused.
@@ -713,12 +709,9 @@ async fn answer(
         .uri()
         .path_and_query()
         .map_or_else(|| req.uri().path().to_owned(), |p| p.as_str().to_owned());
-    let (hang, body) = {
+    let (hang, body, cache_control) = {
         let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.hits
-            .entry(path.clone())
-            .or_default()
-            .push(Instant::now());
+        *st.hits.entry(path.clone()).or_default() += 1;
         let issuer = &shared.issuer;
         let metadata = json!({
             "issuer": issuer,
@@ -752,17 +745,26 @@ async fn answer(
             }
             _ => None,
         };
-        (st.hang, body)
+        let cache_control = if path == JWKS_PATH {
+            st.jwks_cache_control.clone()
+        } else {
+            None
+        };
+        (st.hang, body, cache_control)
     };
     if hang {
         std::future::pending::<()>().await;
     }
     match body {
-        Some(b) => hyper::Response::builder()
-            .status(200)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(b)))
-            .expect("response"),
+        Some(b) => {
+            let mut r = hyper::Response::builder()
+                .status(200)
+                .header("content-type", "application/json");
+            if let Some(cc) = cache_control {
+                r = r.header("cache-control", cc);
+            }
+            r.body(Full::new(Bytes::from(b))).expect("response")
+        }
         None => hyper::Response::builder()
             .status(404)
             .body(Full::new(Bytes::new()))

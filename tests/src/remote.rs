@@ -54,6 +54,10 @@ pub struct RemoteConfig {
     pub throttle: Option<(u32, String)>,
     /// `[remote.throttle] max_addresses`, when set.
     pub max_addresses: Option<usize>,
+    /// `[remote.throttle] ipv6_prefix`, when set.
+    pub ipv6_prefix: Option<u8>,
+    /// `[remote.key_refresh]` lines (`min = "1s"`, …).
+    pub key_refresh: Vec<String>,
     /// `[remote.tls]`: (cert file, key file), when set.
     pub tls: Option<(String, String)>,
     /// More `key = value` lines for `[remote]`.
@@ -87,6 +91,8 @@ impl RemoteConfig {
             start_without_keys: None,
             throttle: None,
             max_addresses: None,
+            ipv6_prefix: None,
+            key_refresh: Vec::new(),
             tls: None,
             lines: Vec::new(),
         }
@@ -99,6 +105,18 @@ impl RemoteConfig {
 
     pub fn max_addresses(mut self, n: usize) -> Self {
         self.max_addresses = Some(n);
+        self
+    }
+
+    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        self.ipv6_prefix = Some(bits);
+        self
+    }
+
+    /// `[remote.key_refresh] <key> = "<duration>"`.
+    pub fn key_refresh(mut self, key: &str, duration: &str) -> Self {
+        self.key_refresh
+            .push(format!("{key} = {}", toml_str(duration)));
         self
     }
 
@@ -186,8 +204,11 @@ impl RemoteConfig {
             t.push_str(l);
             t.push('\n');
         }
-        if self.throttle.is_some() || self.max_addresses.is_some() {
+        if self.throttle.is_some() || self.max_addresses.is_some() || self.ipv6_prefix.is_some() {
             t.push_str("\n[remote.throttle]\n");
+        }
+        if let Some(bits) = self.ipv6_prefix {
+            t.push_str(&format!("ipv6_prefix = {bits}\n"));
         }
         if let Some((failures, window)) = &self.throttle {
             t.push_str(&format!(
@@ -197,6 +218,13 @@ impl RemoteConfig {
         }
         if let Some(n) = self.max_addresses {
             t.push_str(&format!("max_addresses = {n}\n"));
+        }
+        if !self.key_refresh.is_empty() {
+            t.push_str("\n[remote.key_refresh]\n");
+            for l in &self.key_refresh {
+                t.push_str(l);
+                t.push('\n');
+            }
         }
         if let Some((cert, key)) = &self.tls {
             t.push_str(&format!(

@@ -49,6 +49,17 @@ pub enum KeySource {
     JwksFile(PathBuf),
 }
 
+impl KeySource {
+    /// Its name in `status`.
+    pub fn kind(&self) -> robota_proto::KeySourceKind {
+        match self {
+            KeySource::Discovery => robota_proto::KeySourceKind::Discovery,
+            KeySource::JwksUri(_) => robota_proto::KeySourceKind::JwksUri,
+            KeySource::JwksFile(_) => robota_proto::KeySourceKind::JwksFile,
+        }
+    }
+}
+
 /// One verification key of the set.
 #[derive(Clone, Debug)]
 pub(crate) struct VerifyKey {
@@ -112,6 +123,8 @@ pub enum FetchError {
         #[source]
         source: io::Error,
     },
+    #[error("the key-set fetch ended without an outcome")]
+    Interrupted,
     #[error("issuer discovery failed (RFC 8414 metadata: {oauth}); OpenID metadata")]
     Discovery {
         /// The RFC 8414 failure, with its causes.
@@ -139,9 +152,90 @@ impl FetchError {
             | FetchError::Timeout { .. }
             | FetchError::Redirect { .. }
             | FetchError::Status { .. }
-            | FetchError::File { .. } => FetchOutcome::Error,
+            | FetchError::File { .. }
+            | FetchError::Interrupted => FetchOutcome::Error,
         }
     }
+}
+
+/// How long a fetched key set stays fresh, by the key server's `Cache-Control` (RFC 9111
+/// §5.2.2.1 `max-age`, less the `Age` the response already has).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// No `max-age` (or no `Cache-Control`): the configured default applies.
+    Unstated,
+    /// `max-age`: fresh for this long.
+    For(Duration),
+    /// `no-cache`, `no-store`, a `max-age` that does not parse or is given twice with
+    /// different values: stale at once (the schedule's lower bound applies).
+    Stale,
+}
+
+impl Freshness {
+    pub fn of(headers: &reqwest::header::HeaderMap) -> Self {
+        let mut max_age: Option<u64> = None;
+        let mut stale = false;
+        let directives = headers
+            .get_all(reqwest::header::CACHE_CONTROL)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','));
+        for directive in directives {
+            let directive = directive.trim_ascii();
+            let (name, value) = match directive.iter().position(|b| *b == b'=') {
+                Some(i) => (&directive[..i], Some(&directive[i + 1..])),
+                None => (directive, None),
+            };
+            let name = name.trim_ascii();
+            if name.eq_ignore_ascii_case(b"no-cache") || name.eq_ignore_ascii_case(b"no-store") {
+                stale = true;
+            } else if name.eq_ignore_ascii_case(b"max-age") {
+                let seconds = value
+                    .map(|v| v.trim_ascii())
+                    .map(|v| {
+                        v.strip_prefix(b"\"")
+                            .and_then(|v| v.strip_suffix(b"\""))
+                            .unwrap_or(v)
+                    })
+                    .and_then(delta_seconds);
+                match (seconds, max_age) {
+                    (Some(s), None) => max_age = Some(s),
+                    (Some(s), Some(seen)) if s == seen => {}
+                    _ => stale = true,
+                }
+            }
+        }
+        if stale {
+            return Freshness::Stale;
+        }
+        let Some(max_age) = max_age else {
+            return Freshness::Unstated;
+        };
+        let age = headers
+            .get(reqwest::header::AGE)
+            .and_then(|v| delta_seconds(v.as_bytes().trim_ascii()))
+            .unwrap_or(0);
+        Freshness::For(Duration::from_secs(max_age.saturating_sub(age)))
+    }
+
+    /// The time until the next refresh: `max-age` clamped to `[min, max]`, `default` when
+    /// none was given, `min` when stale.
+    pub fn period(self, default: Duration, min: Duration, max: Duration) -> Duration {
+        match self {
+            Freshness::Unstated => default,
+            Freshness::Stale => min,
+            Freshness::For(d) => d.clamp(min, max),
+        }
+    }
+}
+
+/// RFC 9111 delta-seconds: digits only; values beyond `u64` saturate.
+fn delta_seconds(text: &[u8]) -> Option<u64> {
+    if text.is_empty() || !text.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(text.iter().fold(0u64, |n, d| {
+        n.saturating_mul(10).saturating_add(u64::from(d - b'0'))
+    }))
 }
 
 /// Why the HTTPS client could not be built.
@@ -326,22 +420,24 @@ fn roca_fingerprint(n: &[u8]) -> bool {
     })
 }
 
-/// Read a local JWKS file (at most 64 KiB).
-pub(crate) fn read_key_file(path: &Path, allowed: &[Algorithm]) -> Result<ParsedKeys, FetchError> {
-    let origin = path.display().to_string();
+/// Read a local JWKS file's bytes (at most 64 KiB).
+pub(crate) fn read_key_file(path: &Path) -> Result<Vec<u8>, FetchError> {
     let file_error = |source| FetchError::File {
         path: path.to_owned(),
         source,
     };
+    let too_large = || FetchError::TooLarge {
+        url: path.display().to_string(),
+    };
     let meta = fs::metadata(path).map_err(file_error)?;
     if meta.len() > MAX_BODY_BYTES as u64 {
-        return Err(FetchError::TooLarge { url: origin });
+        return Err(too_large());
     }
     let body = fs::read(path).map_err(file_error)?;
     if body.len() > MAX_BODY_BYTES {
-        return Err(FetchError::TooLarge { url: origin });
+        return Err(too_large());
     }
-    parse_key_set(&body, allowed, &origin)
+    Ok(body)
 }
 
 /// The discovery URLs for `issuer`, in the order tried: RFC 8414 §3.1 (well-known segment
@@ -433,7 +529,7 @@ impl Fetcher {
         })?;
         let [oauth_url, oidc_url] = discovery_urls(&parsed);
         let oauth = match self
-            .fetch(&oauth_url, |b| metadata_jwks_uri(b, issuer, &oauth_url))
+            .fetch(&oauth_url, |b, _| metadata_jwks_uri(b, issuer, &oauth_url))
             .await
         {
             Ok(url) => return Ok(url),
@@ -441,7 +537,7 @@ impl Fetcher {
         };
         tracing::debug!(url = %oauth_url, error = %crate::error_chain(&oauth), "RFC 8414 discovery failed; trying OpenID discovery");
         match self
-            .fetch(&oidc_url, |b| metadata_jwks_uri(b, issuer, &oidc_url))
+            .fetch(&oidc_url, |b, _| metadata_jwks_uri(b, issuer, &oidc_url))
             .await
         {
             Ok(url) => Ok(url),
@@ -452,24 +548,26 @@ impl Fetcher {
         }
     }
 
-    /// Fetch and parse the key set at `url`.
+    /// Fetch and parse the key set at `url`, with how long the server says it stays fresh.
     pub async fn fetch_keys(
         &self,
         url: &Url,
         allowed: &[Algorithm],
-    ) -> Result<ParsedKeys, FetchError> {
-        self.fetch(url, |body| parse_key_set(body, allowed, url.as_str()))
-            .await
+    ) -> Result<(ParsedKeys, Freshness), FetchError> {
+        self.fetch(url, |body, freshness| {
+            parse_key_set(body, allowed, url.as_str()).map(|keys| (keys, freshness))
+        })
+        .await
     }
 
     /// One counted fetch: GET `url`, then `accept` the body.
     async fn fetch<T>(
         &self,
         url: &Url,
-        accept: impl FnOnce(&[u8]) -> Result<T, FetchError>,
+        accept: impl FnOnce(&[u8], Freshness) -> Result<T, FetchError>,
     ) -> Result<T, FetchError> {
         let result = match self.get(url).await {
-            Ok(body) => accept(&body),
+            Ok((body, freshness)) => accept(&body, freshness),
             Err(e) => Err(e),
         };
         self.metrics.jwks_fetch(match &result {
@@ -479,7 +577,7 @@ impl Fetcher {
         result
     }
 
-    async fn get(&self, url: &Url) -> Result<Vec<u8>, FetchError> {
+    async fn get(&self, url: &Url) -> Result<(Vec<u8>, Freshness), FetchError> {
         let name = || url.as_str().to_owned();
         if url.scheme() != "https" {
             return Err(FetchError::NotHttps { url: name() });
@@ -521,6 +619,7 @@ impl Fetcher {
             {
                 return Err(FetchError::TooLarge { url: name() });
             }
+            let freshness = Freshness::of(response.headers());
             let mut body = Vec::new();
             while let Some(chunk) = response.chunk().await.map_err(transport)? {
                 if body.len() + chunk.len() > MAX_BODY_BYTES {
@@ -528,7 +627,7 @@ impl Fetcher {
                 }
                 body.extend_from_slice(&chunk);
             }
-            Ok(body)
+            Ok((body, freshness))
         };
         tokio::time::timeout(FETCH_TIMEOUT, exchange)
             .await
@@ -743,6 +842,71 @@ mod tests {
     }
 
     #[test]
+    fn freshness_follows_cache_control_and_age() {
+        use reqwest::header::{HeaderMap, HeaderValue};
+        let of = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (name, value) in pairs {
+                h.append(*name, HeaderValue::from_static(value));
+            }
+            Freshness::of(&h)
+        };
+        let secs = |n| Freshness::For(Duration::from_secs(n));
+        let cases: [(&[(&str, &str)], Freshness); 14] = [
+            (&[], Freshness::Unstated),
+            (&[("cache-control", "public")], Freshness::Unstated),
+            (&[("cache-control", "max-age=300")], secs(300)),
+            (&[("cache-control", "Public, MAX-AGE = 300 ")], secs(300)),
+            (&[("cache-control", "max-age=\"300\"")], secs(300)),
+            (
+                &[("cache-control", "public"), ("cache-control", "max-age=60")],
+                secs(60),
+            ),
+            (
+                &[("cache-control", "max-age=300"), ("age", "100")],
+                secs(200),
+            ),
+            (&[("cache-control", "max-age=300"), ("age", "900")], secs(0)),
+            (&[("cache-control", "max-age=300, max-age=300")], secs(300)),
+            (
+                &[("cache-control", "max-age=300, max-age=30")],
+                Freshness::Stale,
+            ),
+            (&[("cache-control", "max-age=-1")], Freshness::Stale),
+            (&[("cache-control", "max-age")], Freshness::Stale),
+            (
+                &[("cache-control", "max-age=300, no-cache")],
+                Freshness::Stale,
+            ),
+            (
+                &[("cache-control", "max-age=99999999999999999999999")],
+                secs(u64::MAX),
+            ),
+        ];
+        for (headers, want) in cases {
+            assert_eq!(of(headers), want, "{headers:?}");
+        }
+        let (default, min, max) = (
+            Duration::from_secs(600),
+            Duration::from_secs(60),
+            Duration::from_secs(86_400),
+        );
+        for (freshness, want) in [
+            (Freshness::Unstated, 600),
+            (Freshness::Stale, 60),
+            (secs(0), 60),
+            (secs(120), 120),
+            (secs(u64::MAX), 86_400),
+        ] {
+            assert_eq!(
+                freshness.period(default, min, max),
+                Duration::from_secs(want),
+                "{freshness:?}"
+            );
+        }
+    }
+
+    #[test]
     fn roca_fingerprint_matches_only_weak_moduli() {
         // 65537 generates {1, 10} mod 11: a modulus that is 2 mod 11 cannot match.
         assert!(!roca_fingerprint(&[2]));
@@ -918,7 +1082,7 @@ mod tests {
         let key = TestKey::new(Algorithm::ES256, "ec");
         server.route("/jwks", Route::json(jwks(&[&key])));
         let url = Url::parse(&server.url("/jwks")).unwrap();
-        assert_eq!(f.fetch_keys(&url, &ALL).await.unwrap().keys.len(), 1);
+        assert_eq!(f.fetch_keys(&url, &ALL).await.unwrap().0.keys.len(), 1);
 
         // Just over 64 KiB: refused from Content-Length, and while streaming without it.
         let padded = |n: usize| {

@@ -8,9 +8,15 @@
 //! against the caller's clock: `iss`, `aud`, `exp`/`nbf`/`iat` with 60 s skew, `sub`,
 //! `client_id`, scopes, principal allow-list.
 //!
+//! The key set is refreshed on a schedule (the key server's `max-age` within
+//! [`KeyRefresh`] bounds), on reload and on an operator's command, and when a token names
+//! a key the set does not hold (at most once per [`REFETCH_COOLDOWN`]). A failed refresh
+//! keeps the held set.
+//!
 //! Invariants: no token text in any log line or error; a token's `jku`, `x5u`, `jwk` and
-//! `x5c` are never used; only successes are cached; at most one key-set fetch is in flight
-//! and fetches start at most every 30 s, whatever the tokens say.
+//! `x5c` are never used; only successes are cached, and a changed key set empties the
+//! cache; at most one key-set fetch is in flight, whatever started it; a request waits at
+//! most [`UNKNOWN_KEY_WAIT`] for a fetch.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
@@ -22,26 +28,63 @@ use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, Validation};
 use parking_lot::{Mutex, RwLock};
 use reqwest::Url;
+use robota_proto::KeySetStatus;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
+use tokio::sync::{Notify, watch};
 
 use super::jwks::{
     self, CacheDoc, ClientError, FetchError, Fetcher, KeySource, ParsedKeys, VerifyKey,
 };
-use super::{MAX_TOKEN_BYTES, Principal, Verifier, VerifyFuture, b64};
+use super::{MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture, b64};
 use crate::audit::Reason;
-use crate::metrics::Metrics;
+use crate::metrics::{FetchOutcome, Metrics, RefreshTrigger};
 
 /// Allowed clock difference for `exp`, `nbf` and `iat`.
 pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
 /// Least time between two key-set fetches triggered by tokens.
 pub const REFETCH_COOLDOWN: Duration = Duration::from_secs(30);
+/// How long after a key-set fetch started a request with an unknown `kid` may still wait
+/// for it; then it is answered `keys-unavailable` and the fetch goes on without it. (A
+/// request arriving at a fetch that has run that long already is answered at once.)
+pub const UNKNOWN_KEY_WAIT: Duration = Duration::from_secs(1);
 /// Most tokens remembered as verified.
 pub const VERIFIED_CACHE_ENTRIES: usize = 10_000;
 /// The algorithms this verifier can be configured with.
 pub const SUPPORTED_ALGORITHMS: [Algorithm; 3] =
     [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
+
+/// How often the key set is refreshed on schedule (`[remote.key_refresh]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyRefresh {
+    /// When the key server gives no `max-age` (Envoy's jwt_authn caches a remote key set
+    /// for 10 minutes by default; so do we).
+    pub default: Duration,
+    /// The least time between scheduled refreshes: a smaller `max-age` (or `no-cache`) is
+    /// raised to it. Also the wait before retrying a failed refresh, and how often a key
+    /// file is checked for changes.
+    pub min: Duration,
+    /// The most: a larger `max-age` is lowered to it.
+    pub max: Duration,
+}
+
+impl KeyRefresh {
+    pub const DEFAULT: KeyRefresh = KeyRefresh {
+        default: Duration::from_secs(600),
+        min: Duration::from_secs(60),
+        max: Duration::from_secs(86_400),
+    };
+    /// The range each bound may be configured in.
+    pub const RANGE: std::ops::RangeInclusive<Duration> =
+        Duration::from_secs(1)..=Duration::from_secs(7 * 86_400);
+}
+
+impl Default for KeyRefresh {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
 
 /// What the verifier accepts; built by the remote carrier from `[remote]`.
 #[derive(Debug, Clone)]
@@ -65,6 +108,7 @@ pub struct JwtConfig {
     /// Start even when no key set can be loaded; tokens then get `keys-unavailable` until
     /// a fetch succeeds.
     pub start_without_keys: bool,
+    pub refresh: KeyRefresh,
 }
 
 /// Why a [`JwtVerifier`] cannot be built (a configuration error).
@@ -84,6 +128,8 @@ pub enum BuildError {
     Issuer(String),
     #[error("jwks_uri {0:?} is not an https URL without user-info or fragment")]
     JwksUri(String),
+    #[error("key refresh bounds must be 1s to 7d with min <= default <= max, got {0:?}")]
+    KeyRefresh(KeyRefresh),
     #[error(
         "jsonwebtoken has no usable crypto provider (exactly one of its `aws_lc_rs`/`rust_crypto` features must be enabled)"
     )]
@@ -103,13 +149,13 @@ pub enum LoadError {
         /// Why the cache was not used.
         cache: String,
         #[source]
-        source: FetchError,
+        source: Arc<FetchError>,
     },
     #[error("cannot load the signing keys of issuer {issuer}")]
     File {
         issuer: String,
         #[source]
-        source: FetchError,
+        source: Arc<FetchError>,
     },
 }
 
@@ -127,21 +173,27 @@ pub fn ensure_crypto_provider() -> Result<(), BuildError> {
         .ok_or(BuildError::CryptoProvider)
 }
 
-/// The monotonic clock behind the refetch cooldown (injectable for tests).
+/// The monotonic clock behind the refetch cooldown and the refresh schedule (injectable
+/// for tests). The default is tokio's clock, so paused-time tests move it too.
 pub(crate) type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// JWT access-token verifier for the remote carrier.
-pub struct JwtVerifier {
+pub struct JwtVerifier(Arc<Inner>);
+
+struct Inner {
     policy: Policy,
     algorithms: Vec<Algorithm>,
     validations: Vec<(Algorithm, Validation)>,
     source: KeySource,
     cache_path: PathBuf,
     start_without_keys: bool,
+    refresh: KeyRefresh,
     fetcher: Fetcher,
     metrics: Metrics,
     keys: RwLock<Option<Arc<KeySet>>>,
-    refresh: tokio::sync::Mutex<RefreshState>,
+    state: Mutex<RefreshState>,
+    /// Woken whenever the next scheduled refresh moves.
+    rescheduled: Arc<Notify>,
     clock: Clock,
     verified: Mutex<VerifiedCache>,
     signature_checks: AtomicU64,
@@ -158,6 +210,9 @@ struct Policy {
 
 struct KeySet {
     keys: Vec<VerifyKey>,
+    /// The JWK entries the keys came from (a refresh that returns the same ones changes
+    /// nothing).
+    raw: Vec<Value>,
     origin: Origin,
     /// When the keys were fetched (for a cached set: originally fetched).
     at: SystemTime,
@@ -170,11 +225,49 @@ enum Origin {
     Cache(String),
 }
 
+/// What a finished fetch tells those waiting for it.
+type Outcome = Result<(), Arc<FetchError>>;
+type Done = watch::Receiver<Option<Outcome>>;
+
 #[derive(Default)]
 struct RefreshState {
-    last_attempt: Option<Instant>,
+    /// The fetch running now, and when it started; its outcome is published here when it
+    /// ends.
+    in_flight: Option<(Done, tokio::time::Instant)>,
+    /// When a token last started a fetch (the refetch cooldown).
+    last_token_fetch: Option<Instant>,
     /// The `jwks_uri` found by discovery, reused until a fetch from it fails.
     jwks_uri: Option<Url>,
+    /// When the schedule refreshes next.
+    next: Option<Instant>,
+    /// When the last fetch ended, and why it failed if it did.
+    last_attempt: Option<SystemTime>,
+    last_error: Option<String>,
+    /// SHA-256 of the key file as last read: a scheduled check of an unchanged file
+    /// changes nothing.
+    file_digest: Option<[u8; 32]>,
+}
+
+impl RefreshState {
+    /// The fetch running now, if any (one whose task is gone counts as none).
+    fn running(&self) -> Option<Done> {
+        self.running_since().map(|(done, _)| done)
+    }
+
+    fn running_since(&self) -> Option<(Done, tokio::time::Instant)> {
+        self.in_flight
+            .as_ref()
+            .filter(|(done, _)| done.borrow().is_none() && done.has_changed().is_ok())
+            .cloned()
+    }
+}
+
+/// Wait for a fetch to end; its outcome.
+async fn outcome_of(mut done: Done) -> Outcome {
+    match done.wait_for(Option::is_some).await {
+        Ok(outcome) => outcome.clone().unwrap_or(Ok(())),
+        Err(_) => Err(Arc::new(FetchError::Interrupted)),
+    }
 }
 
 impl JwtVerifier {
@@ -216,6 +309,15 @@ impl JwtVerifier {
         {
             return Err(BuildError::JwksUri(uri.clone()));
         }
+        let r = config.refresh;
+        if ![r.default, r.min, r.max]
+            .iter()
+            .all(|d| KeyRefresh::RANGE.contains(d))
+            || r.min > r.default
+            || r.default > r.max
+        {
+            return Err(BuildError::KeyRefresh(r));
+        }
         let fetcher = Fetcher::new(config.ca_file.as_deref(), metrics.clone())?;
         let mut algorithms: Vec<Algorithm> = Vec::new();
         for alg in config.algorithms {
@@ -227,7 +329,7 @@ impl JwtVerifier {
             .iter()
             .map(|&alg| (alg, signature_only(alg)))
             .collect();
-        Ok(Self {
+        Ok(Self(Arc::new(Inner {
             policy: Policy {
                 issuer: config.issuer,
                 audiences: config.audiences,
@@ -240,34 +342,37 @@ impl JwtVerifier {
             source: config.keys,
             cache_path: config.cache_path,
             start_without_keys: config.start_without_keys,
+            refresh: config.refresh,
             fetcher,
             metrics,
             keys: RwLock::new(None),
-            refresh: tokio::sync::Mutex::new(RefreshState::default()),
-            clock: Arc::new(Instant::now),
+            state: Mutex::new(RefreshState::default()),
+            rescheduled: Arc::new(Notify::new()),
+            clock: Arc::new(|| tokio::time::Instant::now().into_std()),
             verified: Mutex::new(VerifiedCache::default()),
             signature_checks: AtomicU64::new(0),
-        })
+        })))
     }
 
-    /// The initial key load at start-up. If the keys cannot be fetched, the cached set is
-    /// used (with a warning); with no usable cache this fails unless `start_without_keys`.
+    /// The initial key load at start-up, before any request. If the keys cannot be
+    /// fetched, the cached set is used (with a warning); with no usable cache this fails
+    /// unless `start_without_keys`.
     pub async fn load(&self) -> Result<(), LoadError> {
-        let mut state = self.refresh.lock().await;
+        let inner = &self.0;
         // A successful start-up load does not start the refetch cooldown: a key rotated
         // just before (or just after) a start is picked up by the first unknown `kid`.
         // A failed one does, so an unreachable issuer is not asked again at once.
-        let error = match self.obtain(&mut state).await {
+        let error = match inner.refresh_now(RefreshTrigger::Start).await {
             Ok(()) => return Ok(()),
             Err(e) => {
-                state.last_attempt = Some((self.clock)());
+                inner.state.lock().last_token_fetch = Some((inner.clock)());
                 e
             }
         };
-        let issuer = self.policy.issuer.clone();
-        if let KeySource::JwksFile(_) = self.source {
-            if self.start_without_keys {
-                tracing::warn!(%issuer, error = %crate::error_chain(&error), "no signing keys; tokens are refused with keys-unavailable until the key file loads");
+        let issuer = inner.policy.issuer.clone();
+        if let KeySource::JwksFile(_) = inner.source {
+            if inner.start_without_keys {
+                tracing::warn!(%issuer, error = %crate::error_chain(&*error), "no signing keys; tokens are refused with keys-unavailable until the key file loads");
                 return Ok(());
             }
             return Err(LoadError::File {
@@ -275,22 +380,22 @@ impl JwtVerifier {
                 source: error,
             });
         }
-        match jwks::read_cache(&self.cache_path, &issuer, &self.algorithms) {
+        match jwks::read_cache(&inner.cache_path, &issuer, &inner.algorithms) {
             Ok(cached) => {
                 tracing::warn!(
                     %issuer,
-                    error = %crate::error_chain(&error),
+                    error = %crate::error_chain(&*error),
                     keys = cached.keys.keys.len(),
                     fetched = %humantime::format_rfc3339_seconds(cached.fetched_at),
                     "issuer unreachable; using the cached key set"
                 );
-                self.install(cached.keys, Origin::Cache(cached.source), cached.fetched_at);
+                inner.install(cached.keys, Origin::Cache(cached.source), cached.fetched_at);
                 Ok(())
             }
-            Err(cache_error) if self.start_without_keys => {
+            Err(cache_error) if inner.start_without_keys => {
                 tracing::warn!(
                     %issuer,
-                    error = %crate::error_chain(&error),
+                    error = %crate::error_chain(&*error),
                     cache = %crate::error_chain(&cache_error),
                     "no signing keys; tokens are refused with keys-unavailable until a fetch succeeds"
                 );
@@ -304,31 +409,223 @@ impl JwtVerifier {
         }
     }
 
-    /// Fetch (or read) the key set and install it; the caller holds the refresh lock.
-    async fn obtain(&self, state: &mut RefreshState) -> Result<(), FetchError> {
-        let (parsed, origin) = match &self.source {
+    /// Refresh the key set on schedule for as long as the verifier lives (the task ends
+    /// when it is dropped). Spawned once, by the daemon.
+    pub fn spawn_schedule(&self) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(&self.0);
+        let rescheduled = self.0.rescheduled.clone();
+        tokio::spawn(async move {
+            loop {
+                let Some(inner) = weak.upgrade() else { return };
+                let wait = inner
+                    .state
+                    .lock()
+                    .next
+                    .map(|next| next.saturating_duration_since((inner.clock)()));
+                // Not holding the verifier while asleep.
+                drop(inner);
+                let moved = rescheduled.notified();
+                match wait {
+                    None => {
+                        moved.await;
+                        continue;
+                    }
+                    Some(wait) if !wait.is_zero() => tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = moved => continue,
+                    },
+                    Some(_) => {}
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                let now = (inner.clock)();
+                if inner.state.lock().next.is_some_and(|next| next <= now) {
+                    let _ = inner.scheduled().await;
+                    // Never spin: a refresh that left no later time waits the least.
+                    let mut state = inner.state.lock();
+                    if state.next.is_none_or(|next| next <= now) {
+                        state.next = now.checked_add(inner.refresh.min);
+                    }
+                }
+            }
+        })
+    }
+
+    /// The key set for `status`.
+    pub fn key_set(&self) -> KeySetStatus {
+        self.0.key_set()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn with_clock(mut self, clock: Clock) -> Self {
+        Arc::get_mut(&mut self.0)
+            .expect("the clock is set before the verifier is shared")
+            .clock = clock;
+        self
+    }
+
+    /// How many signatures were checked (the crypto the verified-token cache saves).
+    #[cfg(test)]
+    pub(crate) fn signature_checks(&self) -> u64 {
+        self.0.signature_checks.load(Ordering::Relaxed)
+    }
+}
+
+impl Inner {
+    /// Start a fetch (the caller made sure none is running); the task publishes its
+    /// outcome on the returned channel.
+    fn begin(self: &Arc<Self>, trigger: RefreshTrigger, state: &mut RefreshState) -> Done {
+        let (tx, done) = watch::channel(None);
+        state.in_flight = Some((done.clone(), tokio::time::Instant::now()));
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let outcome = inner.attempt(trigger).await;
+            let _ = tx.send(Some(outcome));
+        });
+        done
+    }
+
+    /// Fetch now, whatever the schedule and the cooldown say. A fetch already running may
+    /// have started before the change the caller wants picked up: it is waited for, then
+    /// the keys are fetched again.
+    async fn refresh_now(self: &Arc<Self>, trigger: RefreshTrigger) -> Outcome {
+        let running = self.state.lock().running();
+        if let Some(done) = running {
+            let _ = outcome_of(done).await;
+        }
+        let done = {
+            let mut state = self.state.lock();
+            match state.running() {
+                // Started after ours was asked for: as good as our own.
+                Some(done) => done,
+                None => self.begin(trigger, &mut state),
+            }
+        };
+        outcome_of(done).await
+    }
+
+    /// The schedule's refresh: joins a fetch that is running.
+    async fn scheduled(self: &Arc<Self>) -> Outcome {
+        let done = {
+            let mut state = self.state.lock();
+            match state.running() {
+                Some(done) => done,
+                None => self.begin(RefreshTrigger::Schedule, &mut state),
+            }
+        };
+        outcome_of(done).await
+    }
+
+    /// For a token naming a key we do not hold: join the fetch that is running, or start
+    /// one unless a token started one less than [`REFETCH_COOLDOWN`] ago. With the time
+    /// until which the token may wait for it.
+    fn token_fetch(self: &Arc<Self>, why: &'static str) -> Option<(Done, tokio::time::Instant)> {
+        let mut state = self.state.lock();
+        if let Some((done, since)) = state.running_since() {
+            return Some((done, since + UNKNOWN_KEY_WAIT));
+        }
+        let now = (self.clock)();
+        if let Some(last) = state.last_token_fetch
+            && now.saturating_duration_since(last) < REFETCH_COOLDOWN
+        {
+            tracing::debug!(why, "key-set refetch rate-limited");
+            return None;
+        }
+        state.last_token_fetch = Some(now);
+        tracing::info!(issuer = %self.policy.issuer, why, "refetching the signing key set");
+        let done = self.begin(RefreshTrigger::Token, &mut state);
+        Some((done, tokio::time::Instant::now() + UNKNOWN_KEY_WAIT))
+    }
+
+    /// One fetch (or read), start to end: obtain and install the keys, then record how it
+    /// went and when the schedule refreshes next.
+    async fn attempt(&self, trigger: RefreshTrigger) -> Outcome {
+        let result = self.obtain(trigger).await;
+        let now = (self.clock)();
+        let ended = SystemTime::now();
+        let held = self.current_keys().map_or(0, |set| set.keys.len());
+        let mut state = self.state.lock();
+        state.in_flight = None;
+        state.last_attempt = Some(ended);
+        let outcome = match result {
+            Ok(period) => {
+                state.last_error = None;
+                state.next = now.checked_add(period);
+                drop(state);
+                self.metrics.jwks_refreshed(ended);
+                Ok(())
+            }
+            Err(e) => {
+                let message = crate::error_chain(&e);
+                state.last_error = Some(message.clone());
+                state.next = now.checked_add(self.refresh.min);
+                drop(state);
+                self.metrics.jwks_refresh_failed(trigger);
+                // The start-up load says what it falls back to itself.
+                if trigger != RefreshTrigger::Start {
+                    tracing::warn!(
+                        issuer = %self.policy.issuer,
+                        trigger = trigger.as_str(),
+                        error = %message,
+                        keys = held,
+                        "key-set refresh failed; keeping the keys held"
+                    );
+                }
+                Err(Arc::new(e))
+            }
+        };
+        self.rescheduled.notify_one();
+        outcome
+    }
+
+    /// Fetch (or read) the key set and install it; how long until the schedule refreshes
+    /// it next. Only one runs at a time.
+    async fn obtain(&self, trigger: RefreshTrigger) -> Result<Duration, FetchError> {
+        let bounds = self.refresh;
+        let (parsed, origin, period) = match &self.source {
             KeySource::JwksFile(path) => {
-                let result = jwks::read_key_file(path, &self.algorithms);
+                let held = self.current_keys().is_some();
+                let read = jwks::read_key_file(path);
+                let digest: Option<[u8; 32]> =
+                    read.as_ref().ok().map(|bytes| Sha256::digest(bytes).into());
+                {
+                    let state = self.state.lock();
+                    if trigger == RefreshTrigger::Schedule
+                        && held
+                        && digest.is_some()
+                        && state.file_digest == digest
+                        && state.last_error.is_none()
+                    {
+                        return Ok(bounds.min);
+                    }
+                }
+                let origin = path.display().to_string();
+                let result =
+                    read.and_then(|bytes| jwks::parse_key_set(&bytes, &self.algorithms, &origin));
                 self.metrics.jwks_fetch(match &result {
-                    Ok(_) => crate::metrics::FetchOutcome::Ok,
+                    Ok(_) => FetchOutcome::Ok,
                     Err(e) => e.outcome(),
                 });
-                (result?, Origin::File(path.clone()))
+                let parsed = result?;
+                self.state.lock().file_digest = digest;
+                (parsed, Origin::File(path.clone()), bounds.min)
             }
             KeySource::JwksUri(uri) => {
                 let url = jwks::https_url(uri)
                     .ok_or_else(|| FetchError::NotHttps { url: uri.clone() })?;
-                let parsed = self.fetcher.fetch_keys(&url, &self.algorithms).await?;
-                (parsed, Origin::Fetched(url.to_string()))
+                let (parsed, freshness) = self.fetcher.fetch_keys(&url, &self.algorithms).await?;
+                let period = freshness.period(bounds.default, bounds.min, bounds.max);
+                (parsed, Origin::Fetched(url.to_string()), period)
             }
             KeySource::Discovery => {
-                let url = match state.jwks_uri.take() {
+                let known = self.state.lock().jwks_uri.take();
+                let url = match known {
                     Some(url) => url,
                     None => self.fetcher.discover(&self.policy.issuer).await?,
                 };
-                let parsed = self.fetcher.fetch_keys(&url, &self.algorithms).await?;
-                state.jwks_uri = Some(url.clone());
-                (parsed, Origin::Fetched(url.to_string()))
+                let (parsed, freshness) = self.fetcher.fetch_keys(&url, &self.algorithms).await?;
+                self.state.lock().jwks_uri = Some(url.clone());
+                let period = freshness.period(bounds.default, bounds.min, bounds.max);
+                (parsed, Origin::Fetched(url.to_string()), period)
             }
         };
         let at = SystemTime::now();
@@ -336,7 +633,7 @@ impl JwtVerifier {
             self.persist(source, &parsed, at).await;
         }
         self.install(parsed, origin, at);
-        Ok(())
+        Ok(period)
     }
 
     /// Write the cache file; a failure is logged, not fatal.
@@ -364,63 +661,95 @@ impl JwtVerifier {
             Origin::File(path) => path.display().to_string(),
             Origin::Cache(url) => format!("cache {} (of {url})", self.cache_path.display()),
         };
-        tracing::info!(
-            issuer = %self.policy.issuer,
-            keys = parsed.keys.len(),
-            skipped = parsed.dropped,
-            %from,
-            "loaded the signing key set"
-        );
-        *self.keys.write() = Some(Arc::new(KeySet {
+        let (count, skipped) = (parsed.keys.len(), parsed.dropped);
+        let mut keys = self.keys.write();
+        let unchanged = keys.as_ref().is_some_and(|held| held.raw == parsed.raw);
+        *keys = Some(Arc::new(KeySet {
             keys: parsed.keys,
+            raw: parsed.raw,
             origin,
             at,
         }));
-        // Tokens verified against the old set are judged again against the new one.
-        self.verified.lock().clear();
-    }
-
-    /// Refetch because of an unknown key or a missing key set: at most one fetch in flight
-    /// and at most one start per [`REFETCH_COOLDOWN`]; callers that waited for an in-flight
-    /// fetch use its result instead of starting another.
-    async fn refresh(&self, why: &'static str) {
-        let mut state = self.refresh.lock().await;
-        let now = (self.clock)();
-        if let Some(last) = state.last_attempt
-            && now.saturating_duration_since(last) < REFETCH_COOLDOWN
-        {
-            tracing::debug!(why, "key-set refetch rate-limited");
+        drop(keys);
+        if unchanged {
+            tracing::debug!(issuer = %self.policy.issuer, keys = count, %from, "the signing key set is unchanged");
             return;
         }
-        state.last_attempt = Some(now);
-        tracing::info!(issuer = %self.policy.issuer, why, "refetching the signing key set");
-        if let Err(e) = self.obtain(&mut state).await {
-            tracing::warn!(
-                issuer = %self.policy.issuer,
-                error = %crate::error_chain(&e),
-                "key-set refetch failed; keeping the previous set"
-            );
-        }
+        tracing::info!(
+            issuer = %self.policy.issuer,
+            keys = count,
+            skipped,
+            %from,
+            "loaded the signing key set"
+        );
+        // Tokens verified against the old set are judged again against the new one.
+        self.verified.lock().clear();
     }
 
     fn current_keys(&self) -> Option<Arc<KeySet>> {
         self.keys.read().clone()
     }
 
-    /// The key for a token's `kid` and `alg`, refetching once for an unknown key.
+    fn key_set(&self) -> KeySetStatus {
+        let set = self.current_keys();
+        let state = self.state.lock();
+        let now = (self.clock)();
+        let wall = SystemTime::now();
+        let unix = jwks::unix_seconds;
+        KeySetStatus {
+            source: self.source.kind(),
+            location: set.as_ref().map(|set| match &set.origin {
+                Origin::Fetched(url) | Origin::Cache(url) => url.clone(),
+                Origin::File(path) => path.display().to_string(),
+            }),
+            keys: set.as_ref().map_or(0, |set| set.keys.len()),
+            from_cache: set
+                .as_ref()
+                .is_some_and(|set| matches!(set.origin, Origin::Cache(_))),
+            fetched_at: set.as_ref().map(|set| unix(set.at)),
+            last_attempt_at: state.last_attempt.map(unix),
+            last_error: state.last_error.clone(),
+            next_refresh_at: state
+                .next
+                .and_then(|next| wall.checked_add(next.saturating_duration_since(now)))
+                .map(unix),
+            refreshing: state.running().is_some(),
+        }
+    }
+
+    /// The key for a token's `kid` and `alg`. For a key we do not hold, a fetch is started
+    /// or joined and waited for until it has run [`UNKNOWN_KEY_WAIT`]: a new key that is
+    /// slow to fetch is `keys-unavailable` (try again), not `unknown-key` (a bad token).
     async fn find_key(
-        &self,
+        self: &Arc<Self>,
         kid: Option<&str>,
         alg: Algorithm,
     ) -> Result<(Arc<KeySet>, usize), Reason> {
-        if let Some(set) = self.current_keys() {
+        let held = self.current_keys();
+        if let Some(set) = &held {
             match set.select(kid, alg) {
-                Ok(index) => return Ok((set, index)),
-                Err(Miss::Unknown) => self.refresh("unknown key").await,
+                Ok(index) => return Ok((set.clone(), index)),
+                Err(Miss::Unknown) => {}
                 Err(Miss::Refused(reason)) => return Err(reason),
             }
+        }
+        let why = if held.is_some() {
+            "unknown key"
         } else {
-            self.refresh("no key set").await;
+            "no key set"
+        };
+        let Some((done, until)) = self.token_fetch(why) else {
+            return Err(if held.is_some() {
+                Reason::UnknownKey
+            } else {
+                Reason::KeysUnavailable
+            });
+        };
+        if tokio::time::timeout_at(until, outcome_of(done))
+            .await
+            .is_err()
+        {
+            return Err(Reason::KeysUnavailable);
         }
         let set = self.current_keys().ok_or(Reason::KeysUnavailable)?;
         match set.select(kid, alg) {
@@ -430,7 +759,7 @@ impl JwtVerifier {
         }
     }
 
-    async fn check(&self, token: &str, now: SystemTime) -> Result<Principal, Reason> {
+    async fn check(self: &Arc<Self>, token: &str, now: SystemTime) -> Result<Principal, Reason> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(Reason::Oversize);
         }
@@ -455,50 +784,39 @@ impl JwtVerifier {
             },
         )?;
         let checked = check_claims(&data.claims.0, &self.policy, now)?;
-        self.verified.lock().insert(digest, &checked, now);
+        // Remembered only if the key set is still the one it verified against: a set
+        // installed meanwhile has emptied the cache, and this token must not refill it.
+        let mut verified = self.verified.lock();
+        if self
+            .current_keys()
+            .is_some_and(|current| Arc::ptr_eq(&current, &set))
+        {
+            verified.insert(digest, &checked, now);
+        }
         Ok(checked.principal)
-    }
-
-    #[cfg(test)]
-    pub(crate) fn with_clock(mut self, clock: Clock) -> Self {
-        self.clock = clock;
-        self
-    }
-
-    /// How many signatures were checked (the crypto the verified-token cache saves).
-    #[cfg(test)]
-    pub(crate) fn signature_checks(&self) -> u64 {
-        self.signature_checks.load(Ordering::Relaxed)
     }
 }
 
 impl Verifier for JwtVerifier {
     fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a> {
-        Box::pin(self.check(token, now))
+        Box::pin(self.0.check(token, now))
     }
 
     fn required_scopes(&self) -> &[String] {
-        &self.policy.required_scopes
+        &self.0.policy.required_scopes
     }
 
-    fn key_set_state(&self) -> String {
-        let Some(set) = self.current_keys() else {
-            return "unavailable".to_owned();
-        };
-        let n = set.keys.len();
-        let keys = if n == 1 {
-            "1 key".to_owned()
-        } else {
-            format!("{n} keys")
-        };
-        let at = humantime::format_rfc3339_seconds(set.at);
-        match &set.origin {
-            Origin::Fetched(url) => format!("{keys} from {url} fetched {at}"),
-            Origin::File(path) => format!("{keys} from file {} read {at}", path.display()),
-            Origin::Cache(url) => {
-                format!("{keys} from cache (issuer unreachable) of {url} fetched {at}")
-            }
-        }
+    fn key_set(&self) -> KeySetStatus {
+        self.0.key_set()
+    }
+
+    fn refresh(&self, trigger: RefreshTrigger) -> RefreshFuture<'_> {
+        Box::pin(async move {
+            self.0
+                .refresh_now(trigger)
+                .await
+                .map_err(|e| crate::error_chain(&*e))
+        })
     }
 }
 
@@ -840,6 +1158,8 @@ mod tests {
     use jsonwebtoken::EncodingKey;
     use serde_json::json;
 
+    use robota_proto::KeySourceKind;
+
     use super::*;
     use crate::oauth::testutil::{
         self, AUDIENCE, ISSUER, ManualClock, Route, TestKey, TestServer, claims, config, jwks, now,
@@ -914,11 +1234,13 @@ mod tests {
             );
         }
         assert_eq!(v.signature_checks(), 3);
-        assert!(
-            v.key_set_state().starts_with("3 keys from file "),
-            "{}",
-            v.key_set_state()
+        let state = v.key_set();
+        assert_eq!(
+            (state.source, state.keys, state.from_cache),
+            (KeySourceKind::JwksFile, 3, false),
+            "{state:?}"
         );
+        assert!(state.location.unwrap().ends_with("jwks.json"));
         assert_eq!(v.required_scopes(), ["mcp:tools".to_owned()]);
     }
 
@@ -1565,15 +1887,20 @@ mod tests {
         let metrics = Metrics::new();
         let clock = ManualClock::new();
         let v = discovery_verifier(&server, dir.path(), &metrics, &clock);
-        assert_eq!(v.key_set_state(), "unavailable");
+        assert_eq!(v.key_set().keys, 0);
+        assert_eq!(v.key_set().location, None);
         v.load().await.unwrap();
         let token = key.sign(&key.header(), &claims_for(&server));
         assert!(verdict(&v, &token).await.is_ok());
-        let state = v.key_set_state();
-        assert!(
-            state.starts_with(&format!("1 key from {} fetched 20", server.url("/jwks"))),
-            "{state}"
+        let state = v.key_set();
+        assert_eq!(state.source, KeySourceKind::Discovery);
+        assert_eq!(state.keys, 1);
+        assert_eq!(
+            state.location.as_deref(),
+            Some(server.url("/jwks").as_str())
         );
+        assert!(!state.from_cache && state.last_error.is_none() && !state.refreshing);
+        assert!(state.fetched_at.is_some() && state.last_attempt_at.is_some());
         assert_eq!(fetches(&metrics, "ok"), 2, "metadata and key set");
 
         // The cache: 0600, no temporary files left, names the issuer.
@@ -1600,10 +1927,18 @@ mod tests {
         let restarted = discovery_verifier(&server, dir.path(), &metrics, &clock);
         restarted.load().await.unwrap();
         assert!(verdict(&restarted, &token).await.is_ok());
-        let state = restarted.key_set_state();
+        let state = restarted.key_set();
+        assert!(state.from_cache && state.keys == 1, "{state:?}");
+        assert_eq!(
+            state.location.as_deref(),
+            Some(server.url("/jwks").as_str())
+        );
         assert!(
-            state.starts_with("1 key from cache (issuer unreachable)"),
-            "{state}"
+            state
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("openid-configuration")),
+            "{state:?}"
         );
         assert_eq!(
             fetches(&metrics, "error"),
@@ -1662,7 +1997,7 @@ mod tests {
             .unwrap()
             .with_clock(clock.clock());
         v.load().await.unwrap();
-        assert_eq!(v.key_set_state(), "unavailable");
+        assert_eq!(v.key_set().keys, 0);
         let token = key.sign(&key.header(), &claims_for(&server));
         // Within the cooldown of the start-up attempt: no fetch.
         assert_eq!(verdict(&v, &token).await, Err(Reason::KeysUnavailable));
@@ -1740,7 +2075,7 @@ mod tests {
         clock.advance(REFETCH_COOLDOWN);
         assert!(verdict(&v, &token_b).await.is_ok());
         assert_eq!(server.hits("/jwks"), 4);
-        assert!(v.key_set_state().starts_with("2 keys from "));
+        assert_eq!(v.key_set().keys, 2);
 
         // A refetched set that is refused (too many keys) keeps the old set.
         let many: Vec<TestKey> = (0..33)
@@ -1755,7 +2090,7 @@ mod tests {
         assert_eq!(server.hits("/jwks"), 5);
         assert_eq!(fetches(&metrics, "rejected"), 1);
         assert!(verdict(&v, &a.sign(&a.header(), &claims)).await.is_ok());
-        assert!(v.key_set_state().starts_with("2 keys from "));
+        assert_eq!(v.key_set().keys, 2);
     }
 
     #[tokio::test]
@@ -1802,6 +2137,7 @@ mod tests {
                 key(Some("A"), Algorithm::ES256),
                 key(None, Algorithm::EdDSA),
             ],
+            raw: Vec::new(),
             origin: Origin::Cache(String::new()),
             at: now(),
         };
@@ -1859,6 +2195,7 @@ mod tests {
             let Some(keys) = keys else { return false };
             let set = KeySet {
                 keys: keys.keys.clone(),
+                raw: Vec::new(),
                 origin: Origin::Cache(String::new()),
                 at: now(),
             };
@@ -1921,5 +2258,284 @@ mod tests {
         let (checked, accepted) = run_wycheproof(include_str!("testdata/wycheproof_jwk.json"));
         assert_eq!(checked, 26, "every vector of the corpus ran");
         assert_eq!(accepted, 1, "only the valid RS256 vector");
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Key refresh: the schedule, the operator, a stalled issuer.
+
+    /// A verifier fetching `server`'s `/jwks` directly, with a manual cooldown clock.
+    fn uri_verifier(
+        server: &TestServer,
+        dir: &std::path::Path,
+        metrics: &Metrics,
+        clock: &ManualClock,
+    ) -> Arc<JwtVerifier> {
+        let mut cfg = config(
+            &server.url(""),
+            KeySource::JwksUri(server.url("/jwks")),
+            dir,
+        );
+        cfg.ca_file = Some(server.ca_file.clone());
+        Arc::new(
+            JwtVerifier::build(cfg, metrics.clone())
+                .unwrap()
+                .with_clock(clock.clock()),
+        )
+    }
+
+    fn failures(metrics: &Metrics, trigger: RefreshTrigger) -> u64 {
+        let prefix = format!(
+            "robota_mcpd_jwks_refresh_failures_total{{trigger=\"{}\"}} ",
+            trigger.as_str()
+        );
+        metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).map(|n| n.parse().unwrap()))
+            .unwrap_or(0)
+    }
+
+    /// Seconds from the end of the last fetch to the next scheduled refresh.
+    fn scheduled_in(v: &JwtVerifier) -> u64 {
+        let state = v.key_set();
+        state.next_refresh_at.unwrap() - state.last_attempt_at.unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_schedule_follows_max_age_within_its_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = TestServer::start(dir.path()).await;
+        let key = TestKey::new(Algorithm::ES256, "a");
+        let v = uri_verifier(&server, dir.path(), &Metrics::new(), &ManualClock::new());
+        let body = jwks(&[&key]);
+        let cases: [(&[(&str, &str)], u64); 8] = [
+            (&[], 600),
+            (&[("Cache-Control", "max-age=120")], 120),
+            (&[("Cache-Control", "public, max-age=\"300\"")], 300),
+            (&[("Cache-Control", "max-age=5")], 60),
+            (&[("Cache-Control", "max-age=31536000")], 86_400),
+            (&[("Cache-Control", "max-age=600"), ("Age", "590")], 60),
+            (&[("Cache-Control", "no-store")], 60),
+            (&[("Cache-Control", "max-age=120, max-age=900")], 60),
+        ];
+        for (i, (headers, want)) in cases.into_iter().enumerate() {
+            let mut route = Route::json(body.clone());
+            for (name, value) in headers {
+                route = route.with_header(name, value);
+            }
+            server.route("/jwks", route);
+            if i == 0 {
+                v.load().await.unwrap();
+            } else {
+                v.refresh(RefreshTrigger::Operator).await.unwrap();
+            }
+            let got = scheduled_in(&v);
+            assert!(
+                (want..=want + 1).contains(&got),
+                "{headers:?}: next refresh in {got} s, want {want}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_removed_key_stops_verifying_at_the_scheduled_refresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = TestServer::start(dir.path()).await;
+        let (a, b) = (
+            TestKey::new(Algorithm::ES256, "a"),
+            TestKey::new(Algorithm::ES256, "b"),
+        );
+        let max_age =
+            |keys: &[&TestKey]| Route::json(jwks(keys)).with_header("Cache-Control", "max-age=120");
+        server.route("/jwks", max_age(&[&a, &b]));
+        let metrics = Metrics::new();
+        let v = uri_verifier(&server, dir.path(), &metrics, &ManualClock::new());
+        v.load().await.unwrap();
+        let claims = claims_for(&server);
+        let token_b = b.sign(&b.header(), &claims);
+        assert!(verdict(&v, &token_b).await.is_ok());
+        assert!(verdict(&v, &token_b).await.is_ok(), "now from the cache");
+
+        // The issuer removes b. Until the schedule says so, nothing is fetched.
+        server.route("/jwks", max_age(&[&a]));
+        assert!(verdict(&v, &token_b).await.is_ok());
+        assert_eq!(server.hits("/jwks"), 1);
+        v.0.scheduled().await.unwrap();
+        assert_eq!(server.hits("/jwks"), 2);
+        // b is gone, from the set and from the verified-token cache (the unknown kid
+        // refetches once more, and still does not find it).
+        assert_eq!(verdict(&v, &token_b).await, Err(Reason::UnknownKey));
+        assert!(verdict(&v, &a.sign(&a.header(), &claims)).await.is_ok());
+        assert_eq!(v.key_set().keys, 1);
+        assert_eq!(scheduled_in(&v), 120);
+        assert_eq!(fetches(&metrics, "ok"), 3);
+    }
+
+    /// The schedule itself, in paused time, over a key file: a changed file is re-read
+    /// within `min`, an unchanged one is left alone, a broken one keeps the keys held.
+    #[tokio::test(start_paused = true)]
+    async fn the_schedule_rereads_a_changed_key_file_and_survives_a_broken_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            TestKey::new(Algorithm::EdDSA, "a"),
+            TestKey::new(Algorithm::EdDSA, "b"),
+        );
+        let path = write(dir.path(), "jwks.json", &jwks(&[&a, &b]));
+        let metrics = Metrics::new();
+        let v = build_with(
+            config(ISSUER, KeySource::JwksFile(path.clone()), dir.path()),
+            &metrics,
+        );
+        v.load().await.unwrap();
+        let schedule = v.spawn_schedule();
+        let min = KeyRefresh::DEFAULT.min;
+        assert!(verdict(&v, &b.token()).await.is_ok());
+
+        // Unchanged for ten minutes: checked every minute, never re-loaded.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert_eq!(fetches(&metrics, "ok"), 1);
+
+        std::fs::write(&path, jwks(&[&a])).unwrap();
+        tokio::time::sleep(min + Duration::from_secs(1)).await;
+        assert_eq!(fetches(&metrics, "ok"), 2, "the changed file was read");
+        assert_eq!(v.key_set().keys, 1);
+        assert_eq!(verdict(&v, &b.token()).await, Err(Reason::UnknownKey));
+
+        // A broken file: the keys held stay, the failure shows.
+        std::fs::write(&path, "{not json").unwrap();
+        tokio::time::sleep(min + Duration::from_secs(1)).await;
+        let state = v.key_set();
+        assert_eq!(state.keys, 1);
+        assert!(
+            state
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("not a JWK set")),
+            "{state:?}"
+        );
+        assert_eq!(failures(&metrics, RefreshTrigger::Schedule), 1);
+        assert!(verdict(&v, &a.token()).await.is_ok());
+        // Mended: picked up at the next check.
+        std::fs::write(&path, jwks(&[&a, &b])).unwrap();
+        tokio::time::sleep(min + Duration::from_secs(1)).await;
+        assert_eq!(v.key_set().last_error, None);
+        assert!(verdict(&v, &b.token()).await.is_ok());
+        // The task ends with the verifier.
+        drop(v);
+        tokio::time::timeout(Duration::from_secs(3600), schedule)
+            .await
+            .expect("the schedule ends when the verifier is dropped")
+            .unwrap();
+    }
+
+    fn build_with(config: JwtConfig, metrics: &Metrics) -> JwtVerifier {
+        JwtVerifier::build(config, metrics.clone()).expect("verifier builds")
+    }
+
+    #[tokio::test]
+    async fn operator_refresh_fetches_at_once_and_a_failure_keeps_the_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = TestServer::start(dir.path()).await;
+        let (a, b, stranger) = (
+            TestKey::new(Algorithm::ES256, "a"),
+            TestKey::new(Algorithm::ES256, "b"),
+            TestKey::new(Algorithm::ES256, "x"),
+        );
+        server.route("/jwks", Route::json(jwks(&[&a, &b])));
+        let metrics = Metrics::new();
+        let v = uri_verifier(&server, dir.path(), &metrics, &ManualClock::new());
+        v.load().await.unwrap();
+        let claims = claims_for(&server);
+        let (token_a, token_b) = (a.sign(&a.header(), &claims), b.sign(&b.header(), &claims));
+        // An unknown kid starts the refetch cooldown.
+        assert_eq!(
+            verdict(&v, &stranger.sign(&stranger.header(), &claims)).await,
+            Err(Reason::UnknownKey)
+        );
+        assert!(verdict(&v, &token_b).await.is_ok());
+        assert_eq!(server.hits("/jwks"), 2);
+
+        server.route("/jwks", Route::json(jwks(&[&a])));
+        v.refresh(RefreshTrigger::Operator).await.unwrap();
+        assert_eq!(server.hits("/jwks"), 3, "fetched despite the cooldown");
+        assert_eq!(verdict(&v, &token_b).await, Err(Reason::UnknownKey));
+        assert_eq!(server.hits("/jwks"), 3, "the cooldown holds for tokens");
+
+        // The issuer fails: the refresh says why, the keys held keep verifying.
+        server.route("/jwks", Route::status(503));
+        let error = v.refresh(RefreshTrigger::Operator).await.unwrap_err();
+        assert!(error.contains("503"), "{error}");
+        let state = v.key_set();
+        assert_eq!(state.keys, 1);
+        assert!(
+            state
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("503"))
+        );
+        assert!(verdict(&v, &token_a).await.is_ok());
+        assert_eq!(failures(&metrics, RefreshTrigger::Operator), 1);
+        assert!(metrics.render().lines().any(|l| {
+            l.strip_prefix("robota_mcpd_jwks_last_success_timestamp_seconds ")
+                .is_some_and(|n| n.parse::<u64>().unwrap() > 0)
+        }));
+        // A failure retries at the schedule's least period.
+        assert_eq!(scheduled_in(&v), KeyRefresh::DEFAULT.min.as_secs());
+
+        server.route("/jwks", Route::json(jwks(&[&a, &b])));
+        v.refresh(RefreshTrigger::Reload).await.unwrap();
+        assert_eq!(v.key_set().last_error, None);
+        assert!(verdict(&v, &token_b).await.is_ok());
+    }
+
+    /// A stalled issuer: requests with an unknown kid wait at most `UNKNOWN_KEY_WAIT` for
+    /// the one fetch in flight, then get `keys-unavailable`; known keys are served
+    /// meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unknown_kids_wait_a_bounded_time_for_one_fetch() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = TestServer::start(dir.path()).await;
+        let a = TestKey::new(Algorithm::ES256, "a");
+        server.route("/jwks", Route::json(jwks(&[&a])));
+        let v = uri_verifier(&server, dir.path(), &Metrics::new(), &ManualClock::new());
+        v.load().await.unwrap();
+        let claims = claims_for(&server);
+        server.route("/jwks", Route::hang());
+
+        let started = Instant::now();
+        let mut burst = tokio::task::JoinSet::new();
+        for i in 0..50 {
+            let v = v.clone();
+            let mut header = a.header();
+            header["kid"] = json!(format!("new-{i}"));
+            let token = a.sign(&header, &claims);
+            burst.spawn(async move {
+                let t = Instant::now();
+                (v.verify(&token, now()).await, t.elapsed())
+            });
+        }
+        // Meanwhile a known key is served at once.
+        let t = Instant::now();
+        assert!(verdict(&v, &a.sign(&a.header(), &claims)).await.is_ok());
+        assert!(t.elapsed() < UNKNOWN_KEY_WAIT / 2, "{:?}", t.elapsed());
+        while let Some(joined) = burst.join_next().await {
+            let (verdict, waited) = joined.unwrap();
+            assert_eq!(verdict, Err(Reason::KeysUnavailable));
+            assert!(waited < UNKNOWN_KEY_WAIT * 3 / 2, "waited {waited:?}");
+        }
+        assert!(started.elapsed() < UNKNOWN_KEY_WAIT * 2);
+        assert_eq!(server.hits("/jwks"), 2, "one fetch for the whole burst");
+        assert!(v.key_set().refreshing);
+        // Still stalled: a later unknown kid joins the same fetch, which has run its
+        // second already, and is answered at once.
+        let mut header = a.header();
+        header["kid"] = json!("later");
+        let t = Instant::now();
+        assert_eq!(
+            verdict(&v, &a.sign(&header, &claims)).await,
+            Err(Reason::KeysUnavailable)
+        );
+        assert!(t.elapsed() < UNKNOWN_KEY_WAIT / 2, "{:?}", t.elapsed());
+        assert_eq!(server.hits("/jwks"), 2);
     }
 }

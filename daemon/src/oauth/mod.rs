@@ -9,7 +9,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::SystemTime;
 
+use robota_proto::KeySetStatus;
+
 use crate::audit::Reason;
+use crate::metrics::RefreshTrigger;
 
 /// Tokens longer than this are refused unparsed (`oversize`).
 pub const MAX_TOKEN_BYTES: usize = 8192;
@@ -25,6 +28,8 @@ pub struct Principal {
 }
 
 pub type VerifyFuture<'a> = Pin<Box<dyn Future<Output = Result<Principal, Reason>> + Send + 'a>>;
+/// A key-set refresh: `Err` carries why it failed (the held keys stay in use).
+pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
 
 /// Decides whether an access token is acceptable at `now`.
 ///
@@ -38,8 +43,12 @@ pub trait Verifier: Send + Sync + 'static {
     /// The scopes every request needs (for `scope=` in challenges).
     fn required_scopes(&self) -> &[String];
 
-    /// A one-line description of the key set for `status` (`3 keys from https://…, fetched …`).
-    fn key_set_state(&self) -> String;
+    /// The key set, for `status`.
+    fn key_set(&self) -> KeySetStatus;
+
+    /// Fetch (or re-read) the key set now, whatever the schedule and the refetch cooldown
+    /// say; a fetch already running is waited for first.
+    fn refresh(&self, trigger: RefreshTrigger) -> RefreshFuture<'_>;
 }
 
 mod b64;
@@ -49,4 +58,4 @@ pub mod jwt;
 mod testutil;
 
 pub use jwks::KeySource;
-pub use jwt::{BuildError, JwtConfig, JwtVerifier, LoadError};
+pub use jwt::{BuildError, JwtConfig, JwtVerifier, KeyRefresh, LoadError};

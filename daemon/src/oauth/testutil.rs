@@ -177,6 +177,7 @@ pub(crate) fn config(issuer: &str, keys: KeySource, dir: &Path) -> JwtConfig {
         ca_file: None,
         cache_path: dir.join("jwks-cache.json"),
         start_without_keys: false,
+        refresh: super::jwt::KeyRefresh::DEFAULT,
     }
 }
 
@@ -214,6 +215,8 @@ pub(crate) struct Route {
     pub body: Vec<u8>,
     /// Send `Content-Length` (else the body ends when the connection closes).
     pub content_length: bool,
+    /// Read the request, then never answer (a stalled issuer).
+    pub hang: bool,
 }
 
 impl Route {
@@ -223,7 +226,22 @@ impl Route {
             headers: vec![("Content-Type".into(), "application/json".into())],
             body: body.into().into_bytes(),
             content_length: true,
+            hang: false,
         }
+    }
+
+    /// Never answers.
+    pub fn hang() -> Self {
+        Self {
+            hang: true,
+            ..Self::status(200)
+        }
+    }
+
+    /// With one more response header.
+    pub fn with_header(mut self, name: &str, value: &str) -> Self {
+        self.headers.push((name.to_owned(), value.to_owned()));
+        self
     }
 
     pub fn status(status: u16) -> Self {
@@ -232,6 +250,7 @@ impl Route {
             headers: Vec::new(),
             body: Vec::new(),
             content_length: true,
+            hang: false,
         }
     }
 }
@@ -350,6 +369,9 @@ async fn serve(
         .get(&path)
         .cloned()
         .unwrap_or_else(|| Route::status(404));
+    if route.hang {
+        std::future::pending::<()>().await;
+    }
     let mut out = format!("HTTP/1.1 {} Test\r\nConnection: close\r\n", route.status);
     for (name, value) in &route.headers {
         out.push_str(&format!("{name}: {value}\r\n"));

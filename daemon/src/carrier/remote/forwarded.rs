@@ -1,10 +1,16 @@
 //! The client address behind a trusted proxy: `X-Forwarded-For` is believed only when
 //! the TCP peer is a configured trusted proxy.
+//!
+//! The header is read as bytes, right to left, and only as far as the walk goes: what a
+//! client wrote to the left of the hop a trusted proxy appended (a stray non-ASCII byte, a
+//! forged address, garbage) changes nothing.
 
 use std::net::IpAddr;
 
 use http::HeaderMap;
 use ipnet::IpNet;
+
+use crate::audit::AddressClass;
 
 /// An IP (`10.0.0.1`, `::1`) or a CIDR (`10.0.0.0/8`).
 pub fn parse_net(text: &str) -> Option<IpNet> {
@@ -14,7 +20,21 @@ pub fn parse_net(text: &str) -> Option<IpNet> {
         .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from))
 }
 
-fn canonical(ip: IpAddr) -> IpAddr {
+/// Whether `net` holds an address that is neither loopback nor private (RFC 1918,
+/// link-local, CGNAT, ULA). Every such range is a CIDR block, so a net lies inside one of
+/// them exactly when both of its ends are loopback or private.
+pub fn holds_public(net: &IpNet) -> bool {
+    let inside = |ip: IpAddr| {
+        matches!(
+            AddressClass::of(ip),
+            AddressClass::Loopback | AddressClass::Private
+        )
+    };
+    !(inside(net.network()) && inside(net.broadcast()))
+}
+
+/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) as the IPv4 address it is.
+pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
@@ -25,9 +45,10 @@ fn trusted(ip: IpAddr, proxies: &[IpNet]) -> bool {
     proxies.iter().any(|net| net.contains(&ip))
 }
 
-/// One `X-Forwarded-For` hop: an IP, optionally `ip:port` or `[v6]:port`.
-fn parse_hop(hop: &str) -> Option<IpAddr> {
-    let hop = hop.trim();
+/// One `X-Forwarded-For` hop: an IP, optionally `ip:port` or `[v6]:port`, with optional
+/// whitespace around it. Anything else, including any byte that is not ASCII, is `None`.
+fn parse_hop(hop: &[u8]) -> Option<IpAddr> {
+    let hop = std::str::from_utf8(hop.trim_ascii()).ok()?;
     hop.parse::<IpAddr>()
         .ok()
         .or_else(|| hop.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
@@ -35,22 +56,24 @@ fn parse_hop(hop: &str) -> Option<IpAddr> {
 }
 
 /// The client address: the peer, unless the peer is a trusted proxy; then walk the
-/// `X-Forwarded-For` hops right to left and take the first untrusted one. A malformed hop
-/// (or a header that is not text) falls back to the peer.
+/// `X-Forwarded-For` hops (every such header in order, comma-separated) right to left and
+/// take the first untrusted one. A malformed hop the walk reaches falls back to the peer.
 pub fn client_address(peer: IpAddr, headers: &HeaderMap, proxies: &[IpNet]) -> IpAddr {
     let peer = canonical(peer);
     if !trusted(peer, proxies) {
         return peer;
     }
-    let mut hops = Vec::new();
-    for value in headers.get_all("x-forwarded-for") {
-        let Ok(text) = value.to_str() else {
-            return peer;
-        };
-        hops.extend(text.split(','));
-    }
+    let values: Vec<&[u8]> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .map(|v| v.as_bytes())
+        .collect();
+    let hops = values
+        .iter()
+        .rev()
+        .flat_map(|value| value.rsplit(|b| *b == b','));
     let mut leftmost = None;
-    for hop in hops.iter().rev() {
+    for hop in hops {
         let Some(ip) = parse_hop(hop) else {
             return peer;
         };
@@ -127,5 +150,65 @@ mod tests {
             client_address(ip("127.0.0.1"), &headers(&["198.51.100.1"]), &[]),
             ip("127.0.0.1")
         );
+    }
+
+    /// The walk reads bytes and stops at the first untrusted hop: whatever a client put to
+    /// its left, a non-ASCII byte included, changes nothing; a malformed hop the walk
+    /// reaches means the peer.
+    #[test]
+    fn forwarded_walk_reads_bytes_only_as_far_as_it_goes() {
+        let proxies = vec![
+            parse_net("127.0.0.1").unwrap(),
+            parse_net("10.0.0.0/8").unwrap(),
+        ];
+        let cases: [(&[&[u8]], &str); 11] = [
+            (&[b"\xff\xfe, 203.0.113.9"], "203.0.113.9"),
+            (&[b"caf\xc3\xa9, 203.0.113.9, 10.1.1.1"], "203.0.113.9"),
+            (&[b"\x80", b"203.0.113.9"], "203.0.113.9"),
+            (&[b"198.51.100.1\xff, 203.0.113.9"], "203.0.113.9"),
+            (&[b"203.0.113.9\xff"], "127.0.0.1"),
+            (&[b"203.0.113.9, \xff"], "127.0.0.1"),
+            (&[b"203.0.113.9", b"10.1.1.1, \x80"], "127.0.0.1"),
+            (&[b"203.0.113.9, 10.1.\xff.1"], "127.0.0.1"),
+            (&[b"\t203.0.113.9 "], "203.0.113.9"),
+            (&[b" , 203.0.113.9"], "203.0.113.9"),
+            (&[b"203.0.113.9,"], "127.0.0.1"),
+        ];
+        for (values, want) in cases {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append("x-forwarded-for", HeaderValue::from_bytes(v).unwrap());
+            }
+            assert_eq!(
+                client_address(ip("127.0.0.1"), &h, &proxies),
+                ip(want),
+                "{values:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn nets_holding_public_addresses() {
+        for (net, public) in [
+            ("127.0.0.1", false),
+            ("127.0.0.0/8", false),
+            ("10.0.0.0/8", false),
+            ("172.16.0.0/12", false),
+            ("192.168.1.0/24", false),
+            ("100.64.0.0/10", false),
+            ("169.254.0.0/16", false),
+            ("::1", false),
+            ("fd00::/8", false),
+            ("fe80::/10", false),
+            ("10.0.0.0/7", true),
+            ("172.0.0.0/11", true),
+            ("0.0.0.0/1", true),
+            ("203.0.113.7", true),
+            ("2001:db8::/32", true),
+            ("fc00::/6", true),
+            ("::/1", true),
+        ] {
+            assert_eq!(holds_public(&parse_net(net).unwrap()), public, "{net}");
+        }
     }
 }

@@ -76,8 +76,9 @@ impl RemoteCarrier {
         self.config.public_url.as_str()
     }
 
-    pub fn key_set_state(&self) -> String {
-        self.verifier.key_set_state()
+    /// The verifier (it outlives restarts: the daemon refreshes its keys on reload).
+    pub fn verifier(&self) -> &Arc<dyn Verifier> {
+        &self.verifier
     }
 }
 

@@ -1,16 +1,20 @@
-//! Failure-only throttling per client address, in fixed windows.
+//! Failure-only throttling per client, in fixed windows.
 //!
-//! The carrier verifies first and records only failures; an address that has failed
+//! The carrier verifies first and records only failures; a client that has failed
 //! `failures` times in the current window gets 429 for its failing requests until the
-//! window ends. A valid token is never throttled. At most `max_addresses` windows are
-//! tracked: expired ones are dropped first, then the oldest.
+//! window ends. A valid token is never throttled. A client is an IPv4 address (IPv4-mapped
+//! IPv6 included) or an IPv6 prefix of `ipv6_prefix` bits (a /64 by default: one host
+//! commonly holds a whole /64, so counting its addresses apart would hand it 2^64 budgets
+//! and let it evict every other client). At most `max_addresses` windows are tracked:
+//! expired ones are dropped first, then the oldest.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::forwarded::canonical;
 use crate::config::ThrottleConfig;
 
 #[derive(Debug, Clone, Copy)]
@@ -32,14 +36,27 @@ impl Throttle {
         }
     }
 
+    /// The client an address is counted as: the IPv4 address, or the IPv6 prefix.
+    fn client(&self, addr: IpAddr) -> IpAddr {
+        match canonical(addr) {
+            IpAddr::V6(v6) => {
+                let bits = u32::from(self.config.ipv6_prefix.min(128));
+                let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask))
+            }
+            v4 => v4,
+        }
+    }
+
     fn live(&self, w: &Window, now: Instant) -> bool {
         now.saturating_duration_since(w.start) < self.config.window
     }
 
     /// Seconds until the window ends (at least 1) if `addr` is over its failure budget.
     pub fn check(&self, addr: IpAddr, now: Instant) -> Option<u64> {
+        let client = self.client(addr);
         let windows = self.windows.lock();
-        let w = windows.get(&addr)?;
+        let w = windows.get(&client)?;
         if !self.live(w, now) || w.failures < self.config.failures {
             return None;
         }
@@ -52,8 +69,9 @@ impl Throttle {
 
     /// Count one failure for `addr`.
     pub fn record_failure(&self, addr: IpAddr, now: Instant) {
+        let client = self.client(addr);
         let mut windows = self.windows.lock();
-        if let Some(w) = windows.get_mut(&addr) {
+        if let Some(w) = windows.get_mut(&client) {
             if self.live(w, now) {
                 w.failures = w.failures.saturating_add(1);
             } else {
@@ -73,7 +91,7 @@ impl Throttle {
             windows.remove(&oldest);
         }
         windows.insert(
-            addr,
+            client,
             Window {
                 start: now,
                 failures: 1,
@@ -97,6 +115,7 @@ mod tests {
             failures: 3,
             window: Duration::from_secs(60),
             max_addresses,
+            ipv6_prefix: 64,
         })
     }
 
@@ -142,5 +161,61 @@ mod tests {
         t.record_failure(ip(5), t0 + Duration::from_secs(66));
         assert_eq!(t.tracked(), 3);
         assert!(t.check(ip(3), t0 + Duration::from_secs(66)).is_some());
+    }
+
+    fn ip6(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn ipv6_clients_are_counted_by_prefix() {
+        let t0 = Instant::now();
+        // (prefix, two addresses, counted as one client?)
+        let cases: [(u8, &str, &str, bool); 9] = [
+            (
+                64,
+                "2001:db8:1:2::1",
+                "2001:db8:1:2:ffff:ffff:ffff:ffff",
+                true,
+            ),
+            (64, "2001:db8:1:2::1", "2001:db8:1:3::1", false),
+            (56, "2001:db8:1:2::1", "2001:db8:1:ff::1", true),
+            (56, "2001:db8:1:2::1", "2001:db8:1:100::1", false),
+            (128, "2001:db8::1", "2001:db8::2", false),
+            (32, "2001:db8:1::1", "2001:db8:ffff::1", true),
+            // IPv4 by the address, whatever the prefix; mapped IPv6 is IPv4.
+            (32, "198.51.100.1", "198.51.100.2", false),
+            (64, "198.51.100.1", "::ffff:198.51.100.1", true),
+            (64, "::ffff:198.51.100.1", "::ffff:198.51.100.2", false),
+        ];
+        for (prefix, a, b, same) in cases {
+            let t = Throttle::new(ThrottleConfig {
+                failures: 3,
+                window: Duration::from_secs(60),
+                max_addresses: 16,
+                ipv6_prefix: prefix,
+            });
+            for _ in 0..3 {
+                t.record_failure(ip6(a), t0);
+            }
+            assert!(t.check(ip6(a), t0).is_some(), "/{prefix} {a}");
+            assert_eq!(t.check(ip6(b), t0).is_some(), same, "/{prefix} {a} {b}");
+        }
+    }
+
+    #[test]
+    fn one_prefix_cannot_evict_the_table() {
+        let t = throttle(4);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            t.record_failure(ip(1), t0);
+        }
+        // 5000 addresses of one /64: one tracked client.
+        for i in 0..5000u128 {
+            let addr = Ipv6Addr::from(0x2001_0db8_0001_0002_0000_0000_0000_0000u128 + i);
+            t.record_failure(IpAddr::V6(addr), t0 + Duration::from_secs(1));
+        }
+        assert_eq!(t.tracked(), 2);
+        assert!(t.check(ip(1), t0 + Duration::from_secs(2)).is_some());
     }
 }
