@@ -618,7 +618,17 @@ fn against(reply: &Response, args: &[&str]) -> (i32, String, String) {
 fn human_output_escapes_every_caller_controlled_string() {
     let mut status = sample_status();
     status.submission_tool = HOSTILE.into();
-    status.key_set = Some(HOSTILE.into());
+    status.key_set = Some(Box::new(robota_proto::KeySetStatus {
+        source: robota_proto::KeySourceKind::JwksUri,
+        location: Some(HOSTILE.into()),
+        keys: 1,
+        from_cache: false,
+        fetched_at: None,
+        last_attempt_at: None,
+        last_error: Some(HOSTILE.into()),
+        next_refresh_at: None,
+        refreshing: false,
+    }));
     status.refusals_last_hour = BTreeMap::from([(HOSTILE.to_owned(), 1)]);
     let record = robota_proto::AuditRecord {
         seq: 1,
