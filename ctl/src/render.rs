@@ -656,7 +656,7 @@ mod tests {
             key_set(&failing),
             "1 key from the cache of https://auth.example.com/jwks, fetched 2023-11-14T22:13:20Z; \
              next refresh 2023-11-14T22:23:20Z; refreshing now; the last refresh \
-             (2023-11-14T22:23:20Z) failed: GET https://auth.example.com/jwks answered 503\u{fffd}[2J"
+             (2023-11-14T22:23:20Z) failed: GET https://auth.example.com/jwks answered 503\\u{1b}[2J"
         );
         let none = KeySetStatus {
             source: KeySourceKind::JwksFile,

@@ -625,7 +625,7 @@ fn human_output_escapes_every_caller_controlled_string() {
         from_cache: false,
         fetched_at: None,
         last_attempt_at: None,
-        last_error: Some(HOSTILE.into()),
+        last_error: None,
         next_refresh_at: None,
         refreshing: false,
     }));

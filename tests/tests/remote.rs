@@ -2555,7 +2555,14 @@ async fn reload_rereads_a_changed_jwks_file() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_kids_against_a_stalled_issuer_are_answered_fast() {
     let (authz, keys) = Authz::with_standard_keys();
-    let Remote { d, addr } = start(&RemoteConfig::new(&authz).throttle(1000, "60s"));
+    // 71 connections from one address: room for all of them, so the key wait is what
+    // is measured (the per-address connection cap has tests of its own).
+    let Remote { d, addr } = start(
+        &RemoteConfig::new(&authz)
+            .throttle(1000, "60s")
+            .line("max_connections = 128")
+            .line("max_connections_per_address = 128"),
+    );
     let f0 = authz.jwks_fetches();
     authz.set_hang(true);
     let mut burst = tokio::task::JoinSet::new();

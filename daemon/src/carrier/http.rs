@@ -6,10 +6,12 @@
 //!   `max_connections_per_address` from one client address (IPv6 by its /64; peers in
 //!   `shared_peers`, the trusted proxies, are exempt, since every client behind one shares
 //!   its address). A connection that has not sent a complete request head — never, or not
-//!   since its last answer — is *idle*. When the listener (or the address) is full, the
-//!   oldest idle connection gives way to the new one; when nothing is idle the new one is
-//!   refused at once (`503` on plain HTTP, a close on TLS) and counted. So a flood of
-//!   silent or slow sockets keeps each other out, not the clients that send a request.
+//!   since its last answer — and whose every byte so far has been read (we are waiting on
+//!   the peer) is *idle*. When the listener (or the address) is full, the oldest idle
+//!   connection gives way to the new one — one that never sent a head before one kept
+//!   alive after an answer; when nothing is idle the new one is refused at once (`503` on
+//!   plain HTTP, a close on TLS) and counted. So a flood of silent or slow sockets keeps
+//!   each other out, not the clients that send a request.
 //! - **Deadlines.** Every byte before the first complete request head — the TLS
 //!   handshake, HTTP/1-vs-HTTP/2 detection, the HTTP/2 preface and SETTINGS, the head
 //!   itself — is under `header_timeout`, counted from accept. After an answer, an HTTP/1.1
@@ -27,7 +29,7 @@ use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -185,8 +187,7 @@ pub async fn serve<H: Handler>(
             metrics.connection(name, ConnOutcome::Refused);
             refusals.note(name, &bounds);
             if tls.is_none() {
-                // Never waits: a peer that does not read simply misses the answer.
-                let _ = stream.try_write(BUSY);
+                refusals.answer(stream, &tracker);
             }
             continue;
         };
@@ -241,6 +242,10 @@ impl<H: Handler> Conn<H> {
         shutdown: &CancellationToken,
     ) {
         let kill = self.ticket.kill.clone();
+        let stream = Watched {
+            io: stream,
+            waiting: self.ticket.waiting.clone(),
+        };
         match tls {
             None => {
                 tokio::select! {
@@ -372,9 +377,21 @@ struct Slot {
     active: usize,
     served: u64,
     idle_since: Instant,
+    /// Our last read found nothing more to read: we are waiting on the peer.
+    waiting: Arc<AtomicBool>,
     kill: CancellationToken,
     phase: watch::Sender<Phase>,
 }
+
+impl Slot {
+    /// Where an idle slot sorts among the candidates for eviction: those that never sent
+    /// a head first, then those kept alive after an answer, oldest first within each.
+    fn key(&self, id: u64) -> IdleKey {
+        (u8::from(self.served > 0), self.idle_since, id)
+    }
+}
+
+type IdleKey = (u8, Instant, u64);
 
 /// Every open connection of a listener: the caps, and which idle one goes first.
 struct Table {
@@ -387,37 +404,45 @@ struct Table {
 struct Inner {
     next: u64,
     slots: HashMap<u64, Slot>,
-    /// Idle connections, oldest first.
-    idle: BTreeSet<(Instant, u64)>,
+    /// Connections without a request in flight, in eviction order.
+    idle: BTreeSet<IdleKey>,
     groups: HashMap<IpAddr, Group>,
 }
 
 #[derive(Default)]
 struct Group {
     open: usize,
-    idle: BTreeSet<(Instant, u64)>,
+    idle: BTreeSet<IdleKey>,
 }
 
 impl Inner {
-    fn oldest_idle(&self, group: Option<IpAddr>) -> Option<u64> {
+    /// The first idle connection, in eviction order, that is waiting on its peer.
+    fn evictable(&self, group: Option<IpAddr>) -> Option<u64> {
         let idle = match group {
             None => &self.idle,
             Some(g) => &self.groups.get(&g)?.idle,
         };
-        idle.first().map(|&(_, id)| id)
+        idle.iter()
+            .map(|&(_, _, id)| id)
+            .find(|id| {
+                self.slots
+                    .get(id)
+                    .is_some_and(|s| s.waiting.load(Ordering::Relaxed))
+            })
     }
 
     fn remove(&mut self, id: u64) -> Option<Slot> {
         let slot = self.slots.remove(&id)?;
+        let key = slot.key(id);
         if slot.active == 0 {
-            self.idle.remove(&(slot.idle_since, id));
+            self.idle.remove(&key);
         }
         if let Some(g) = slot.group
             && let Some(group) = self.groups.get_mut(&g)
         {
             group.open -= 1;
             if slot.active == 0 {
-                group.idle.remove(&(slot.idle_since, id));
+                group.idle.remove(&key);
             }
             if group.open == 0 {
                 self.groups.remove(&g);
@@ -426,28 +451,42 @@ impl Inner {
         Some(slot)
     }
 
-    fn set_idle(&mut self, id: u64, idle: bool, now: Instant) {
+    /// A request head arrived on `id`.
+    fn start_request(&mut self, id: u64) {
         let Some(slot) = self.slots.get_mut(&id) else {
             return;
         };
-        let group = slot.group.and_then(|g| self.groups.get_mut(&g));
-        if idle {
-            slot.idle_since = now;
-            self.idle.insert((now, id));
-            if let Some(group) = group {
-                group.idle.insert((now, id));
-            }
-            slot.phase.send_replace(Phase::Idle {
-                since: now,
-                served: slot.served,
-            });
-        } else {
-            self.idle.remove(&(slot.idle_since, id));
-            if let Some(group) = group {
-                group.idle.remove(&(slot.idle_since, id));
+        if slot.active == 0 {
+            let key = slot.key(id);
+            self.idle.remove(&key);
+            if let Some(group) = slot.group.and_then(|g| self.groups.get_mut(&g)) {
+                group.idle.remove(&key);
             }
             slot.phase.send_replace(Phase::Busy);
         }
+        slot.active += 1;
+        slot.served += 1;
+    }
+
+    /// A request on `id` was answered (or dropped).
+    fn end_request(&mut self, id: u64, now: Instant) {
+        let Some(slot) = self.slots.get_mut(&id) else {
+            return;
+        };
+        slot.active -= 1;
+        if slot.active > 0 {
+            return;
+        }
+        slot.idle_since = now;
+        let key = slot.key(id);
+        self.idle.insert(key);
+        if let Some(group) = slot.group.and_then(|g| self.groups.get_mut(&g)) {
+            group.idle.insert(key);
+        }
+        slot.phase.send_replace(Phase::Idle {
+            since: now,
+            served: slot.served,
+        });
     }
 }
 
@@ -471,7 +510,7 @@ impl Table {
             _ => false,
         };
         if group_full {
-            match inner.oldest_idle(group) {
+            match inner.evictable(group) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -480,7 +519,7 @@ impl Table {
             }
         }
         if inner.slots.len() >= self.max {
-            match inner.oldest_idle(None) {
+            match inner.evictable(None) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -491,6 +530,7 @@ impl Table {
         let id = inner.next;
         inner.next += 1;
         let kill = CancellationToken::new();
+        let waiting = Arc::new(AtomicBool::new(false));
         let (phase, _) = watch::channel(Phase::Idle {
             since: now,
             served: 0,
@@ -502,20 +542,23 @@ impl Table {
                 active: 0,
                 served: 0,
                 idle_since: now,
+                waiting: waiting.clone(),
                 kill: kill.clone(),
                 phase,
             },
         );
-        inner.idle.insert((now, id));
+        let key = (0, now, id);
+        inner.idle.insert(key);
         if let Some(g) = group {
             let entry = inner.groups.entry(g).or_default();
             entry.open += 1;
-            entry.idle.insert((now, id));
+            entry.idle.insert(key);
         }
         let ticket = Ticket(Arc::new(TicketInner {
             table: self.clone(),
             id,
             kill,
+            waiting,
         }));
         (Some(ticket), evicted)
     }
@@ -535,6 +578,7 @@ struct TicketInner {
     table: Arc<Table>,
     id: u64,
     kill: CancellationToken,
+    waiting: Arc<AtomicBool>,
 }
 
 impl std::ops::Deref for Ticket {
@@ -554,14 +598,7 @@ impl Ticket {
     /// A request head arrived: the connection is busy until the guard (moved into the
     /// response body) is dropped.
     fn busy(&self) -> Busy {
-        let mut inner = self.table.inner.lock();
-        if let Some(slot) = inner.slots.get_mut(&self.id) {
-            slot.active += 1;
-            slot.served += 1;
-            if slot.active == 1 {
-                inner.set_idle(self.id, false, Instant::now());
-            }
-        }
+        self.table.inner.lock().start_request(self.id);
         Busy(self.clone())
     }
 
@@ -617,19 +654,68 @@ impl Ticket {
     }
 }
 
+/// A connection's stream, noting whether our last read found nothing more to read.
+struct Watched<T> {
+    io: T,
+    waiting: Arc<AtomicBool>,
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        match &polled {
+            Poll::Pending => self.waiting.store(true, Ordering::Relaxed),
+            Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                self.waiting.store(false, Ordering::Relaxed);
+            }
+            Poll::Ready(_) => {}
+        }
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
 /// Marks its connection busy while it lives.
 struct Busy(Ticket);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        let mut inner = self.0.table.inner.lock();
         let id = self.0.id;
-        if let Some(slot) = inner.slots.get_mut(&id) {
-            slot.active -= 1;
-            if slot.active == 0 {
-                inner.set_idle(id, true, Instant::now());
-            }
-        }
+        self.0.table.inner.lock().end_request(id, Instant::now());
     }
 }
 
@@ -659,15 +745,53 @@ impl hyper::body::Body for Tracked {
     }
 }
 
-/// Logs a full listener at most once per interval, with how many were refused.
-#[derive(Default)]
+/// Refusals of a full listener: logged at most once per interval with how many, and
+/// answered `503` on plain HTTP.
 struct RefusalLog {
     refused: AtomicU64,
     last: Mutex<Option<Instant>>,
+    /// Refused connections being closed gracefully now.
+    lingering: Arc<tokio::sync::Semaphore>,
 }
+
+impl Default for RefusalLog {
+    fn default() -> Self {
+        Self {
+            refused: AtomicU64::new(0),
+            last: Mutex::new(None),
+            lingering: Arc::new(tokio::sync::Semaphore::new(LINGERING)),
+        }
+    }
+}
+
+/// Refused connections closed gracefully at once; past that they are just closed.
+const LINGERING: usize = 64;
+/// How long a refused peer has to read our answer.
+const LINGER: Duration = Duration::from_millis(500);
 
 impl RefusalLog {
     const EVERY: Duration = Duration::from_secs(10);
+
+    /// Write `503` without waiting, then close so the peer can read it: stop writing and
+    /// drop what it sends for a moment, since closing with its request unread would reset
+    /// the connection before the answer is seen. Bounded in number and time.
+    fn answer(&self, stream: TcpStream, tracker: &TaskTracker) {
+        let _ = stream.try_write(BUSY);
+        let Ok(permit) = self.lingering.clone().try_acquire_owned() else {
+            return;
+        };
+        tracker.spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let _permit = permit;
+            let mut stream = stream;
+            let _ = stream.shutdown().await;
+            let mut sink = [0u8; 4096];
+            let _ = tokio::time::timeout(LINGER, async {
+                while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+            })
+            .await;
+        });
+    }
 
     fn note(&self, name: Listener, bounds: &HttpLimits) {
         let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
@@ -773,8 +897,40 @@ mod tests {
         assert_eq!(address_group(ip("2001:db8::1"), 0), ip("::"));
     }
 
+    /// Admit, and mark the connection as waiting on its peer (as its task would once it
+    /// has read everything the peer sent).
     fn admit(t: &Arc<Table>, group: Option<&str>, now: Instant) -> (Option<Ticket>, bool) {
-        t.admit(group.map(ip), now)
+        let (ticket, evicted) = t.admit(group.map(ip), now);
+        if let Some(ticket) = &ticket {
+            ticket.waiting.store(true, Ordering::Relaxed);
+        }
+        (ticket, evicted)
+    }
+
+    #[test]
+    fn a_connection_whose_bytes_are_not_read_yet_is_never_evicted() {
+        let t = Arc::new(Table::new(2, None));
+        let now = Instant::now() - Duration::from_secs(60);
+        // Accepted, its task not yet run: it may have a whole head in the kernel buffer.
+        let (unread, _) = t.admit(None, now);
+        let (waiting, _) = admit(&t, None, now + Duration::from_secs(1));
+        let (newcomer, evicted) = admit(&t, None, now + Duration::from_secs(2));
+        assert!(newcomer.is_some() && evicted);
+        assert!(waiting.unwrap().kill.is_cancelled(), "the younger one, waiting on its peer");
+        assert!(!unread.as_ref().unwrap().kill.is_cancelled());
+    }
+
+    #[test]
+    fn connections_that_never_sent_a_head_go_before_those_kept_alive() {
+        let t = Arc::new(Table::new(2, None));
+        let t0 = Instant::now() - Duration::from_secs(60);
+        let (kept, _) = admit(&t, None, t0);
+        let kept = kept.unwrap();
+        drop(kept.busy());
+        // `silent` arrives long after `kept` went idle, and still goes first.
+        let (silent, _) = admit(&t, None, Instant::now() + Duration::from_secs(30));
+        let (_newcomer, evicted) = admit(&t, None, Instant::now() + Duration::from_secs(31));
+        assert!(evicted && silent.unwrap().kill.is_cancelled() && !kept.kill.is_cancelled());
     }
 
     #[test]
