@@ -29,6 +29,9 @@ pub const SYSTEM_CONFIG_PATH: &str = "/etc/robota-mcpd/config.toml";
 /// Hard ceilings from SPEC §6; configured values above them are errors.
 pub const REQUEST_BODY_CEILING: u64 = 16 * 1024 * 1024;
 pub const TOOL_RESULT_CEILING: u64 = 64 * 1024 * 1024;
+/// Default and ceiling of `[limits] request_memory`.
+pub const REQUEST_MEMORY_DEFAULT: u64 = 128 * 1024 * 1024;
+pub const REQUEST_MEMORY_CEILING: u64 = 4 * 1024 * 1024 * 1024;
 
 /// Environment-derived inputs to defaults, captured once by `main`.
 #[derive(Debug, Clone, Default)]
@@ -226,6 +229,9 @@ pub enum WireNameProfile {
 pub struct Limits {
     pub request_body: u64,
     pub tool_result: u64,
+    /// Memory the requests of one HTTP carrier may hold while they are read and parsed
+    /// (see `carrier::endpoint`): at least twice `request_body`.
+    pub request_memory: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -583,6 +589,7 @@ fn yes() -> bool {
 struct RawLimits {
     request_body: Option<SizeText>,
     tool_result: Option<SizeText>,
+    request_memory: Option<SizeText>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -785,6 +792,19 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             format!("must be between 1 byte and 64MiB, got {tool_result} bytes"),
         );
     }
+    let request_memory = raw
+        .limits
+        .request_memory
+        .map_or(REQUEST_MEMORY_DEFAULT, |s| s.0);
+    if request_memory < 2 * request_body || request_memory > REQUEST_MEMORY_CEILING {
+        issues.add(
+            "limits.request_memory",
+            format!(
+                "must be between twice limits.request_body ({} bytes) and 4GiB, got {request_memory} bytes",
+                2 * request_body
+            ),
+        );
+    }
 
     let mut policy = Vec::with_capacity(raw.policy.len());
     for (i, rule) in raw.policy.into_iter().enumerate() {
@@ -848,6 +868,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         limits: Limits {
             request_body,
             tool_result,
+            request_memory,
         },
         policy,
         tools,

@@ -774,6 +774,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Daem
             bounds,
             tls: None,
             shared_peers: Vec::new(),
+            ipv6_prefix: 64,
             metrics: metrics.clone(),
         };
         tasks.push(tokio::spawn(crate::carrier::http::serve(

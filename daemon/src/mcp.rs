@@ -309,7 +309,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             ),
             Target::Submission => {
                 let name = session.submission_tool().name.as_str();
-                let result = match catalog::submission_prompt(&args) {
+                let result = match catalog::submission_prompt(args) {
                     Ok(prompt) => session.submit_turn(caller, prompt, cancel).await,
                     Err(e) => Err(e),
                 };

@@ -10,6 +10,7 @@ pub mod authz;
 pub mod daemon;
 pub mod docker;
 pub mod docs;
+pub mod h2;
 pub mod http;
 pub mod mcp;
 pub mod notify;

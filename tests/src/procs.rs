@@ -64,3 +64,25 @@ pub async fn wait_pid_file(path: &Path, limit: Duration) -> Option<i32> {
     .await;
     pid
 }
+
+/// The daemon's resident set size, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
+}
+
+/// The highest resident set size a process has had (`VmHWM`), from `/proc/<pid>/status`.
+pub fn peak_rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no VmHWM in /proc/{pid}/status"))
+}

@@ -10,11 +10,12 @@
 //! 202 here; everything else goes to rmcp's stateless service. Every error answer is
 //! counted by reason.
 //!
-//! The memory budget: a request holds budget for twice its body (ours and the SDK's
-//! copy) while it is read, then for [`super::jsonrpc::VALUE_COST`] per JSON value before
-//! it is parsed, until it is answered. A body whose parse alone would exceed the budget
-//! is refused 413; otherwise it waits for budget within the body deadline. So a flood of
-//! bodies built to amplify (`[[],[],…]`) costs at most the budget, whatever the limits.
+//! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
+//! for twice its body (ours and the SDK's copy) while it is read, then for
+//! [`super::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until it is
+//! answered. A body whose cost alone would exceed the budget is refused 413; otherwise it
+//! waits for budget within the body deadline. So a flood of bodies built to amplify
+//! (`[[],[],…]`) costs at most the budget, whatever the limits.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,16 +35,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::http::{self as server, Body};
 use super::jsonrpc::{self, Invalid};
-use crate::config::HttpLimits;
+use crate::config::{HttpLimits, Limits};
 use crate::mcp::{InFlight, McpServer, SUPPORTED_VERSIONS, is_supported_version};
 use crate::metrics::{Listener, Metrics, Rejection};
 use crate::session::{Caller, RuntimeTools, TurnSubmission};
 
 const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 
-/// Parse memory one carrier's requests may hold at once.
-pub const MEMORY_BUDGET: usize = 64 * 1024 * 1024;
-/// The budget's unit.
+/// The memory budget's unit.
 const UNIT: usize = 1024;
 
 /// The MCP endpoint behind admission.
@@ -52,6 +51,8 @@ pub struct Endpoint<S> {
     metrics: Metrics,
     slots: Semaphore,
     memory: Arc<Semaphore>,
+    /// The whole budget, in units.
+    memory_units: usize,
     body_limit: u64,
     body_timeout: Duration,
     inflight: Arc<InFlight>,
@@ -75,7 +76,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         server: McpServer<S>,
         site: Site,
         bounds: &HttpLimits,
-        body_limit: u64,
+        limits: &Limits,
         hosts: Vec<String>,
         origin: String,
         drained: &CancellationToken,
@@ -87,9 +88,13 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .with_allowed_hosts(hosts)
             .with_allowed_origins([origin])
             .enforce_origin_validation()
-            .with_max_request_body_bytes(usize::try_from(body_limit).unwrap_or(usize::MAX))
+            .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
             .with_cancellation_token(drained.child_token());
         let inflight = server.inflight().clone();
+        let memory_units = usize::try_from(limits.request_memory)
+            .unwrap_or(usize::MAX)
+            .div_ceil(UNIT)
+            .min(Semaphore::MAX_PERMITS);
         let service = StreamableHttpService::new(
             move || Ok(server.clone()),
             Arc::new(NeverSessionManager::default()),
@@ -99,8 +104,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             listener: site.listener,
             metrics: site.metrics,
             slots: Semaphore::new(bounds.max_in_flight),
-            memory: Arc::new(Semaphore::new(MEMORY_BUDGET / UNIT)),
-            body_limit,
+            memory: Arc::new(Semaphore::new(memory_units)),
+            memory_units,
+            body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
             inflight,
             service,
@@ -159,7 +165,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         };
         // The parse to come: its values, beyond the bytes already held for.
         let parse = units(message.cost.saturating_sub(bytes.len()));
-        if held.num_permits() + parse > MEMORY_BUDGET / UNIT {
+        if held.num_permits() + parse > self.memory_units {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
@@ -233,7 +239,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 let step = needed
                     .saturating_sub(held.num_permits())
                     .max(64)
-                    .min((MEMORY_BUDGET / UNIT).saturating_sub(held.num_permits()));
+                    .min((self.memory_units).saturating_sub(held.num_permits()));
                 let more = self.budget(step, deadline).await.ok_or(ReadFailure::Busy)?;
                 held.merge(more);
             }

@@ -70,8 +70,6 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a full listener writes to a plain-text peer it cannot make room for.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
 
-/// The prefix an IPv6 client address is grouped by for per-address connection caps.
-pub const IPV6_GROUP_PREFIX: u8 = 64;
 
 /// Why a request was refused on its head, before any handler saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,24 +99,9 @@ pub struct Options {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// Peers exempt from the per-address cap (trusted proxies).
     pub shared_peers: Vec<ipnet::IpNet>,
+    /// IPv6 peers are counted per address group of this prefix length.
+    pub ipv6_prefix: u8,
     pub metrics: Metrics,
-}
-
-/// The client-address group a peer is counted under: IPv4 (also IPv4-mapped IPv6) by
-/// address, IPv6 by its `/prefix`.
-pub fn address_group(ip: IpAddr, v6_prefix: u8) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let bits = u128::from(v6);
-                let prefix = u32::from(v6_prefix.min(128));
-                let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
-                IpAddr::V6((bits & mask).into())
-            }
-        },
-    }
 }
 
 fn builder(bounds: &HttpLimits) -> auto::Builder<TokioExecutor> {
@@ -154,6 +137,7 @@ pub async fn serve<H: Handler>(
         bounds,
         tls,
         shared_peers,
+        ipv6_prefix,
         metrics,
     } = options;
     let builder = Arc::new(builder(&bounds));
@@ -178,7 +162,7 @@ pub async fn serve<H: Handler>(
             },
         };
         let group = (!shared_peers.iter().any(|net| net.contains(&peer.ip())))
-            .then(|| address_group(peer.ip(), IPV6_GROUP_PREFIX));
+            .then(|| super::address_group(peer.ip(), ipv6_prefix));
         let (ticket, evicted) = table.admit(group, Instant::now());
         if evicted {
             metrics.connection(name, ConnOutcome::Evicted);
@@ -879,22 +863,6 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
-    }
-
-    #[test]
-    fn ipv6_clients_are_grouped_by_their_prefix() {
-        assert_eq!(address_group(ip("192.0.2.7"), 64), ip("192.0.2.7"));
-        assert_eq!(address_group(ip("::ffff:192.0.2.7"), 64), ip("192.0.2.7"));
-        assert_eq!(
-            address_group(ip("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), 64),
-            ip("2001:db8:1:2::")
-        );
-        assert_eq!(
-            address_group(ip("2001:db8:1:2:aaaa::1"), 48),
-            ip("2001:db8:1::")
-        );
-        assert_eq!(address_group(ip("2001:db8::1"), 128), ip("2001:db8::1"));
-        assert_eq!(address_group(ip("2001:db8::1"), 0), ip("::"));
     }
 
     /// Admit, and mark the connection as waiting on its peer (as its task would once it

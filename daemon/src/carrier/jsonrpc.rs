@@ -12,10 +12,12 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-/// Bytes of parsed memory one JSON value may take, beyond its text: a
-/// `serde_json::Value` (32 bytes), its share of a growing `Vec` or map node, and
-/// allocator overhead. Measured on `[[],[],…]` bodies, the worst case per byte of input.
-pub const VALUE_COST: usize = 64;
+/// Bytes of memory one JSON value of a request may take while it is handled, beyond its
+/// text: the SDK parses the message through an intermediate tree, so each value is held
+/// about twice as a `serde_json::Value` (32 bytes) with its share of a growing `Vec` or
+/// map, and allocator overhead. Measured: a 1 MiB body of `[[],[],…]` (350,000 values)
+/// raised the daemon's peak RSS by 70 MB.
+pub const VALUE_COST: usize = 200;
 
 /// A message that passed: its id (when it is a request) and the memory its parse may take.
 #[derive(Debug, Clone, PartialEq)]

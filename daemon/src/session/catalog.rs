@@ -306,12 +306,14 @@ fn check_spec(spec: &ToolSpec) -> Result<jsonschema::Validator, CatalogError> {
 }
 
 /// Validate arguments against the entry's schema.
-pub fn validate_args(entry: &Entry, args: &Args) -> Result<(), ToolError> {
+/// Validate arguments against the entry's schema; they are handed back (never copied:
+/// a large argument is held once).
+pub fn validate_args(entry: &Entry, args: Args) -> Result<Args, ToolError> {
     validate_with(&entry.validator, args)
 }
 
-fn validate_with(validator: &jsonschema::Validator, args: &Args) -> Result<(), ToolError> {
-    let value = Value::Object(args.clone());
+fn validate_with(validator: &jsonschema::Validator, args: Args) -> Result<Args, ToolError> {
+    let value = Value::Object(args);
     let problems: Vec<String> = validator
         .iter_errors(&value)
         .take(3)
@@ -324,13 +326,15 @@ fn validate_with(validator: &jsonschema::Validator, args: &Args) -> Result<(), T
             }
         })
         .collect();
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(ToolError::new(
+    if !problems.is_empty() {
+        return Err(ToolError::new(
             ToolErrorCode::InvalidArguments,
             problems.join("; "),
-        ))
+        ));
+    }
+    match value {
+        Value::Object(args) => Ok(args),
+        _ => unreachable!("built as an object above"),
     }
 }
 
@@ -353,13 +357,13 @@ pub fn submission_spec(name: &str) -> ToolSpec {
 }
 
 /// Parse submission arguments (validated against [`submission_spec`]'s schema).
-pub fn submission_prompt(args: &Args) -> Result<String, ToolError> {
+pub fn submission_prompt(args: Args) -> Result<String, ToolError> {
     static VALIDATOR: std::sync::LazyLock<jsonschema::Validator> = std::sync::LazyLock::new(|| {
         jsonschema::validator_for(&Value::Object(submission_spec("agent_submit").input_schema))
             .expect("the submission schema compiles")
     });
-    validate_with(&VALIDATOR, args)?;
-    parse_args::<SubmissionArgs>(args.clone()).map(|a| a.prompt)
+    let args = validate_with(&VALIDATOR, args)?;
+    parse_args::<SubmissionArgs>(args).map(|a| a.prompt)
 }
 
 #[cfg(test)]
@@ -527,14 +531,14 @@ mod tests {
     #[test]
     fn submission_arguments_are_checked() {
         let ok = json!({"prompt": "hello"});
-        assert_eq!(submission_prompt(ok.as_object().unwrap()).unwrap(), "hello");
+        assert_eq!(submission_prompt(ok.as_object().unwrap().clone()).unwrap(), "hello");
         for bad in [
             json!({}),
             json!({"prompt": ""}),
             json!({"prompt": 3}),
             json!({"prompt": "x", "more": 1}),
         ] {
-            let err = submission_prompt(bad.as_object().unwrap()).unwrap_err();
+            let err = submission_prompt(bad.as_object().unwrap().clone()).unwrap_err();
             assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad}");
         }
     }

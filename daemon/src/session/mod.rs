@@ -278,7 +278,7 @@ impl RuntimeTools for Session {
         };
         let spec = entry.spec();
         async {
-            catalog::validate_args(entry, &args)?;
+            let args = catalog::validate_args(entry, args)?;
             self.permit(caller, spec)?;
             let ctx = ToolContext {
                 caller,

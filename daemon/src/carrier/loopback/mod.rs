@@ -107,7 +107,7 @@ impl Carrier for LoopbackCarrier {
             server,
             site,
             &self.config.bounds,
-            self.limits.request_body,
+            &self.limits,
             vec![expected.authority.clone()],
             expected.origin.clone(),
             &drained,
@@ -126,6 +126,7 @@ impl Carrier for LoopbackCarrier {
             bounds: self.config.bounds,
             tls: None,
             shared_peers: Vec::new(),
+            ipv6_prefix: 64,
             metrics: self.metrics.clone(),
         };
         server::serve(listener, options, handler, shutdown).await;

@@ -125,7 +125,7 @@ impl Carrier for RemoteCarrier {
             server,
             site,
             &self.config.bounds,
-            self.limits.request_body,
+            &self.limits,
             url.authorities(),
             url.origin_with_port(),
             &drained,
@@ -148,6 +148,7 @@ impl Carrier for RemoteCarrier {
             bounds: self.config.bounds,
             tls: bound.tls,
             shared_peers: self.config.trusted_proxies.clone(),
+            ipv6_prefix: self.config.throttle.ipv6_prefix,
             metrics: self.metrics.clone(),
         };
         server::serve(bound.listener, options, handler, shutdown).await;

@@ -9,12 +9,11 @@
 //! expired ones are dropped first, then the oldest.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::IpAddr;
 use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::forwarded::canonical;
 use crate::config::ThrottleConfig;
 
 #[derive(Debug, Clone, Copy)]
@@ -38,14 +37,7 @@ impl Throttle {
 
     /// The client an address is counted as: the IPv4 address, or the IPv6 prefix.
     fn client(&self, addr: IpAddr) -> IpAddr {
-        match canonical(addr) {
-            IpAddr::V6(v6) => {
-                let bits = u32::from(self.config.ipv6_prefix.min(128));
-                let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
-                IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask))
-            }
-            v4 => v4,
-        }
+        crate::carrier::address_group(addr, self.config.ipv6_prefix)
     }
 
     fn live(&self, w: &Window, now: Instant) -> bool {
