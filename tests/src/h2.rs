@@ -13,7 +13,6 @@ use hyper::body::{Body, Frame, SizeHint};
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-
 /// A request body: whole (its length declared), given chunks or `left` bytes of JSON
 /// whitespace with no length declared, or one that never sends a byte.
 pub enum TestBody {
@@ -57,9 +56,7 @@ impl Body for TestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
             TestBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            TestBody::Chunks(chunks) => {
-                Poll::Ready(chunks.pop_front().map(|b| Ok(Frame::data(b))))
-            }
+            TestBody::Chunks(chunks) => Poll::Ready(chunks.pop_front().map(|b| Ok(Frame::data(b)))),
             TestBody::Spaces { left, chunk } => {
                 if *left == 0 {
                     return Poll::Ready(None);

@@ -132,6 +132,32 @@ async fn a_grant_is_asked_for_approved_bound_to_its_caller_and_revoked() {
     assert_eq!(records[0]["carrier"], "session");
     assert_eq!(records[1]["grant"]["by"], "local:0");
     assert_eq!(records[1]["carrier"], "control");
+    // And counted: each event once, and every refusal of the policy wrapper by its code.
+    let metrics = d.metrics_text().expect("metrics");
+    for event in ["grant-requested", "grant-approved", "grant-revoked"] {
+        assert_eq!(
+            robota_e2e::metric_sum(
+                &metrics,
+                &[
+                    "robota_mcpd_grant_events_total",
+                    &format!("event=\"{event}\"")
+                ]
+            ),
+            1.0,
+            "{event}"
+        );
+    }
+    assert!(
+        robota_e2e::metric_sum(
+            &metrics,
+            &[
+                "robota_mcpd_policy_denials_total",
+                "tool=\"job.start\"",
+                "code=\"interactive_permission_required\""
+            ]
+        ) >= 2.0,
+        "{metrics}"
+    );
     ci.close().await;
     d.assert_no_secrets();
 }

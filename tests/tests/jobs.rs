@@ -93,6 +93,17 @@ async fn a_template_job_runs_to_its_end_and_its_output_pages_by_cursor() {
     let done = wait_finished(&client, id).await;
     assert_eq!(done["state"], "failed", "{done}");
     assert_eq!(done["exit_code"], 3, "{done}");
+    assert_eq!(
+        robota_e2e::metric_sum(
+            &d.metrics_text().expect("metrics"),
+            &[
+                "robota_mcpd_jobs_finished_total",
+                "kind=\"template\"",
+                "state=\"failed\""
+            ]
+        ),
+        1.0
+    );
 
     // Page through the output five bytes at a time.
     let mut text = String::new();
@@ -304,6 +315,30 @@ async fn the_same_idempotency_key_starts_one_job() {
         1,
         "one effect: {reply}"
     );
+    // Each duplicate decision is counted, and the starts by kind.
+    let metrics = d.metrics_text().expect("metrics");
+    for (decision, n) in [("replayed", 1.0), ("mismatch", 1.0)] {
+        assert_eq!(
+            robota_e2e::metric_sum(
+                &metrics,
+                &[
+                    "robota_mcpd_idempotency_decisions_total",
+                    "tool=\"job.start\"",
+                    &format!("decision=\"{decision}\"")
+                ]
+            ),
+            n,
+            "{decision}"
+        );
+    }
+    assert_eq!(
+        robota_e2e::metric_sum(
+            &metrics,
+            &["robota_mcpd_jobs_started_total", "kind=\"template\""]
+        ),
+        2.0,
+        "two jobs started (one per caller)"
+    );
     ci.close().await;
     other.close().await;
 }
@@ -319,6 +354,17 @@ async fn job_start_is_denied_without_a_policy_rule() {
         .call("job.start", json!({"template": "hello"}))
         .await
         .err("permission_denied", "default policy");
+    assert_eq!(
+        robota_e2e::metric_sum(
+            &d.metrics_text().expect("metrics"),
+            &[
+                "robota_mcpd_policy_denials_total",
+                "tool=\"job.start\"",
+                "code=\"permission_denied\""
+            ]
+        ),
+        1.0
+    );
     // Status and tail of one's own jobs are read-only and allowed.
     client
         .call("job.status", json!({"job_id": 1}))
@@ -383,6 +429,14 @@ async fn a_job_cut_off_by_a_crash_is_outcome_unknown_and_never_rerun() {
     assert_eq!(runs.lines().count(), 1, "{runs:?}");
     let table = second.ctl_ok(&["jobs", "list"]);
     assert!(table.stdout.contains("outcome-unknown"), "{}", table.stdout);
+    // The start that found it says so in its metrics (the shipped alert reads this).
+    assert_eq!(
+        robota_e2e::metric_sum(
+            &second.metrics_text().expect("metrics"),
+            &["robota_mcpd_jobs_recovered_at_start"]
+        ),
+        1.0
+    );
 
     // The store is sound, checked by SQLite itself from outside the daemon.
     let db = rusqlite::Connection::open_with_flags(

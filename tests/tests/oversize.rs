@@ -68,7 +68,6 @@ fn assert_served(resp: &Response, id: i64, case: &str) {
     );
 }
 
-
 use robota_e2e::h2::{H2Conn, TestBody};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

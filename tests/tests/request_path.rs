@@ -68,7 +68,10 @@ async fn every_byte_before_a_head_is_under_the_head_deadline() {
     let resp = within(
         QUICK,
         "a request while every slot is held",
-        exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &tools_list(1))),
+        exchange(
+            addr,
+            &Request::mcp(addr.port(), Some(&bearer), &tools_list(1)),
+        ),
     )
     .await;
     served(&resp, "while every slot is held by stalled peers");
@@ -125,10 +128,7 @@ async fn an_idle_http2_connection_is_closed_and_an_open_stream_keeps_it() {
     assert!(
         metric(
             &d,
-            &[
-                "robota_mcpd_connections_total",
-                "outcome=\"idle-timeout\""
-            ]
+            &["robota_mcpd_connections_total", "outcome=\"idle-timeout\""]
         ) >= 1.0
     );
     // A stream that stays open (a body that never comes) keeps its connection past the
@@ -140,7 +140,11 @@ async fn an_idle_http2_connection_is_closed_and_an_open_stream_keeps_it() {
         .await
         .expect("h2 request with a body that never comes");
     assert_eq!(status, 408);
-    assert!(started.elapsed() >= Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,7 +157,9 @@ async fn stalled_peers_cannot_lock_out_a_scrape() {
         stalled.push(stall(addr, b"P").await);
     }
     let started = Instant::now();
-    let text = d.metrics_text().expect("a scrape while stalled peers hold the slots");
+    let text = d
+        .metrics_text()
+        .expect("a scrape while stalled peers hold the slots");
     assert!(text.contains("robota_mcpd_build_info"));
     assert!(started.elapsed() < PROMPT, "{:?}", started.elapsed());
     assert!(
@@ -183,7 +189,7 @@ fn flood(addr: SocketAddr, stop: Arc<AtomicBool>, opened: Arc<AtomicUsize>) {
             let head = head.clone().into_bytes();
             let stop = stop.clone();
             tasks.spawn(async move {
-                if n % 2 == 0 {
+                if n.is_multiple_of(2) {
                     // Silent: held until the daemon drops it.
                     let _ = tokio::time::timeout(QUICK, conn.read_to_close()).await;
                     return;
@@ -209,7 +215,10 @@ async fn a_slowloris_flood_from_the_same_address_does_not_delay_a_client() {
     let d = Daemon::start("");
     let addr = d.loopback_addr();
     let bearer = d.bearer();
-    let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let (stop, opened) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicUsize::new(0)),
+    );
     flood(addr, stop.clone(), opened.clone());
     // Let the flood fill every slot first.
     assert!(
@@ -227,7 +236,10 @@ async fn a_slowloris_flood_from_the_same_address_does_not_delay_a_client() {
         let resp = within(
             QUICK,
             "a request during the flood",
-            exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &tools_list(requests))),
+            exchange(
+                addr,
+                &Request::mcp(addr.port(), Some(&bearer), &tools_list(requests)),
+            ),
         )
         .await;
         served(&resp, "during a slowloris flood");
@@ -241,7 +253,10 @@ async fn a_slowloris_flood_from_the_same_address_does_not_delay_a_client() {
         opened.load(Ordering::Relaxed)
     );
     assert!(requests >= 20, "only {requests} requests during the flood");
-    assert!(slowest < PROMPT, "a client waited {slowest:?} during the flood");
+    assert!(
+        slowest < PROMPT,
+        "a client waited {slowest:?} during the flood"
+    );
     assert!(
         metric(
             &d,
@@ -273,7 +288,13 @@ async fn a_full_listener_refuses_at_once_and_says_so() {
     }
     // Wait until all four are being served (their heads were read).
     let served_heads = poll_until(QUICK, Duration::from_millis(20), || {
-        metric(&d, &["robota_mcpd_admitted_requests_total", "carrier=\"loopback\""]) >= 4.0
+        metric(
+            &d,
+            &[
+                "robota_mcpd_admitted_requests_total",
+                "carrier=\"loopback\"",
+            ],
+        ) >= 4.0
     })
     .await;
     assert!(served_heads, "the four requests were never admitted");
@@ -281,7 +302,10 @@ async fn a_full_listener_refuses_at_once_and_says_so() {
     let resp = within(
         QUICK,
         "a fifth connection",
-        try_exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &tools_list(2))),
+        try_exchange(
+            addr,
+            &Request::mcp(addr.port(), Some(&bearer), &tools_list(2)),
+        ),
     )
     .await
     .expect("a fifth connection gets an answer");
@@ -416,7 +440,11 @@ mod remote {
             let started = Instant::now();
             let resp = request(&t, from).await;
             assert_eq!(resp.status, 200, "from {from}: {}", resp.describe());
-            assert!(started.elapsed() < PROMPT, "from {from}: {:?}", started.elapsed());
+            assert!(
+                started.elapsed() < PROMPT,
+                "from {from}: {:?}",
+                started.elapsed()
+            );
         }
         for (i, tls) in silent.iter_mut().enumerate() {
             assert!(
@@ -427,17 +455,28 @@ mod remote {
         let text = t.d.metrics_text().expect("metrics");
         let gone = metric_sum(
             &text,
-            &["robota_mcpd_connections_total", "listener=\"remote\"", "outcome=\"head-timeout\""],
+            &[
+                "robota_mcpd_connections_total",
+                "listener=\"remote\"",
+                "outcome=\"head-timeout\"",
+            ],
         ) + metric_sum(
             &text,
-            &["robota_mcpd_connections_total", "listener=\"remote\"", "outcome=\"evicted\""],
+            &[
+                "robota_mcpd_connections_total",
+                "listener=\"remote\"",
+                "outcome=\"evicted\"",
+            ],
         );
         assert!(gone >= 64.0, "{gone}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_address_holds_at_most_its_share_of_the_slots() {
-        let t = start(&["max_connections_per_address = 8", "header_timeout = \"30s\""]);
+        let t = start(&[
+            "max_connections_per_address = 8",
+            "header_timeout = \"30s\"",
+        ]);
         // 600 silent handshakes from one address: it keeps at most 8 slots (the newest).
         let mut silent = Vec::new();
         for _ in 0..600 {
@@ -454,7 +493,11 @@ mod remote {
             let started = Instant::now();
             let resp = request(&t, from).await;
             assert_eq!(resp.status, 200, "from {from}: {}", resp.describe());
-            assert!(started.elapsed() < PROMPT, "from {from}: {:?}", started.elapsed());
+            assert!(
+                started.elapsed() < PROMPT,
+                "from {from}: {:?}",
+                started.elapsed()
+            );
         }
         drop(silent);
     }
@@ -486,9 +529,7 @@ async fn post_raw(addr: SocketAddr, bearer: &str, body: Vec<u8>) -> Response {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
-    let d = Daemon::builder()
-        .loopback("max_in_flight = 64")
-        .start();
+    let d = Daemon::builder().loopback("max_in_flight = 64").start();
     let addr = d.loopback_addr();
     let bearer = d.bearer();
     let before = procs::rss_kib(d.pid());
@@ -496,7 +537,9 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..16 {
         let bearer = bearer.clone();
-        calls.spawn(async move { post_raw(addr, &bearer, amplifying_body(i, 1024 * 1024 - 64)).await });
+        calls.spawn(
+            async move { post_raw(addr, &bearer, amplifying_body(i, 1024 * 1024 - 64)).await },
+        );
     }
     let mut statuses = Vec::new();
     while let Some(resp) = calls.join_next().await {
@@ -505,7 +548,8 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
         if resp.status == 200 {
             let rpc = resp.messages().into_iter().next().expect("an answer");
             assert_eq!(
-                rpc.pointer("/result/structuredContent/code").and_then(Value::as_str),
+                rpc.pointer("/result/structuredContent/code")
+                    .and_then(Value::as_str),
                 Some("invalid_arguments"),
                 "{rpc}"
             );
@@ -523,7 +567,11 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
         "peak RSS grew by {} KiB",
         peak - before
     );
-    let resp = exchange(addr, &Request::mcp(addr.port(), Some(&bearer), &tools_list(99))).await;
+    let resp = exchange(
+        addr,
+        &Request::mcp(addr.port(), Some(&bearer), &tools_list(99)),
+    )
+    .await;
     served(&resp, "after the amplifying bodies");
 }
 
@@ -538,7 +586,9 @@ async fn at_the_16_mib_ceiling_an_amplifying_body_is_refused_not_parsed() {
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..4 {
         let bearer = bearer.clone();
-        calls.spawn(async move { post_raw(addr, &bearer, amplifying_body(i, 16 * 1024 * 1024 - 64)).await });
+        calls.spawn(async move {
+            post_raw(addr, &bearer, amplifying_body(i, 16 * 1024 * 1024 - 64)).await
+        });
     }
     while let Some(resp) = calls.join_next().await {
         let resp = resp.expect("task");
@@ -559,7 +609,10 @@ async fn at_the_16_mib_ceiling_an_amplifying_body_is_refused_not_parsed() {
     assert!(
         metric(
             &d,
-            &["robota_mcpd_http_rejections_total", "cause=\"body-too-large\""]
+            &[
+                "robota_mcpd_http_rejections_total",
+                "cause=\"body-too-large\""
+            ]
         ) >= 4.0
     );
 }
@@ -612,7 +665,11 @@ fn malformed_cases() -> Vec<(&'static str, i64, Value)> {
             -32600,
             Value::Null,
         ),
-        (r#"{"jsonrpc":"1.0","id":3,"method":"tools/list"}"#, -32600, json!(3)),
+        (
+            r#"{"jsonrpc":"1.0","id":3,"method":"tools/list"}"#,
+            -32600,
+            json!(3),
+        ),
         (
             r#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":null}"#,
             -32602,
@@ -651,7 +708,11 @@ async fn protocol_errors_are_answered_as_json_rpc_with_the_request_id() {
             &exchange(addr, &raw(addr, &bearer, "2025-11-25", body.as_bytes())).await,
             body,
         );
-        assert_eq!((v["error"]["code"].clone(), v["id"].clone()), (json!(code), id), "{body}: {v}");
+        assert_eq!(
+            (v["error"]["code"].clone(), v["id"].clone()),
+            (json!(code), id),
+            "{body}: {v}"
+        );
         assert_eq!(v["jsonrpc"], "2.0");
     }
     // Each is counted by cause.
@@ -682,14 +743,21 @@ async fn protocol_errors_are_answered_as_json_rpc_with_the_request_id() {
     assert_eq!(
         metric_sum(
             &text,
-            &["robota_mcpd_http_rejections_total", "cause=\"method-not-allowed\""]
+            &[
+                "robota_mcpd_http_rejections_total",
+                "cause=\"method-not-allowed\""
+            ]
         ),
         1.0
     );
     // Unknown tool names are counted under one label, never their own.
     let resp = exchange(
         addr,
-        &Request::mcp(addr.port(), Some(&bearer), &tools_call(5, "no.such.tool", json!({}))),
+        &Request::mcp(
+            addr.port(),
+            Some(&bearer),
+            &tools_call(5, "no.such.tool", json!({})),
+        ),
     )
     .await;
     served(&resp, "an unknown tool");
@@ -823,7 +891,12 @@ async fn line_carrier_holds(cmd: impl Fn() -> tokio::process::Command) {
         .iter()
         .find(|a| a["id"] == "after")
         .expect("tools/list after the oversized line");
-    assert!(listed["result"]["tools"].as_array().is_some_and(|t| !t.is_empty()), "{listed}");
+    assert!(
+        listed["result"]["tools"]
+            .as_array()
+            .is_some_and(|t| !t.is_empty()),
+        "{listed}"
+    );
 
     let mut lines = initialize_lines();
     let cases = malformed_cases();

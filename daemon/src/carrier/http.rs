@@ -70,7 +70,6 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a full listener writes to a plain-text peer it cannot make room for.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
 
-
 /// Why a request was refused on its head, before any handler saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadRefusal {
@@ -406,13 +405,11 @@ impl Inner {
             None => &self.idle,
             Some(g) => &self.groups.get(&g)?.idle,
         };
-        idle.iter()
-            .map(|&(_, _, id)| id)
-            .find(|id| {
-                self.slots
-                    .get(id)
-                    .is_some_and(|s| s.waiting.load(Ordering::Relaxed))
-            })
+        idle.iter().map(|&(_, _, id)| id).find(|id| {
+            self.slots
+                .get(id)
+                .is_some_and(|s| s.waiting.load(Ordering::Relaxed))
+        })
     }
 
     fn remove(&mut self, id: u64) -> Option<Slot> {
@@ -884,7 +881,10 @@ mod tests {
         let (waiting, _) = admit(&t, None, now + Duration::from_secs(1));
         let (newcomer, evicted) = admit(&t, None, now + Duration::from_secs(2));
         assert!(newcomer.is_some() && evicted);
-        assert!(waiting.unwrap().kill.is_cancelled(), "the younger one, waiting on its peer");
+        assert!(
+            waiting.unwrap().kill.is_cancelled(),
+            "the younger one, waiting on its peer"
+        );
         assert!(!unread.as_ref().unwrap().kill.is_cancelled());
     }
 

@@ -67,7 +67,6 @@ mod tests {
         assert_eq!(address_group(ip("2001:db8::1"), 0), ip("::"));
     }
 
-
     #[test]
     fn bearer_grammar() {
         assert_eq!(parse_bearer(b"Bearer abc"), Some("abc"));

@@ -531,7 +531,10 @@ mod tests {
     #[test]
     fn submission_arguments_are_checked() {
         let ok = json!({"prompt": "hello"});
-        assert_eq!(submission_prompt(ok.as_object().unwrap().clone()).unwrap(), "hello");
+        assert_eq!(
+            submission_prompt(ok.as_object().unwrap().clone()).unwrap(),
+            "hello"
+        );
         for bad in [
             json!({}),
             json!({"prompt": ""}),

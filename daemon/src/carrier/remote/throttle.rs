@@ -204,7 +204,7 @@ mod tests {
         }
         // 5000 addresses of one /64: one tracked client.
         for i in 0..5000u128 {
-            let addr = Ipv6Addr::from(0x2001_0db8_0001_0002_0000_0000_0000_0000u128 + i);
+            let addr = std::net::Ipv6Addr::from(0x2001_0db8_0001_0002_0000_0000_0000_0000u128 + i);
             t.record_failure(IpAddr::V6(addr), t0 + Duration::from_secs(1));
         }
         assert_eq!(t.tracked(), 2);
