@@ -18,12 +18,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use http::{HeaderMap, HeaderValue, Uri};
 use robota_mcpd::bearer::BearerStore;
 use robota_mcpd::carrier::loopback::admission::{self as loopback, Expected};
-use robota_mcpd::carrier::remote::admission::{
-    self as remote, Challenges, Credentials, Failure, PublicUrl,
-};
+use robota_mcpd::carrier::remote::admission::{self as remote, Challenges, Credentials, Failure};
+use robota_mcpd::config::{KeySource, PublicUrl};
 use robota_mcpd::metrics::Metrics;
 use robota_mcpd::oauth::Verifier;
-use robota_mcpd::oauth::jwks::KeySource;
 use robota_mcpd::oauth::jwt::{JwtConfig, JwtVerifier};
 
 const PUBLIC: &str = "https://mcp.example.com/mcp";
@@ -128,7 +126,7 @@ fn main() {
             ca_file: None,
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
-            refresh: robota_mcpd::oauth::KeyRefresh::DEFAULT,
+            refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
         },
         Metrics::new(),
     )

@@ -1,5 +1,4 @@
-//! Refusal audit: the closed sets (carriers, refusal reasons, address classes), the
-//! record booked for every refusal, and grant events.
+//! Refusal audit: the record booked for every refusal, and grant events.
 //!
 //! A record carries a time, a carrier, a reason, the `throttled` flag and an address
 //! class — never token text, never the address itself. Records go to the log (journald
@@ -21,7 +20,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, BufWriter, Write};
-use std::net::IpAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,185 +27,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::vocab::{AddressClass, Carrier, GrantEvent, Reason};
 use parking_lot::Mutex;
 use robota_proto::AuditRecord;
-
-/// A place requests arrive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Carrier {
-    Stdio,
-    Loopback,
-    Remote,
-    Control,
-}
-
-impl Carrier {
-    pub const ALL: [Carrier; 4] = [
-        Carrier::Stdio,
-        Carrier::Loopback,
-        Carrier::Remote,
-        Carrier::Control,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Carrier::Stdio => "stdio",
-            Carrier::Loopback => "loopback",
-            Carrier::Remote => "remote",
-            Carrier::Control => "control",
-        }
-    }
-}
-
-/// Why a request was refused (SPEC §5's closed set, plus the control plane's and the
-/// loopback endpoint-path case).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Reason {
-    MissingToken,
-    Oversize,
-    Malformed,
-    WrongType,
-    UnsupportedAlgorithm,
-    AmbiguousKey,
-    UnknownKey,
-    KeyMismatch,
-    BadSignature,
-    WrongIssuer,
-    WrongAudience,
-    Expired,
-    NotYetValid,
-    MissingScope,
-    PrincipalNotAllowed,
-    KeysUnavailable,
-    WrongHost,
-    WrongOrigin,
-    BadBearer,
-    /// Loopback: a request for a path other than the endpoint (403).
-    WrongPath,
-    /// Control socket: the peer's uid/gid is not allowed.
-    PeerNotAllowed,
-}
-
-impl Reason {
-    pub const ALL: [Reason; 21] = [
-        Reason::MissingToken,
-        Reason::Oversize,
-        Reason::Malformed,
-        Reason::WrongType,
-        Reason::UnsupportedAlgorithm,
-        Reason::AmbiguousKey,
-        Reason::UnknownKey,
-        Reason::KeyMismatch,
-        Reason::BadSignature,
-        Reason::WrongIssuer,
-        Reason::WrongAudience,
-        Reason::Expired,
-        Reason::NotYetValid,
-        Reason::MissingScope,
-        Reason::PrincipalNotAllowed,
-        Reason::KeysUnavailable,
-        Reason::WrongHost,
-        Reason::WrongOrigin,
-        Reason::BadBearer,
-        Reason::WrongPath,
-        Reason::PeerNotAllowed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::MissingToken => "missing-token",
-            Reason::Oversize => "oversize",
-            Reason::Malformed => "malformed",
-            Reason::WrongType => "wrong-type",
-            Reason::UnsupportedAlgorithm => "unsupported-algorithm",
-            Reason::AmbiguousKey => "ambiguous-key",
-            Reason::UnknownKey => "unknown-key",
-            Reason::KeyMismatch => "key-mismatch",
-            Reason::BadSignature => "bad-signature",
-            Reason::WrongIssuer => "wrong-issuer",
-            Reason::WrongAudience => "wrong-audience",
-            Reason::Expired => "expired",
-            Reason::NotYetValid => "not-yet-valid",
-            Reason::MissingScope => "missing-scope",
-            Reason::PrincipalNotAllowed => "principal-not-allowed",
-            Reason::KeysUnavailable => "keys-unavailable",
-            Reason::WrongHost => "wrong-host",
-            Reason::WrongOrigin => "wrong-origin",
-            Reason::BadBearer => "bad-bearer",
-            Reason::WrongPath => "wrong-path",
-            Reason::PeerNotAllowed => "peer-not-allowed",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|r| r.as_str() == text)
-    }
-
-    /// The position in [`Reason::ALL`].
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Coarse class of a client address; the address itself is never recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum AddressClass {
-    Loopback,
-    /// RFC 1918, link-local, CGNAT (100.64/10), ULA (fc00::/7).
-    Private,
-    Public,
-    /// Unix sockets, stdio, or no address at all.
-    Unknown,
-}
-
-impl AddressClass {
-    pub const ALL: [AddressClass; 4] = [
-        AddressClass::Loopback,
-        AddressClass::Private,
-        AddressClass::Public,
-        AddressClass::Unknown,
-    ];
-
-    pub fn of(ip: IpAddr) -> Self {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-            v4 => v4,
-        };
-        match ip {
-            IpAddr::V4(v4) if v4.is_loopback() => AddressClass::Loopback,
-            IpAddr::V4(v4) => {
-                let [a, b, ..] = v4.octets();
-                if v4.is_private() || v4.is_link_local() || (a == 100 && (64..128).contains(&b)) {
-                    AddressClass::Private
-                } else if v4.is_unspecified() {
-                    AddressClass::Unknown
-                } else {
-                    AddressClass::Public
-                }
-            }
-            IpAddr::V6(v6) if v6.is_loopback() => AddressClass::Loopback,
-            IpAddr::V6(v6) => {
-                let first = v6.segments()[0];
-                if (first & 0xfe00) == 0xfc00 || (first & 0xffc0) == 0xfe80 {
-                    AddressClass::Private
-                } else if v6.is_unspecified() {
-                    AddressClass::Unknown
-                } else {
-                    AddressClass::Public
-                }
-            }
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AddressClass::Loopback => "loopback",
-            AddressClass::Private => "private",
-            AddressClass::Public => "public",
-            AddressClass::Unknown => "unknown",
-        }
-    }
-}
 
 /// One refusal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,33 +44,6 @@ pub struct Record {
 /// Unix seconds of `t` (0 before the epoch).
 fn unix(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-/// A grant request or decision (`robota_mcpd::grants`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GrantEvent {
-    Requested,
-    Approved,
-    Denied,
-    Revoked,
-}
-
-impl GrantEvent {
-    pub const ALL: [GrantEvent; 4] = [
-        GrantEvent::Requested,
-        GrantEvent::Approved,
-        GrantEvent::Denied,
-        GrantEvent::Revoked,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GrantEvent::Requested => "grant-requested",
-            GrantEvent::Approved => "grant-approved",
-            GrantEvent::Denied => "grant-denied",
-            GrantEvent::Revoked => "grant-revoked",
-        }
-    }
 }
 
 /// Records of each class kept in memory, and in the file after compaction: refusals and
@@ -391,7 +186,7 @@ impl Recent {
         if bucket.0 != minute {
             *bucket = (minute, [0; Reason::ALL.len()]);
         }
-        bucket.1[reason.index()] += n;
+        bucket.1[reason as usize] += n;
     }
 
     /// Counts of the minute of `now` and the 59 before it, by reason (absent when 0).
@@ -924,39 +719,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn address_classes() {
-        let class = |s: &str| AddressClass::of(s.parse().unwrap());
-        assert_eq!(class("127.0.0.1"), AddressClass::Loopback);
-        assert_eq!(class("::1"), AddressClass::Loopback);
-        assert_eq!(class("::ffff:127.0.0.1"), AddressClass::Loopback);
-        for private in [
-            "10.1.2.3",
-            "172.16.0.1",
-            "192.168.1.1",
-            "169.254.0.1",
-            "100.64.0.1",
-            "100.127.255.255",
-            "fd00::1",
-            "fe80::1",
-        ] {
-            assert_eq!(class(private), AddressClass::Private, "{private}");
-        }
-        for public in ["100.128.0.1", "8.8.8.8", "2001:db8::1", "172.32.0.1"] {
-            assert_eq!(class(public), AddressClass::Public, "{public}");
-        }
-    }
-
-    #[test]
-    fn closed_sets_have_unique_strings() {
-        let reasons: std::collections::HashSet<_> =
-            Reason::ALL.iter().map(|r| r.as_str()).collect();
-        assert_eq!(reasons.len(), Reason::ALL.len());
-        let carriers: std::collections::HashSet<_> =
-            Carrier::ALL.iter().map(|c| c.as_str()).collect();
-        assert_eq!(carriers.len(), Carrier::ALL.len());
+    fn reasons_index_their_minute_buckets_and_grant_events_are_not_reasons() {
         for (i, reason) in Reason::ALL.into_iter().enumerate() {
-            assert_eq!(reason.index(), i, "{reason:?}");
-            assert_eq!(Reason::parse(reason.as_str()), Some(reason));
+            assert_eq!(reason as usize, i, "{reason:?}");
         }
         for event in GrantEvent::ALL {
             assert_eq!(Reason::parse(event.as_str()), None, "{event:?}");

@@ -15,9 +15,14 @@ use std::time::Duration;
 use serde::Deserialize;
 
 mod tools;
+mod values;
 pub use tools::{
     DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
     ToolsConfig, check_template_name,
+};
+pub use values::{
+    KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, check_caller_pattern, check_name, holds_public,
+    parse_net,
 };
 
 /// The configuration used when neither `--config` nor the system file exists.
@@ -194,9 +199,6 @@ pub struct RemoteConfig {
     pub bounds: HttpLimits,
 }
 
-pub use crate::oauth::jwks::KeySource;
-pub use crate::oauth::jwt::KeyRefresh;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThrottleConfig {
     /// Failures per window before an address is answered 429.
@@ -213,8 +215,6 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
 }
-
-pub use crate::carrier::remote::admission::PublicUrl;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -665,7 +665,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         .session
         .submission_tool
         .unwrap_or_else(|| "agent_submit".to_owned());
-    if let Err(problem) = crate::session::catalog::check_name(&submission_tool) {
+    if let Err(problem) = check_name(&submission_tool) {
         issues.add("session.submission_tool", problem);
     }
     let turn = raw.session.turn.and_then(|t| {
@@ -694,7 +694,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
     });
 
     for (canonical, wire) in &raw.stdio.aliases {
-        if let Err(problem) = crate::session::catalog::check_name(wire) {
+        if let Err(problem) = check_name(wire) {
             issues.add(format!("stdio.aliases.{canonical}"), problem);
         }
     }
@@ -731,7 +731,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             );
         }
         for (canonical, wire) in &l.aliases {
-            if let Err(problem) = crate::session::catalog::check_name(wire) {
+            if let Err(problem) = check_name(wire) {
                 issues.add(format!("loopback.aliases.{canonical}"), problem);
             }
         }
@@ -815,7 +815,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             );
         }
         for (j, caller) in rule.callers.iter().enumerate() {
-            if let Err(problem) = crate::session::policy::check_caller_pattern(caller) {
+            if let Err(problem) = check_caller_pattern(caller) {
                 issues.add(format!("policy[{i}].callers[{j}]"), problem);
             }
         }
@@ -1020,7 +1020,7 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
     let mut trusted_proxies = Vec::new();
     for (i, text) in r.trusted_proxies.iter().enumerate() {
         let key = format!("remote.trusted_proxies[{i}]");
-        let Some(net) = crate::carrier::remote::forwarded::parse_net(text) else {
+        let Some(net) = parse_net(text) else {
             issues.add(key, format!("not an IP or CIDR: {text:?}"));
             continue;
         };
@@ -1035,7 +1035,7 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
             );
             continue;
         }
-        if crate::carrier::remote::forwarded::holds_public(&net) {
+        if holds_public(&net) {
             issues.warn(
                 key,
                 format!(
@@ -1058,7 +1058,7 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         }
     }
     for (canonical, wire) in &r.aliases {
-        if let Err(problem) = crate::session::catalog::check_name(wire) {
+        if let Err(problem) = check_name(wire) {
             issues.add(format!("remote.aliases.{canonical}"), problem);
         }
     }

@@ -20,9 +20,10 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::audit::{AddressClass, Audit, Carrier, Reason, Record};
+use crate::audit::{Audit, Record};
 use crate::config::ControlConfig;
 use crate::metrics::Metrics;
+use crate::vocab::{AddressClass, Carrier, Reason};
 
 /// Most control connections served at once (relayed MCP sessions included).
 const MAX_CONNECTIONS: usize = 64;

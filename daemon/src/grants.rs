@@ -17,11 +17,12 @@ use std::time::Duration;
 
 use rusqlite::{OptionalExtension, Row, params};
 
-use crate::audit::{Audit, GrantEvent};
+use crate::audit::Audit;
 use crate::config::PermissionsTool;
 use crate::metrics::Metrics;
-use crate::session::{Caller, ToolError, ToolErrorCode};
 use crate::store::{Store, StoreError, now};
+use crate::vocab::GrantEvent;
+use crate::vocab::{Caller, GrantId};
 
 /// Longest reason a caller may give.
 pub const MAX_REASON: usize = 500;
@@ -99,13 +100,25 @@ pub struct Grants {
     limits: PermissionsTool,
 }
 
-fn store_err(e: StoreError) -> ToolError {
-    tracing::error!(error = %e, "grant store failure");
-    ToolError::new(ToolErrorCode::Internal, "the grant store failed")
+/// Why a caller's own grant request or revocation was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum GrantError {
+    /// A reason, scope or duration out of bounds.
+    #[error("{0}")]
+    Invalid(String),
+    #[error(
+        "you have {max_pending} pending requests or made {per_hour} in the last hour; wait for an operator to decide them"
+    )]
+    TooMany { max_pending: usize, per_hour: usize },
+    /// No such grant, or not the caller's (the two look the same to it).
+    #[error("there is no grant {0} of yours")]
+    NotYours(GrantId),
+    #[error("the grant store failed")]
+    Store(#[from] StoreError),
 }
 
-fn invalid(message: impl Into<String>) -> ToolError {
-    ToolError::new(ToolErrorCode::InvalidArguments, message)
+fn invalid(message: impl Into<String>) -> GrantError {
+    GrantError::Invalid(message.into())
 }
 
 impl Grants {
@@ -157,7 +170,7 @@ impl Grants {
         reason: &str,
         scope: Vec<String>,
         duration: Duration,
-    ) -> Result<Grant, ToolError> {
+    ) -> Result<Grant, GrantError> {
         let reason = reason.trim();
         if reason.is_empty() || reason.chars().count() > MAX_REASON {
             return Err(invalid(format!(
@@ -215,19 +228,14 @@ impl Grants {
                 tx.commit()?;
                 Ok(Some(id))
             })
-            .map_err(store_err)?;
+            ?;
         let Some(id) = id else {
-            return Err(ToolError::new(
-                ToolErrorCode::Busy,
-                format!(
-                    "you have {max_pending} pending requests or made {REQUESTS_PER_HOUR} in the last hour; wait for an operator to decide them"
-                ),
-            ));
+            return Err(GrantError::TooMany {
+                max_pending,
+                per_hour: REQUESTS_PER_HOUR,
+            });
         };
-        let grant = self
-            .get(id)
-            .map_err(store_err)?
-            .ok_or_else(|| ToolError::new(ToolErrorCode::Internal, "the new grant vanished"))?;
+        let grant = self.get(id)?.ok_or(GrantError::NotYours(GrantId(id)))?;
         self.event(GrantEvent::Requested, &grant, &caller_text);
         Ok(grant)
     }
@@ -376,14 +384,14 @@ impl Grants {
     }
 
     /// A caller revokes its own grant; someone else's is "not found" to it.
-    pub fn revoke_own(&self, caller: &Caller, id: i64) -> Result<Grant, ToolError> {
+    pub fn revoke_own(&self, caller: &Caller, id: GrantId) -> Result<Grant, GrantError> {
         let caller_text = caller.to_string();
-        match self.get(id).map_err(store_err)? {
+        match self.get(id.0)? {
             Some(g) if g.caller == caller_text => {}
-            _ => return Err(invalid(format!("there is no grant {id} of yours"))),
+            _ => return Err(GrantError::NotYours(id)),
         }
-        self.revoke(id, &caller_text).map_err(|e| match e {
-            DecideError::Store(e) => store_err(e),
+        self.revoke(id.0, &caller_text).map_err(|e| match e {
+            DecideError::Store(e) => GrantError::Store(e),
             other => invalid(other.to_string()),
         })
     }
@@ -432,8 +440,8 @@ mod tests {
         let err = g.deny(req.grant_id, "local:0").unwrap_err();
         assert!(err.to_string().contains("approved"), "{err}");
         // Another caller cannot revoke it; its owner can.
-        assert!(g.revoke_own(&other, req.grant_id).is_err());
-        g.revoke_own(&ci, req.grant_id).unwrap();
+        assert!(g.revoke_own(&other, GrantId(req.grant_id)).is_err());
+        g.revoke_own(&ci, GrantId(req.grant_id)).unwrap();
         assert!(g.covering(&ci, "file.write").unwrap().is_none());
     }
 
@@ -496,19 +504,19 @@ mod tests {
         let err = g
             .request(&c, GrantKind::Elevation, "r", vec!["x".into()], d)
             .unwrap_err();
-        assert_eq!(err.code, ToolErrorCode::Busy);
+        assert!(matches!(err, GrantError::TooMany { .. }), "{err}");
         // Request-and-withdraw is bounded too.
         let other = Caller::Local(2);
         for _ in 0..REQUESTS_PER_HOUR {
             let req = g
                 .request(&other, GrantKind::Elevation, "r", vec!["x".into()], d)
                 .unwrap();
-            g.revoke_own(&other, req.grant_id).unwrap();
+            g.revoke_own(&other, GrantId(req.grant_id)).unwrap();
         }
         let err = g
             .request(&other, GrantKind::Elevation, "r", vec!["x".into()], d)
             .unwrap_err();
-        assert_eq!(err.code, ToolErrorCode::Busy);
+        assert!(matches!(err, GrantError::TooMany { .. }), "{err}");
     }
 
     #[test]
@@ -526,12 +534,8 @@ mod tests {
             Duration::from_secs(u64::MAX),
         ] {
             let err = ask(bad).unwrap_err();
-            assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad:?}");
-            assert!(
-                err.message.contains("between 1s and 1day"),
-                "{}",
-                err.message
-            );
+            assert!(matches!(err, GrantError::Invalid(_)), "{bad:?}: {err}");
+            assert!(err.to_string().contains("between 1s and 1day"), "{}", err);
         }
         let one = ask(Duration::from_secs(1)).unwrap();
         let top = ask(max).unwrap();
@@ -583,14 +587,15 @@ mod tests {
         let err = g
             .request(&c, GrantKind::Elevation, "r", vec!["x".into()], huge)
             .unwrap_err();
-        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
-        let near = Duration::from_secs(u64::try_from(i64::MAX).unwrap() - 10);
-        assert_eq!(
-            g.request(&c, GrantKind::Elevation, "r", vec!["x".into()], near)
-                .unwrap_err()
-                .code,
-            ToolErrorCode::InvalidArguments
+        assert!(
+            matches!(err, GrantError::Invalid(_) | GrantError::NotYours(_)),
+            "{err}"
         );
+        let near = Duration::from_secs(u64::try_from(i64::MAX).unwrap() - 10);
+        assert!(matches!(
+            g.request(&c, GrantKind::Elevation, "r", vec!["x".into()], near),
+            Err(GrantError::Invalid(_))
+        ));
         let ok = g
             .request(
                 &c,

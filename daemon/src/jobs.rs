@@ -24,8 +24,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::JobTemplate;
 use crate::metrics::Metrics;
-use crate::session::{Caller, ToolError, ToolErrorCode};
 use crate::store::{Store, StoreError, now, runner};
+use crate::vocab::{Caller, JobId};
 
 /// Largest page `job.tail` returns at once.
 pub const TAIL_PAGE_MAX: u64 = 256 * 1024;
@@ -34,30 +34,8 @@ const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long daemon shutdown waits for running jobs to record their end.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(3);
 
-pub use robota_proto::{JobRecord, JobState};
-
-/// What kind of work a job is (the `kind` of its record and of the metrics).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobKind {
-    /// A `[jobs.<name>]` template (`job.start`).
-    Template,
-    /// A systemd unit action (`service.action`).
-    Service,
-    /// A container action (`docker.action`).
-    Docker,
-}
-
-impl JobKind {
-    pub const ALL: [JobKind; 3] = [JobKind::Template, JobKind::Service, JobKind::Docker];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobKind::Template => "template",
-            JobKind::Service => "service",
-            JobKind::Docker => "docker",
-        }
-    }
-}
+use crate::vocab::{JobKind, JobState};
+pub use robota_proto::JobRecord;
 
 const JOB_COLUMNS: &str = "id, owner, kind, target, action, state, created_at, finished_at, \
                            exit_code, detail, output_bytes, output_dropped";
@@ -260,16 +238,19 @@ fn group_is_the_jobs(pgid: u32, leader_start: u64) -> bool {
     }
 }
 
-fn store_err(e: StoreError) -> ToolError {
-    tracing::error!(error = %e, "job store failure");
-    ToolError::new(ToolErrorCode::Internal, "the job store failed")
-}
-
-fn not_found(id: i64) -> ToolError {
-    ToolError::new(
-        ToolErrorCode::InvalidArguments,
-        format!("there is no job {id} of yours"),
-    )
+/// Why a job could not be started, read or cancelled.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// No such job, or not the caller's (the two look the same to it).
+    #[error("there is no job {0} of yours")]
+    NotFound(JobId),
+    #[error("{0} jobs are running, the most this host allows; try again later")]
+    Busy(usize),
+    /// Running in another robota-mcpd process (a `--stdio` one) sharing the store.
+    #[error("job {0} is run by another robota-mcpd process; cancel it there")]
+    Elsewhere(JobId),
+    #[error("the job store failed")]
+    Store(#[from] StoreError),
 }
 
 impl Jobs {
@@ -319,37 +300,28 @@ impl Jobs {
         target: &str,
         action: Option<&str>,
         work: Work,
-    ) -> Result<JobRecord, ToolError> {
+    ) -> Result<JobRecord, JobError> {
         let cancel = CancellationToken::new();
         let id = {
             let mut running = self.running.lock();
             if running.len() >= self.max_running {
-                return Err(ToolError::new(
-                    ToolErrorCode::Busy,
-                    format!(
-                        "{} jobs are running, the most this host allows; try again later",
-                        running.len()
-                    ),
-                ));
+                return Err(JobError::Busy(running.len()));
             }
-            let id = self
-                .store
-                .with(|c| {
-                    c.execute(
-                        "INSERT INTO jobs (owner, kind, target, action, state, created_at, runner) \
+            let id = self.store.with(|c| {
+                c.execute(
+                    "INSERT INTO jobs (owner, kind, target, action, state, created_at, runner) \
                          VALUES (?1, ?2, ?3, ?4, 'running', ?5, ?6)",
-                        params![
-                            owner.to_string(),
-                            kind.as_str(),
-                            target,
-                            action,
-                            now(),
-                            runner::this()
-                        ],
-                    )?;
-                    Ok(c.last_insert_rowid())
-                })
-                .map_err(store_err)?;
+                    params![
+                        owner.to_string(),
+                        kind.as_str(),
+                        target,
+                        action,
+                        now(),
+                        runner::this()
+                    ],
+                )?;
+                Ok(c.last_insert_rowid())
+            })?;
             running.insert(id, cancel.clone());
             id
         };
@@ -389,9 +361,7 @@ impl Jobs {
             };
             jobs.finish(id, kind, &finish);
         });
-        self.get(id)
-            .map_err(store_err)?
-            .ok_or_else(|| ToolError::new(ToolErrorCode::Internal, "the new job vanished"))
+        self.get(id)?.ok_or(JobError::NotFound(JobId(id)))
     }
 
     fn finish(&self, id: i64, kind: JobKind, finish: &Finish) {
@@ -561,10 +531,10 @@ impl Jobs {
     }
 
     /// The job, if `caller` may see it: its owner, or the operator (`None`).
-    pub fn visible(&self, caller: Option<&Caller>, id: i64) -> Result<JobRecord, ToolError> {
-        match self.get(id).map_err(store_err)? {
+    pub fn visible(&self, caller: Option<&Caller>, id: JobId) -> Result<JobRecord, JobError> {
+        match self.get(id.0)? {
             Some(job) if caller.is_none_or(|c| c.to_string() == job.owner) => Ok(job),
-            _ => Err(not_found(id)),
+            _ => Err(JobError::NotFound(id)),
         }
     }
 
@@ -572,30 +542,28 @@ impl Jobs {
     pub fn tail(
         &self,
         caller: Option<&Caller>,
-        id: i64,
+        id: JobId,
         cursor: u64,
         max_bytes: u64,
-    ) -> Result<Tail, ToolError> {
+    ) -> Result<Tail, JobError> {
         let job = self.visible(caller, id)?;
+        let JobId(id) = id;
         let max_bytes = max_bytes.clamp(1, TAIL_PAGE_MAX);
-        let rows: Vec<(u64, String, Vec<u8>)> = self
-            .store
-            .with(|c| {
-                // The chunk containing the cursor, then the ones after it.
-                // Starts at the chunk holding the cursor, found through the primary key
-                // (no scan of the job's earlier output).
-                let mut stmt = c.prepare(
-                    "SELECT offset, stream, data FROM job_output WHERE job_id = ?1 \
+        let rows: Vec<(u64, String, Vec<u8>)> = self.store.with(|c| {
+            // The chunk containing the cursor, then the ones after it.
+            // Starts at the chunk holding the cursor, found through the primary key
+            // (no scan of the job's earlier output).
+            let mut stmt = c.prepare(
+                "SELECT offset, stream, data FROM job_output WHERE job_id = ?1 \
                      AND offset >= COALESCE((SELECT MAX(offset) FROM job_output \
                                              WHERE job_id = ?1 AND offset <= ?2), 0) \
                      AND offset + length(data) > ?2 ORDER BY offset LIMIT 256",
-                )?;
-                stmt.query_map(params![id, cursor], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?
-                .collect()
-            })
-            .map_err(store_err)?;
+            )?;
+            stmt.query_map(params![id, cursor], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?
+            .collect()
+        })?;
         let mut chunks = Vec::new();
         let mut next = cursor.min(job.output_bytes);
         let mut budget = max_bytes;
@@ -627,12 +595,12 @@ impl Jobs {
     }
 
     /// Cancel a running job: its owner, or the operator (`None`).
-    pub fn cancel(&self, caller: Option<&Caller>, id: i64) -> Result<JobRecord, ToolError> {
+    pub fn cancel(&self, caller: Option<&Caller>, id: JobId) -> Result<JobRecord, JobError> {
         let job = self.visible(caller, id)?;
         if job.state.finished() {
             return Ok(job);
         }
-        let token = self.running.lock().get(&id).cloned();
+        let token = self.running.lock().get(&id.0).cloned();
         match token {
             Some(token) => token.cancel(),
             None => {
@@ -641,10 +609,7 @@ impl Jobs {
                 if now.state.finished() {
                     return Ok(now);
                 }
-                return Err(ToolError::new(
-                    ToolErrorCode::Unavailable,
-                    format!("job {id} is run by another robota-mcpd process; cancel it there"),
-                ));
+                return Err(JobError::Elsewhere(id));
             }
         }
         Ok(job)
@@ -733,7 +698,7 @@ mod tests {
         assert_eq!(done.state, JobState::Failed);
         assert_eq!(done.exit_code, Some(3));
         assert_eq!(done.output_bytes, 14);
-        let page = jobs.tail(Some(&owner), job.job_id, 0, 4).unwrap();
+        let page = jobs.tail(Some(&owner), JobId(job.job_id), 0, 4).unwrap();
         let text: String = page.chunks.iter().map(|c| c.text.as_str()).collect();
         assert_eq!(text.len(), 4);
         assert_eq!(page.next_cursor, 4);
@@ -741,7 +706,9 @@ mod tests {
         let mut all = text;
         let mut cursor = page.next_cursor;
         loop {
-            let page = jobs.tail(Some(&owner), job.job_id, cursor, 3).unwrap();
+            let page = jobs
+                .tail(Some(&owner), JobId(job.job_id), cursor, 3)
+                .unwrap();
             all.extend(page.chunks.iter().map(|c| c.text.as_str()));
             cursor = page.next_cursor;
             if page.complete {
@@ -752,9 +719,9 @@ mod tests {
         assert!(all.contains("0123456789") || all.contains("oops"));
         // Another caller cannot see it.
         let err = jobs
-            .tail(Some(&Caller::Local(1)), job.job_id, 0, 10)
+            .tail(Some(&Caller::Local(1)), JobId(job.job_id), 0, 10)
             .unwrap_err();
-        assert_eq!(err.code, ToolErrorCode::InvalidArguments);
+        assert!(matches!(err, JobError::NotFound(_)), "{err}");
     }
 
     #[tokio::test]
@@ -879,8 +846,11 @@ mod tests {
             )
             .unwrap();
         // Another caller cannot cancel it.
-        assert!(jobs.cancel(Some(&Caller::Local(5)), job.job_id).is_err());
-        jobs.cancel(Some(&owner), job.job_id).unwrap();
+        assert!(
+            jobs.cancel(Some(&Caller::Local(5)), JobId(job.job_id))
+                .is_err()
+        );
+        jobs.cancel(Some(&owner), JobId(job.job_id)).unwrap();
         let done = wait_done(&jobs, job.job_id).await;
         assert_eq!(done.state, JobState::Cancelled);
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -925,8 +895,8 @@ mod tests {
                 Work::Process(template("true", Duration::from_secs(30), 10)),
             )
             .unwrap_err();
-        assert_eq!(err.code, ToolErrorCode::Busy);
-        jobs.cancel(None, first.job_id).unwrap();
+        assert!(matches!(err, JobError::Busy(_)), "{err}");
+        jobs.cancel(None, JobId(first.job_id)).unwrap();
         wait_done(&jobs, first.job_id).await;
     }
 
@@ -1021,7 +991,7 @@ mod tests {
                 },
             )
             .unwrap();
-        jobs.cancel(Some(&owner), job.job_id).unwrap();
+        jobs.cancel(Some(&owner), JobId(job.job_id)).unwrap();
         assert_eq!(
             wait_done(&jobs, job.job_id).await.state,
             JobState::OutcomeUnknown

@@ -5,6 +5,7 @@
 pub mod audit;
 pub mod bearer;
 pub mod carrier;
+pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod daemon;
@@ -20,6 +21,7 @@ pub mod session;
 pub mod store;
 pub mod tools;
 pub mod transport;
+pub mod vocab;
 
 /// Process exit codes; the unit's `RestartPreventExitStatus=` names [`exit::CONFIG`].
 pub mod exit {

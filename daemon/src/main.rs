@@ -1,16 +1,15 @@
-//! `robota-mcpd`: load the configuration, set up logging, then run the daemon (or the
-//! stdio carrier) and turn the outcome into an exit code.
+//! `robota-mcpd`, as a lifecycle script: parse the command line, set up logging, load the
+//! configuration and plan it (nothing bound), then check it, serve it on stdio, or run
+//! the daemon; every outcome becomes an exit code.
 
 mod cli;
 
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use clap::Parser;
 use robota_mcpd::config::{self, Environment};
-use robota_mcpd::session::{HostView, Session};
-use robota_mcpd::transport::McpTransport;
-use robota_mcpd::{carrier, daemon, error_chain, exit, logging, metrics};
+use robota_mcpd::daemon::{self, Plan};
+use robota_mcpd::{error_chain, exit, logging};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{Args, Sub};
@@ -36,27 +35,31 @@ fn main() -> ExitCode {
             return code(exit::CONFIG);
         }
     };
-    if let Some(Sub::CheckConfig) = args.command {
-        for warning in &config.warnings {
-            eprintln!("robota-mcpd: warning ({source}): {warning}");
-        }
-        return match check(&config) {
-            Ok(()) => {
-                eprintln!("robota-mcpd: configuration OK ({source})");
-                ExitCode::SUCCESS
-            }
-            Err(message) => {
-                eprintln!("robota-mcpd: invalid configuration ({source}): {message}");
-                code(exit::CONFIG)
-            }
-        };
-    }
+    let checking = matches!(args.command, Some(Sub::CheckConfig));
     for warning in &config.warnings {
-        tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
+        if checking {
+            eprintln!("robota-mcpd: warning ({source}): {warning}");
+        } else {
+            tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
+        }
     }
+    let plan = match Plan::build(config) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!(
+                "robota-mcpd: invalid configuration ({source}): {}",
+                error_chain(&e)
+            );
+            return code(exit::CONFIG);
+        }
+    };
+    if checking {
+        eprintln!("robota-mcpd: configuration OK ({source})");
+        return ExitCode::SUCCESS;
+    }
+
     // Sockets and files we create are private unless we open them up on purpose.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
-
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -68,114 +71,25 @@ fn main() -> ExitCode {
         }
     };
     let result = if args.stdio {
-        runtime.block_on(stdio(config))
+        runtime.block_on(daemon::run_stdio(plan))
     } else {
         tracing::info!(config = %source, "starting");
-        runtime
-            .block_on(daemon::run(config, CancellationToken::new()))
-            .map_err(|e| (e.exit_code(), error_chain(&e)))
+        runtime.block_on(daemon::run(plan, CancellationToken::new()))
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err((status, message)) => {
+        Err(e) => {
+            let message = error_chain(&e);
             tracing::error!("{message}");
             if journal {
                 // Also on plain stderr, so `systemctl status` shows it whatever the log level.
                 eprintln!("robota-mcpd: {message}");
             }
-            code(status)
+            code(e.exit_code())
         }
     }
 }
 
 fn code(status: i32) -> ExitCode {
     ExitCode::from(u8::try_from(status).unwrap_or(1))
-}
-
-struct NoCarriers;
-impl HostView for NoCarriers {
-    fn carriers(&self) -> Vec<(String, String)> {
-        vec![("stdio".into(), "stdio".into())]
-    }
-}
-
-/// Everything start-up would validate, without binding anything.
-fn check(config: &config::Config) -> Result<(), String> {
-    use robota_mcpd::session::{RuntimeTools, TurnSubmission};
-    let host = robota_mcpd::host::Host::detached(config).map_err(|e| e.to_string())?;
-    let session = Session::new(config, Arc::new(NoCarriers), host, metrics::Metrics::new())
-        .map_err(|e| error_chain(&e))?;
-    let build = |profile, aliases| {
-        robota_mcpd::mcp::WireNames::build(
-            session.catalog(),
-            session.submission_tool(),
-            profile,
-            aliases,
-        )
-    };
-    build(config.stdio.wire_names, &config.stdio.aliases)
-        .map_err(|e| format!("stdio.aliases: {e}"))?;
-    if let Some(loopback) = &config.loopback {
-        build(loopback.wire_names, &loopback.aliases)
-            .map_err(|e| format!("loopback.aliases: {e}"))?;
-    }
-    if let Some(remote) = &config.remote {
-        build(remote.wire_names, &remote.aliases).map_err(|e| format!("remote.aliases: {e}"))?;
-        // Everything the verifier checks before it fetches a key.
-        daemon::verifier_config(remote, &config.state_dir, metrics::Metrics::new())
-            .map_err(|e| format!("remote: {}", error_chain(&e)))?;
-    }
-    Ok(())
-}
-
-/// The stdio carrier alone: no control socket, no HTTP.
-async fn stdio(config: config::Config) -> Result<(), (i32, String)> {
-    // The stdio process shares the store with a daemon on the same state directory (SQLite
-    // locking makes that safe); its refusals and grant events are logged, not persisted.
-    std::fs::create_dir_all(&config.state_dir).map_err(|e| {
-        (
-            exit::RUNTIME,
-            format!(
-                "cannot create the state directory {}: {e}",
-                config.state_dir.display()
-            ),
-        )
-    })?;
-    let audit = Arc::new(robota_mcpd::audit::Audit::new());
-    let metrics = metrics::Metrics::new();
-    let host = robota_mcpd::host::Host::open(&config, audit, metrics.clone())
-        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
-    let session = Session::new(&config, Arc::new(NoCarriers), host.clone(), metrics.clone())
-        .map_err(|e| (exit::CONFIG, error_chain(&e)))?;
-    let wire = robota_mcpd::mcp::Wire {
-        result_limit: config.limits.tool_result,
-        metrics: metrics.clone(),
-    };
-    let transport = McpTransport::new(
-        Arc::new(carrier::stdio::StdioCarrier {
-            config: config.stdio.clone(),
-            request_limit: config.limits.request_body,
-        }),
-        wire,
-    );
-    transport
-        .attach(Arc::new(session))
-        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
-    transport
-        .start()
-        .await
-        .map_err(|e| (exit::RUNTIME, error_chain(&e)))?;
-    let ended = transport.ended().unwrap_or_default();
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| (exit::RUNTIME, e.to_string()))?;
-    tokio::select! {
-        () = ended.cancelled() => {}
-        _ = sigterm.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-    transport.stop().await;
-    // Jobs this process started end with it and record how (else they would wait as
-    // `running` until some process settles them as `outcome-unknown`).
-    host.jobs.shutdown().await;
-    Ok(())
 }

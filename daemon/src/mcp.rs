@@ -7,8 +7,7 @@
 //! traits.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -25,10 +24,11 @@ use rmcp::{RoleServer, ServerHandler};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use crate::catalog::{self, Snapshot, ToolError, ToolOutput, ToolSpec};
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
-use crate::session::catalog::{self, ToolSpec};
-use crate::session::{Caller, RuntimeTools, ToolError, ToolErrorCode, ToolOutput, TurnSubmission};
+use crate::session::{JobOp, RuntimeTools, TurnSubmission};
+use crate::vocab::{Caller, JobId, ToolErrorCode};
 
 /// The protocol revisions served, oldest first.
 pub const SUPPORTED_VERSIONS: [ProtocolVersion; 2] =
@@ -44,16 +44,23 @@ pub fn is_supported_version(value: &str) -> bool {
 enum Target {
     Runtime(String),
     Submission,
+    /// A name caught in a collision: answered `unavailable` with this reason.
+    Refused(String),
 }
 
-/// A carrier's mapping between wire names and canonical names.
+/// A carrier's mapping between wire names and canonical names, for one catalog
+/// generation.
 #[derive(Debug)]
 pub struct WireNames {
+    generation: u64,
     targets: HashMap<String, Target>,
     tools: Vec<Tool>,
+    /// Collisions in this generation: `tools/list` answers an error naming them until
+    /// they are resolved; at start-up, any problem refuses the carrier.
+    problems: Vec<WireError>,
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
     #[error("tools {first:?} and {second:?} both map to the wire name {wire:?}; give one an alias")]
     Collision {
@@ -61,6 +68,8 @@ pub enum WireError {
         first: String,
         second: String,
     },
+    #[error("tool {name:?} is offered by {}; give one an alias", .sources.join(" and "))]
+    SourceCollision { name: String, sources: Vec<String> },
     #[error("an alias names {0:?}, which is not in the catalog")]
     UnknownAlias(String),
     #[error("alias {wire:?} for {canonical:?} is not a valid tool name: {problem}")]
@@ -71,57 +80,106 @@ pub enum WireError {
     },
 }
 
+impl WireError {
+    /// Whether it makes the listing wrong (a collision), not only a start-up mistake.
+    fn breaks_listing(&self) -> bool {
+        matches!(
+            self,
+            WireError::Collision { .. } | WireError::SourceCollision { .. }
+        )
+    }
+}
+
 impl WireNames {
-    /// Map every canonical name (runtime tools and the submission tool) to its wire name.
+    /// Map every canonical name of `snapshot` (runtime tools and the submission tool) to
+    /// its wire name. Never first-wins: names that collide — in the catalog or after the
+    /// profile — are all refused, and recorded.
     pub fn build(
-        runtime: &catalog::Catalog,
-        submission: &ToolSpec,
+        snapshot: &Snapshot,
         profile: WireNameProfile,
         aliases: &std::collections::BTreeMap<String, String>,
-    ) -> Result<Self, WireError> {
-        let known = |name: &str| runtime.get(name).is_some() || name == submission.name;
-        if let Some(alias) = aliases.keys().find(|name| !known(name)) {
-            return Err(WireError::UnknownAlias(alias.clone()));
+    ) -> Self {
+        let submission = snapshot.submission();
+        let mut problems = Vec::new();
+        let known = |name: &str| snapshot.get(name).is_some() || name == submission.name;
+        for alias in aliases.keys().filter(|name| !known(name)) {
+            problems.push(WireError::UnknownAlias(alias.clone()));
         }
         let mut targets = HashMap::new();
-        let mut owners: HashMap<String, String> = HashMap::new();
-        let mut tools = Vec::new();
-        let specs = runtime
+        for (name, sources) in snapshot.conflicts() {
+            problems.push(WireError::SourceCollision {
+                name: name.clone(),
+                sources: sources.clone(),
+            });
+            let why = problems.last().map(ToString::to_string).unwrap_or_default();
+            targets.insert(wire_of(name, profile, aliases), Target::Refused(why));
+        }
+        let submission_free = !snapshot.conflicts().contains_key(&submission.name);
+        let specs = snapshot
             .specs()
             .map(|s| (s, Target::Runtime(s.name.clone())))
-            .chain(std::iter::once((submission, Target::Submission)));
+            .chain(submission_free.then_some((submission, Target::Submission)));
+        // Wire name → the canonical names that map to it.
+        let mut by_wire: BTreeMap<String, Vec<(&ToolSpec, Target)>> = BTreeMap::new();
         for (spec, target) in specs {
             let wire = match aliases.get(&spec.name) {
-                Some(alias) => {
-                    catalog::check_name(alias).map_err(|problem| WireError::BadAlias {
-                        canonical: spec.name.clone(),
-                        wire: alias.clone(),
-                        problem,
-                    })?;
-                    alias.clone()
-                }
-                None => match profile {
-                    WireNameProfile::Canonical => spec.name.clone(),
-                    WireNameProfile::Compat => spec.name.replace('.', "_"),
+                Some(alias) => match crate::config::check_name(alias) {
+                    Ok(()) => alias.clone(),
+                    Err(problem) => {
+                        problems.push(WireError::BadAlias {
+                            canonical: spec.name.clone(),
+                            wire: alias.clone(),
+                            problem,
+                        });
+                        continue;
+                    }
                 },
+                None => wire_of(&spec.name, profile, aliases),
             };
-            match owners.entry(wire.clone()) {
-                Entry::Occupied(first) => {
-                    return Err(WireError::Collision {
-                        wire,
-                        first: first.get().clone(),
-                        second: spec.name.clone(),
-                    });
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(spec.name.clone());
-                }
-            }
-            tools.push(wire_tool(&wire, spec));
-            targets.insert(wire, target);
+            by_wire.entry(wire).or_default().push((spec, target));
         }
-        tools.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(Self { targets, tools })
+        let mut tools = Vec::new();
+        for (wire, mut owners) in by_wire {
+            if owners.len() > 1 {
+                let collision = WireError::Collision {
+                    wire: wire.clone(),
+                    first: owners[0].0.name.clone(),
+                    second: owners[1].0.name.clone(),
+                };
+                targets.insert(wire, Target::Refused(collision.to_string()));
+                problems.push(collision);
+                continue;
+            }
+            if let Some((spec, target)) = owners.pop() {
+                tools.push(wire_tool(&wire, spec));
+                targets.insert(wire, target);
+            }
+        }
+        Self {
+            generation: snapshot.generation(),
+            targets,
+            tools,
+            problems,
+        }
+    }
+
+    /// The first problem: at start-up, any of them refuses the carrier.
+    pub fn check(&self) -> Result<(), WireError> {
+        match self.problems.first() {
+            Some(problem) => Err(problem.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Why `tools/list` cannot be answered truthfully now, if it cannot.
+    fn listing_problem(&self) -> Option<String> {
+        let broken: Vec<String> = self
+            .problems
+            .iter()
+            .filter(|p| p.breaks_listing())
+            .map(ToString::to_string)
+            .collect();
+        (!broken.is_empty()).then(|| broken.join("; "))
     }
 
     fn resolve(&self, wire: &str) -> Option<&Target> {
@@ -130,6 +188,21 @@ impl WireNames {
 
     fn tool(&self, wire: &str) -> Option<&Tool> {
         self.tools.iter().find(|t| t.name == wire)
+    }
+}
+
+/// A canonical name under a profile (no alias).
+fn wire_of(
+    name: &str,
+    profile: WireNameProfile,
+    aliases: &std::collections::BTreeMap<String, String>,
+) -> String {
+    if let Some(alias) = aliases.get(name) {
+        return alias.clone();
+    }
+    match profile {
+        WireNameProfile::Canonical => name.to_owned(),
+        WireNameProfile::Compat => name.replace('.', "_"),
     }
 }
 
@@ -244,31 +317,63 @@ pub const UNKNOWN_TOOL_LABEL: &str = "(unknown)";
 
 struct Shared<S> {
     session: Arc<S>,
-    names: WireNames,
+    profile: WireNameProfile,
+    aliases: BTreeMap<String, String>,
+    /// The wire names of the catalog generation last seen.
+    names: Mutex<Arc<WireNames>>,
     inflight: Arc<InFlight>,
     wire: Wire,
-    /// The caller for carriers with one fixed identity (stdio); HTTP carriers put an
-    /// admitted [`Caller`] in each request's extensions instead.
-    fixed_caller: Option<Caller>,
+}
+
+/// Who the request is from: every carrier puts the admitted caller in the request's HTTP
+/// parts (the line carriers build parts for each message), and the handler reads it from
+/// there and nowhere else.
+pub fn admitted(caller: Caller) -> http::request::Parts {
+    let (mut parts, ()) = http::Request::new(()).into_parts();
+    parts.extensions.insert(caller);
+    parts
 }
 
 impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
+    /// A server for one carrier. Fails when the catalog's wire names under `profile` and
+    /// `aliases` have a problem (a collision, an unknown or invalid alias): the carrier
+    /// must not start.
     pub fn new(
         session: Arc<S>,
-        names: WireNames,
+        profile: WireNameProfile,
+        aliases: BTreeMap<String, String>,
         inflight: Arc<InFlight>,
         wire: Wire,
-        fixed_caller: Option<Caller>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, WireError> {
+        let names = WireNames::build(&session.catalog(), profile, &aliases);
+        names.check()?;
+        Ok(Self {
             shared: Arc::new(Shared {
                 session,
-                names,
+                profile,
+                aliases,
+                names: Mutex::new(Arc::new(names)),
                 inflight,
                 wire,
-                fixed_caller,
             }),
+        })
+    }
+
+    /// The wire names of the current catalog generation.
+    fn names(&self) -> Arc<WireNames> {
+        let snapshot: Arc<Snapshot> = self.shared.session.catalog();
+        let mut names = self.shared.names.lock();
+        if names.generation != snapshot.generation() {
+            *names = Arc::new(WireNames::build(
+                &snapshot,
+                self.shared.profile,
+                &self.shared.aliases,
+            ));
+            if let Some(problem) = names.listing_problem() {
+                tracing::error!(generation = snapshot.generation(), %problem, "the catalog has colliding names");
+            }
         }
+        names.clone()
     }
 
     pub fn inflight(&self) -> &Arc<InFlight> {
@@ -281,7 +386,6 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             .get::<http::request::Parts>()
             .and_then(|parts| parts.extensions.get::<Caller>())
             .cloned()
-            .or_else(|| self.shared.fixed_caller.clone())
     }
 
     /// Run a call; returns the canonical name it resolved to (None: not in the catalog).
@@ -290,8 +394,9 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         caller: &Caller,
         request: CallToolRequestParams,
         cancel: CancellationToken,
-    ) -> (Option<&str>, Result<ToolOutput, ToolError>) {
-        let Some(target) = self.shared.names.resolve(&request.name) else {
+    ) -> (Option<String>, Result<ToolOutput, ToolError>) {
+        let names = self.names();
+        let Some(target) = names.resolve(&request.name).cloned() else {
             let unknown = ToolError::new(
                 ToolErrorCode::UnknownTool,
                 format!("no tool named {:?}", request.name),
@@ -301,14 +406,15 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         let args = request.arguments.unwrap_or_default();
         let session = &self.shared.session;
         match target {
-            Target::Runtime(name) => (
-                Some(name),
-                session
-                    .invoke_runtime_tool(caller, name, args, cancel)
-                    .await,
-            ),
+            Target::Refused(why) => (None, Err(ToolError::new(ToolErrorCode::Unavailable, why))),
+            Target::Runtime(name) => {
+                let result = session
+                    .invoke_runtime_tool(caller, &name, args, cancel)
+                    .await;
+                (Some(name), result)
+            }
             Target::Submission => {
-                let name = session.submission_tool().name.as_str();
+                let name = session.submission_tool().name.clone();
                 let result = match catalog::submission_prompt(args) {
                     Ok(prompt) => session.submit_turn(caller, prompt, cancel).await,
                     Err(e) => Err(e),
@@ -403,13 +509,19 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult::with_all_items(
-            self.shared.names.tools.clone(),
-        ))
+        let names = self.names();
+        if let Some(problem) = names.listing_problem() {
+            // Never a listing that silently drops or picks one of two tools.
+            return Err(ErrorData::internal_error(
+                format!("the tool catalog has colliding names: {problem}"),
+                None,
+            ));
+        }
+        Ok(ListToolsResult::with_all_items(names.tools.clone()))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
-        self.shared.names.tool(name).cloned()
+        self.names().tool(name).cloned()
     }
 
     async fn call_tool(
@@ -429,7 +541,7 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
                 .inflight
                 .register(caller.clone(), context.id.clone(), cancel.clone());
         let (tool, result) = self.dispatch(&caller, request, cancel).await;
-        let tool = tool.unwrap_or(UNKNOWN_TOOL_LABEL);
+        let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
         let metrics = &self.shared.wire.metrics;
         if let Ok(ToolOutput::Job(job)) = &result
             && context
@@ -446,38 +558,37 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
         Ok(rendered.into())
     }
 
-    /// `tasks/get`: the job behind the task, read through the canonical `job.status` tool
-    /// (same store, same owner check, same policy).
+    /// `tasks/get`: the job behind the task, with the checks of `job.status`.
     async fn get_task(
         &self,
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         let job = self
-            .job_tool("job.status", &request.task_id, &context)
+            .task_job(&request.task_id, JobOp::Status, &context)
             .await?;
         Ok(GetTaskResult::new(tasks::detailed(&job)))
     }
 
-    /// `tasks/cancel`: `job.cancel` on the task's job; the state change shows in the next
-    /// `tasks/get`.
+    /// `tasks/cancel`: cancel the task's job, with the checks of `job.cancel`; the state
+    /// change shows in the next `tasks/get`.
     async fn cancel_task(
         &self,
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        self.job_tool("job.cancel", &request.task_id, &context)
+        self.task_job(&request.task_id, JobOp::Cancel, &context)
             .await
             .map(drop)
     }
 }
 
 impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
-    /// Run a job tool for the task `task_id` as the request's caller.
-    async fn job_tool(
+    /// The job behind task `task_id`, as the request's caller.
+    async fn task_job(
         &self,
-        tool: &str,
         task_id: &str,
+        op: JobOp,
         context: &RequestContext<RoleServer>,
     ) -> Result<crate::jobs::JobRecord, ErrorData> {
         let Some(caller) = self.caller(context) else {
@@ -486,20 +597,8 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         };
         let unknown = || ErrorData::invalid_params(format!("no task {task_id:?} of yours"), None);
         let job_id: i64 = task_id.parse().map_err(|_| unknown())?;
-        let mut args = crate::session::Args::new();
-        args.insert("job_id".into(), job_id.into());
-        let result = self
-            .shared
-            .session
-            .invoke_runtime_tool(&caller, tool, args, context.ct.clone())
-            .await;
-        match result {
-            Ok(ToolOutput::Structured(value)) => serde_json::from_value(value)
-                .map_err(|_| ErrorData::internal_error("the job record could not be read", None)),
-            Ok(_) => Err(ErrorData::internal_error(
-                "unexpected job tool result",
-                None,
-            )),
+        match self.shared.session.job(&caller, JobId(job_id), op).await {
+            Ok(job) => Ok(job),
             Err(e) if e.code == ToolErrorCode::InvalidArguments => Err(unknown()),
             Err(e) => Err(ErrorData::invalid_request(
                 format!("{}: {}", e.code.as_str(), e.message),
@@ -516,7 +615,8 @@ mod tasks {
 
     use rmcp::model::{CallToolResult, DetailedTask, Task, TaskPayload, TaskStatus};
 
-    use crate::jobs::{JobRecord, JobState};
+    use crate::jobs::JobRecord;
+    use crate::vocab::JobState;
 
     /// How often clients should poll `tasks/get`.
     const POLL_INTERVAL_MS: u64 = 1000;
@@ -574,7 +674,6 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::session::catalog::submission_spec;
     use crate::session::tests::session;
 
     fn names(
@@ -582,12 +681,13 @@ mod tests {
         aliases: &[(&str, &str)],
         submission: &str,
     ) -> Result<WireNames, WireError> {
-        let s = session("");
+        let s = session(&format!("[session]\nsubmission_tool = \"{submission}\"\n"));
         let aliases: BTreeMap<_, _> = aliases
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect();
-        WireNames::build(s.catalog(), &submission_spec(submission), profile, &aliases)
+        let names = WireNames::build(&s.catalog(), profile, &aliases);
+        names.check().map(|()| names)
     }
 
     fn wire_list(n: &WireNames) -> Vec<String> {

@@ -14,8 +14,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WireNameProfile;
-use crate::mcp::{InFlight, McpServer, Wire, WireError, WireNames};
-use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::mcp::{InFlight, McpServer, Wire, WireError};
+use crate::session::{RuntimeTools, TurnSubmission};
 
 /// How long `start()` may take before it fails.
 pub const START_BOUND: Duration = Duration::from_secs(15);
@@ -31,12 +31,6 @@ pub trait Carrier: Send + Sync + 'static {
     fn wire_names(&self) -> (WireNameProfile, std::collections::BTreeMap<String, String>);
 
     fn bind(&self) -> impl Future<Output = std::io::Result<Self::Bound>> + Send;
-
-    /// The caller of every request, for carriers with one fixed identity (stdio). HTTP
-    /// carriers return `None` and put an admitted caller in each request instead.
-    fn fixed_caller(&self) -> Option<Caller> {
-        None
-    }
 
     /// A human-readable address of what was bound.
     fn address(bound: &Self::Bound) -> String;
@@ -164,11 +158,12 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
         cancel: &CancellationToken,
     ) -> Result<Running, LifecycleError> {
         let (profile, aliases) = self.carrier.wire_names();
-        let names = WireNames::build(
-            session.catalog(),
-            session.submission_tool(),
+        let server = McpServer::new(
+            session,
             profile,
-            &aliases,
+            aliases,
+            Arc::new(InFlight::default()),
+            self.wire.clone(),
         )
         .map_err(LifecycleError::WireNames)?;
         let bound = tokio::select! {
@@ -181,13 +176,6 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             },
         };
         let address = C::address(&bound);
-        let server = McpServer::new(
-            session,
-            names,
-            Arc::new(InFlight::default()),
-            self.wire.clone(),
-            self.carrier.fixed_caller(),
-        );
         let shutdown = CancellationToken::new();
         let ended = CancellationToken::new();
         let serve = self.carrier.clone().serve(bound, server, shutdown.clone());

@@ -15,17 +15,19 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 
-use robota_mcpd::audit::Reason;
 use robota_mcpd::carrier::loopback::admission::{Expected, Refusal, admit};
 use robota_mcpd::carrier::parse_bearer;
 use robota_mcpd::carrier::remote::admission::{
-    Challenges, Credentials, Failure, PublicUrl, Route, credentials, decide, route,
+    Challenges, Credentials, Failure, Route, credentials, decide, route,
 };
-use robota_mcpd::carrier::remote::forwarded::{client_address, parse_net};
+use robota_mcpd::carrier::remote::forwarded::client_address;
+use robota_mcpd::config::KeySource;
 use robota_mcpd::config::{Environment, parse};
+use robota_mcpd::config::{PublicUrl, parse_net};
 use robota_mcpd::metrics::Metrics;
 use robota_mcpd::oauth::jwt::SUPPORTED_ALGORITHMS;
-use robota_mcpd::oauth::{JwtConfig, JwtVerifier, KeySource, MAX_TOKEN_BYTES, Principal, Verifier};
+use robota_mcpd::oauth::{JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Principal, Verifier};
+use robota_mcpd::vocab::Reason;
 
 /// `cases` cases, no regression files written into the tree.
 fn config(cases: u32) -> ProptestConfig {
@@ -1053,7 +1055,7 @@ fn jwt_pre_checks() {
             ca_file: None,
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
-            refresh: robota_mcpd::oauth::KeyRefresh::DEFAULT,
+            refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
         },
         Metrics::new(),
     )

@@ -37,8 +37,10 @@ use super::http::{self as server, Body};
 use super::jsonrpc::{self, Invalid};
 use crate::config::{HttpLimits, Limits};
 use crate::mcp::{InFlight, McpServer, SUPPORTED_VERSIONS, is_supported_version};
-use crate::metrics::{Listener, Metrics, Rejection};
-use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::metrics::Metrics;
+use crate::session::{RuntimeTools, TurnSubmission};
+use crate::vocab::Caller;
+use crate::vocab::{Listener, Rejection};
 
 const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 

@@ -47,7 +47,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::HttpLimits;
-use crate::metrics::{ConnOutcome, Listener, Metrics};
+use crate::metrics::Metrics;
+use crate::vocab::{ConnOutcome, Listener, address_group};
 
 /// The response body type every carrier answers with.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -161,7 +162,7 @@ pub async fn serve<H: Handler>(
             },
         };
         let group = (!shared_peers.iter().any(|net| net.contains(&peer.ip())))
-            .then(|| super::address_group(peer.ip(), ipv6_prefix));
+            .then(|| address_group(peer.ip(), ipv6_prefix));
         let (ticket, evicted) = table.admit(group, Instant::now());
         if evicted {
             metrics.connection(name, ConnOutcome::Evicted);

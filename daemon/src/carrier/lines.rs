@@ -18,13 +18,15 @@ use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 use tokio_util::sync::CancellationToken;
 
 use super::jsonrpc;
+use crate::vocab::Caller;
 
 /// Lines waiting to be written.
 const QUEUE: usize = 64;
 
-/// An rmcp server transport over `read`/`write`, with lines capped at `limit` bytes.
-/// Two tasks do the I/O; they end when the peer closes or the transport is dropped.
-pub fn transport<R, W>(read: R, write: W, limit: usize) -> LinesTransport
+/// An rmcp server transport over `read`/`write`, with lines capped at `limit` bytes; every
+/// message carries `caller` (see [`crate::mcp::admitted`]). Two tasks do the I/O; they end
+/// when the peer closes or the transport is dropped.
+pub fn transport<R, W>(read: R, write: W, limit: usize, caller: Caller) -> LinesTransport
 where
     R: AsyncRead + Send + Unpin + 'static,
     W: AsyncWrite + Send + Unpin + 'static,
@@ -75,7 +77,8 @@ where
                 // Blank lines between messages are tolerated, not answered.
                 Ok(Some(line)) if line.iter().all(u8::is_ascii_whitespace) => continue,
                 Ok(Some(line)) => match accept(&line) {
-                    Ok(message) => {
+                    Ok(mut message) => {
+                        admit(&mut message, &caller);
                         if to_server.send(message).await.is_err() {
                             break;
                         }
@@ -106,6 +109,21 @@ where
         out,
         inbound,
         _closed: closed.drop_guard(),
+    }
+}
+
+/// Hands the admitted caller to the handler, the way the HTTP carriers do.
+fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller) {
+    use rmcp::model::{GetExtensions, JsonRpcMessage};
+    let parts = crate::mcp::admitted(caller.clone());
+    match message {
+        JsonRpcMessage::Request(req) => {
+            req.request.extensions_mut().insert(parts);
+        }
+        JsonRpcMessage::Notification(not) => {
+            not.notification.extensions_mut().insert(parts);
+        }
+        JsonRpcMessage::Response(_) | JsonRpcMessage::Error(_) => {}
     }
 }
 
@@ -170,7 +188,7 @@ mod tests {
     async fn oversized_and_malformed_lines_are_answered_and_skipped() {
         let (client, server) = tokio::io::duplex(1 << 20);
         let (read, write) = tokio::io::split(server);
-        let mut transport = transport(read, write, 100);
+        let mut transport = transport(read, write, 100, Caller::Local(0));
         let (client_read, mut client_write) = tokio::io::split(client);
         let long = format!(
             "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\",\"params\":{{\"x\":\"{}\"}}}}\n",

@@ -5,27 +5,10 @@ pub mod http;
 pub mod jsonrpc;
 pub mod lines;
 pub mod loopback;
+pub mod relay;
 pub mod remote;
+pub mod scrape;
 pub mod stdio;
-
-use std::net::IpAddr;
-
-/// The client-address group a peer is counted under: IPv4 (also IPv4-mapped IPv6) by
-/// address, IPv6 by its `/prefix`.
-pub fn address_group(ip: IpAddr, v6_prefix: u8) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let bits = u128::from(v6);
-                let prefix = u32::from(v6_prefix.min(128));
-                let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
-                IpAddr::V6((bits & mask).into())
-            }
-        },
-    }
-}
 
 /// RFC 6750 §2.1 credentials: `Bearer 1*SP b64token`, the scheme case-insensitive.
 /// Returns the token; length limits are each carrier's own.
@@ -43,29 +26,7 @@ pub fn parse_bearer(value: &[u8]) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::IpAddr;
-
     use super::*;
-
-    fn ip(s: &str) -> IpAddr {
-        s.parse().unwrap()
-    }
-
-    #[test]
-    fn ipv6_clients_are_grouped_by_their_prefix() {
-        assert_eq!(address_group(ip("192.0.2.7"), 64), ip("192.0.2.7"));
-        assert_eq!(address_group(ip("::ffff:192.0.2.7"), 64), ip("192.0.2.7"));
-        assert_eq!(
-            address_group(ip("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), 64),
-            ip("2001:db8:1:2::")
-        );
-        assert_eq!(
-            address_group(ip("2001:db8:1:2:aaaa::1"), 48),
-            ip("2001:db8:1::")
-        );
-        assert_eq!(address_group(ip("2001:db8::1"), 128), ip("2001:db8::1"));
-        assert_eq!(address_group(ip("2001:db8::1"), 0), ip("::"));
-    }
 
     #[test]
     fn bearer_grammar() {

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{StdioConfig, WireNameProfile};
 use crate::mcp::McpServer;
-use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
+use crate::vocab::Caller;
 
 pub struct StdioCarrier {
     pub config: StdioConfig,
@@ -32,10 +33,6 @@ impl Carrier for StdioCarrier {
         Ok((tokio::io::stdin(), tokio::io::stdout()))
     }
 
-    fn fixed_caller(&self) -> Option<Caller> {
-        Some(Caller::Local(nix::unistd::geteuid().as_raw()))
-    }
-
     fn address(_bound: &Self::Bound) -> String {
         "stdio".into()
     }
@@ -48,7 +45,8 @@ impl Carrier for StdioCarrier {
     ) {
         let (stdin, stdout) = bound;
         let limit = usize::try_from(self.request_limit).unwrap_or(usize::MAX);
-        let transport = super::lines::transport(stdin, stdout, limit);
+        let caller = Caller::Local(nix::unistd::geteuid().as_raw());
+        let transport = super::lines::transport(stdin, stdout, limit, caller);
         match server.serve_with_ct(transport, shutdown).await {
             Ok(running) => {
                 if let Err(e) = running.waiting().await {

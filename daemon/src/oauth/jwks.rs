@@ -25,7 +25,8 @@ use rustls::pki_types::pem::PemObject;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::metrics::{FetchOutcome, Metrics};
+use crate::metrics::Metrics;
+use crate::vocab::FetchOutcome;
 
 /// Largest discovery document or key set we read.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -37,28 +38,6 @@ pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_CACHE_BYTES: u64 = 256 * 1024;
 /// RSA moduli outside this range (in bytes) are dropped: 2048 to 8192 bits.
 const RSA_MODULUS_BYTES: std::ops::RangeInclusive<usize> = 256..=1024;
-
-/// Where the key set comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
-    /// RFC 8414 metadata at the issuer, then OIDC discovery; its `jwks_uri`.
-    Discovery,
-    /// An explicit `https://` JWKS URL.
-    JwksUri(String),
-    /// A local JWKS file (never cached: it is already local).
-    JwksFile(PathBuf),
-}
-
-impl KeySource {
-    /// Its name in `status`.
-    pub fn kind(&self) -> robota_proto::KeySourceKind {
-        match self {
-            KeySource::Discovery => robota_proto::KeySourceKind::Discovery,
-            KeySource::JwksUri(_) => robota_proto::KeySourceKind::JwksUri,
-            KeySource::JwksFile(_) => robota_proto::KeySourceKind::JwksFile,
-        }
-    }
-}
 
 /// One verification key of the set.
 #[derive(Clone, Debug)]

@@ -34,12 +34,12 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Notify, watch};
 
-use super::jwks::{
-    self, CacheDoc, ClientError, FetchError, Fetcher, KeySource, ParsedKeys, VerifyKey,
-};
+use super::jwks::{self, CacheDoc, ClientError, FetchError, Fetcher, ParsedKeys, VerifyKey};
 use super::{MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture, b64};
-use crate::audit::Reason;
-use crate::metrics::{FetchOutcome, Metrics, RefreshTrigger};
+use crate::config::{KeyRefresh, KeySource};
+use crate::metrics::Metrics;
+use crate::vocab::Reason;
+use crate::vocab::{FetchOutcome, RefreshTrigger};
 
 /// Allowed clock difference for `exp`, `nbf` and `iat`.
 pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
@@ -54,37 +54,6 @@ pub const VERIFIED_CACHE_ENTRIES: usize = 10_000;
 /// The algorithms this verifier can be configured with.
 pub const SUPPORTED_ALGORITHMS: [Algorithm; 3] =
     [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
-
-/// How often the key set is refreshed on schedule (`[remote.key_refresh]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyRefresh {
-    /// When the key server gives no `max-age` (Envoy's jwt_authn caches a remote key set
-    /// for 10 minutes by default; so do we).
-    pub default: Duration,
-    /// The least time between scheduled refreshes: a smaller `max-age` (or `no-cache`) is
-    /// raised to it. Also the wait before retrying a failed refresh, and how often a key
-    /// file is checked for changes.
-    pub min: Duration,
-    /// The most: a larger `max-age` is lowered to it.
-    pub max: Duration,
-}
-
-impl KeyRefresh {
-    pub const DEFAULT: KeyRefresh = KeyRefresh {
-        default: Duration::from_secs(600),
-        min: Duration::from_secs(60),
-        max: Duration::from_secs(86_400),
-    };
-    /// The range each bound may be configured in.
-    pub const RANGE: std::ops::RangeInclusive<Duration> =
-        Duration::from_secs(1)..=Duration::from_secs(7 * 86_400);
-}
-
-impl Default for KeyRefresh {
-    fn default() -> Self {
-        Self::DEFAULT
-    }
-}
 
 /// What the verifier accepts; built by the remote carrier from `[remote]`.
 #[derive(Debug, Clone)]

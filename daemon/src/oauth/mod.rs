@@ -11,8 +11,8 @@ use std::time::SystemTime;
 
 use robota_proto::KeySetStatus;
 
-use crate::audit::Reason;
-use crate::metrics::RefreshTrigger;
+use crate::vocab::Reason;
+use crate::vocab::RefreshTrigger;
 
 /// Tokens longer than this are refused unparsed (`oversize`).
 pub const MAX_TOKEN_BYTES: usize = 8192;
@@ -57,5 +57,4 @@ pub mod jwt;
 #[cfg(test)]
 mod testutil;
 
-pub use jwks::KeySource;
-pub use jwt::{BuildError, JwtConfig, JwtVerifier, KeyRefresh, LoadError};
+pub use jwt::{BuildError, JwtConfig, JwtVerifier, LoadError};

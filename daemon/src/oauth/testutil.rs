@@ -19,8 +19,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::b64;
-use super::jwks::KeySource;
 use super::jwt::{Clock, JwtConfig, SUPPORTED_ALGORITHMS};
+use crate::config::KeySource;
 
 /// The verifiers' clock in tests (2027-01-15).
 pub(crate) fn now() -> SystemTime {
@@ -177,7 +177,7 @@ pub(crate) fn config(issuer: &str, keys: KeySource, dir: &Path) -> JwtConfig {
         ca_file: None,
         cache_path: dir.join("jwks-cache.json"),
         start_without_keys: false,
-        refresh: super::jwt::KeyRefresh::DEFAULT,
+        refresh: crate::config::KeyRefresh::DEFAULT,
     }
 }
 

@@ -7,36 +7,8 @@
 
 use crate::config::{Decision, PolicyRule};
 
-use super::{Caller, ToolError, ToolErrorCode};
-
-/// Check a caller pattern's shape: `*`, or `local:…`, `bearer:…`, `oauth:…/…` with `*` globs.
-pub fn check_caller_pattern(pattern: &str) -> Result<(), String> {
-    if pattern == "*" {
-        return Ok(());
-    }
-    let Some((kind, rest)) = pattern.split_once(':') else {
-        return Err(format!(
-            "{pattern:?} is not `*`, `local:<uid>`, `bearer:<label>` or `oauth:<client_id>/<sub>`"
-        ));
-    };
-    if rest.is_empty() {
-        return Err(format!("{pattern:?} has nothing after `{kind}:`"));
-    }
-    match kind {
-        "local" if rest == "*" || rest.parse::<u32>().is_ok() => Ok(()),
-        "local" => Err(format!(
-            "{pattern:?}: a local caller is a numeric uid or `*`"
-        )),
-        "bearer" => Ok(()),
-        "oauth" if rest.contains('/') || rest == "*" => Ok(()),
-        "oauth" => Err(format!(
-            "{pattern:?}: write `oauth:<client_id>/<sub>` (globs allowed)"
-        )),
-        _ => Err(format!(
-            "{pattern:?}: unknown caller kind {kind:?} (local, bearer or oauth)"
-        )),
-    }
-}
+use super::ToolError;
+use crate::vocab::{Caller, ToolErrorCode};
 
 /// Ordered policy rules.
 #[derive(Debug, Clone, Default)]
@@ -94,6 +66,7 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::check_caller_pattern;
 
     fn rule(callers: &[&str], tools: &[&str], decision: Decision) -> PolicyRule {
         PolicyRule {

@@ -13,8 +13,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use super::{Caller, ToolError, ToolErrorCode, ToolOutput};
+use super::{ToolError, ToolOutput};
 use crate::config::TurnConfig;
+use crate::vocab::{Caller, ToolErrorCode};
 
 /// Runs turns; at most one at a time.
 pub struct TurnBackend {

@@ -50,9 +50,10 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::{internal, invalid};
+use crate::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 use crate::config::{ConfigIssue, FileTool};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::vocab::ToolErrorCode;
 
 /// Longest path a caller may name (PATH_MAX).
 const MAX_PATH: usize = 4096;
@@ -70,11 +71,11 @@ const NEW_FILE_MODE: u32 = 0o666;
 
 /// The two tools over the configured roots; each problem with a root is an issue naming
 /// its key (`tools.file.write_roots[0]`).
-pub fn tools(config: &FileTool) -> Result<Vec<Box<dyn HostTool>>, Vec<ConfigIssue>> {
+pub fn tools(config: &FileTool) -> Result<Vec<Arc<dyn HostTool>>, Vec<ConfigIssue>> {
     let files = Arc::new(Files::new(config)?);
     Ok(vec![
-        Box::new(ReadTool(Arc::clone(&files))),
-        Box::new(WriteTool(files)),
+        Arc::new(ReadTool(Arc::clone(&files))),
+        Arc::new(WriteTool(files)),
     ])
 }
 
@@ -1080,7 +1081,7 @@ mod tests {
     }
 
     fn parsed<T: serde::de::DeserializeOwned>(args: Value) -> Result<T, ToolError> {
-        crate::session::catalog::parse_args(args.as_object().cloned().unwrap())
+        crate::catalog::parse_args(args.as_object().cloned().unwrap())
     }
 
     fn merge(args: &mut Value, extra: Value) {
@@ -1845,11 +1846,15 @@ mod tests {
         assert!(!specs[1].annotations.read_only);
         assert!(
             specs[1].input_schema["properties"]
-                .get(crate::session::catalog::IDEMPOTENCY_KEY)
+                .get(crate::catalog::IDEMPOTENCY_KEY)
                 .is_some()
         );
         assert!(specs[0].description.contains(&t.path("ro")));
-        crate::session::Catalog::new(tools).expect("the file tools pass catalog validation");
+        crate::catalog::Catalog::new(
+            vec![Arc::new(crate::catalog::Fixed::new("first-party", tools))],
+            crate::catalog::submission_spec("agent_submit"),
+        )
+        .expect("the file tools pass catalog validation");
     }
 
     #[tokio::test]
@@ -1860,7 +1865,7 @@ mod tests {
             ..FileTool::default()
         })
         .unwrap();
-        let caller = crate::session::Caller::Local(0);
+        let caller = crate::vocab::Caller::Local(0);
         let ctx = ToolContext {
             caller: &caller,
             cancel: Default::default(),

@@ -9,11 +9,12 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::invalid;
+use crate::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 use crate::config::JobTemplate;
 use crate::host::Host;
-use crate::jobs::{JobKind, Jobs, TAIL_PAGE_MAX, Work};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{ToolContext, ToolError, ToolOutput};
+use crate::jobs::{Jobs, TAIL_PAGE_MAX, Work};
+use crate::vocab::{JobId, JobKind};
 
 /// What `job.tail` returns at most when the caller names no `max_bytes`.
 const TAIL_PAGE_DEFAULT: u64 = 64 * 1024;
@@ -23,16 +24,16 @@ const CURSOR_MAX: u64 = i64::MAX as u64;
 pub fn tools(
     templates: &BTreeMap<String, JobTemplate>,
     host: &Arc<Host>,
-) -> Vec<Box<dyn HostTool>> {
+) -> Vec<Arc<dyn HostTool>> {
     let jobs = &host.jobs;
     vec![
-        Box::new(Start {
+        Arc::new(Start {
             templates: templates.clone(),
             jobs: Arc::clone(jobs),
         }),
-        Box::new(Status(Arc::clone(jobs))),
-        Box::new(Tail(Arc::clone(jobs))),
-        Box::new(Cancel(Arc::clone(jobs))),
+        Arc::new(Status(Arc::clone(jobs))),
+        Arc::new(Tail(Arc::clone(jobs))),
+        Arc::new(Cancel(Arc::clone(jobs))),
     ]
 }
 
@@ -143,7 +144,7 @@ impl TypedTool for Status {
     }
 
     fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: JobArgs) -> ToolFuture<'a> {
-        Box::pin(async move { structured(&self.0.visible(Some(ctx.caller), args.job_id)?) })
+        Box::pin(async move { structured(&self.0.visible(Some(ctx.caller), JobId(args.job_id))?) })
     }
 }
 
@@ -162,9 +163,12 @@ impl TypedTool for Tail {
 
     fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: TailArgs) -> ToolFuture<'a> {
         Box::pin(async move {
-            let page = self
-                .0
-                .tail(Some(ctx.caller), args.job_id, args.cursor, args.max_bytes)?;
+            let page = self.0.tail(
+                Some(ctx.caller),
+                JobId(args.job_id),
+                args.cursor,
+                args.max_bytes,
+            )?;
             structured(&page)
         })
     }
@@ -190,6 +194,6 @@ impl TypedTool for Cancel {
     }
 
     fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: JobArgs) -> ToolFuture<'a> {
-        Box::pin(async move { structured(&self.0.cancel(Some(ctx.caller), args.job_id)?) })
+        Box::pin(async move { structured(&self.0.cancel(Some(ctx.caller), JobId(args.job_id))?) })
     }
 }

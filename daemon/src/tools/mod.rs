@@ -1,4 +1,4 @@
-//! First-party host tools. Each is a [`TypedTool`](crate::session::catalog::TypedTool): a
+//! First-party host tools. Each is a [`TypedTool`](crate::catalog::TypedTool): a
 //! spec whose input schema is generated from its argument struct, and an async call that
 //! gets that struct. Tools that need daemon services (jobs, grants, the store) hold them
 //! from construction; the file tools hold their roots' descriptors.
@@ -14,10 +14,11 @@ pub use system::info as host_info;
 
 use std::sync::Arc;
 
+use crate::catalog::HostTool;
+use crate::catalog::ToolError;
 use crate::config::{Config, ConfigIssue};
 use crate::host::Host;
-use crate::session::catalog::HostTool;
-use crate::session::{ToolError, ToolErrorCode};
+use crate::vocab::ToolErrorCode;
 
 /// Why the first-party tools could not be built: the configuration names something the
 /// host does not offer safely (a file root that is missing, a link, or below a directory
@@ -30,8 +31,8 @@ pub struct BuildError(pub Vec<ConfigIssue>);
 pub fn first_party(
     config: &Config,
     host: &Arc<Host>,
-) -> Result<Vec<Box<dyn HostTool>>, BuildError> {
-    let mut tools: Vec<Box<dyn HostTool>> = vec![Box::new(system::Info), Box::new(system::Health)];
+) -> Result<Vec<Arc<dyn HostTool>>, BuildError> {
+    let mut tools: Vec<Arc<dyn HostTool>> = vec![Arc::new(system::Info), Arc::new(system::Health)];
     tools.extend(file::tools(&config.tools.file).map_err(BuildError)?);
     tools.extend(service::tools(&config.tools.service, host));
     tools.extend(docker::tools(&config.tools.docker, host));
@@ -63,8 +64,10 @@ mod tests {
     use serde_json::{Value, json};
     use tokio_util::sync::CancellationToken;
 
+    use crate::catalog::{Args, ToolError, ToolOutput};
+    use crate::session::RuntimeTools;
     use crate::session::tests::session;
-    use crate::session::{Args, Caller, RuntimeTools, ToolError, ToolErrorCode, ToolOutput};
+    use crate::vocab::{Caller, ToolErrorCode};
 
     fn object(v: Value) -> Args {
         v.as_object().cloned().unwrap()

@@ -9,21 +9,22 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{internal, invalid};
+use crate::catalog::{Annotations, HostTool, NoArgs, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 use crate::grants::{GrantKind, Grants, MAX_REASON, MAX_SCOPE};
 use crate::host::Host;
-use crate::session::catalog::{Annotations, HostTool, NoArgs, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{Caller, ToolContext, ToolError, ToolOutput};
+use crate::vocab::{Caller, GrantId};
 
 /// A request's duration when the caller names none.
 const DEFAULT_DURATION: Duration = Duration::from_secs(3600);
 
-pub fn tools(host: &Arc<Host>) -> Vec<Box<dyn HostTool>> {
+pub fn tools(host: &Arc<Host>) -> Vec<Arc<dyn HostTool>> {
     let g = &host.grants;
     vec![
-        Box::new(RootAccess(Arc::clone(g))),
-        Box::new(Elevation(Arc::clone(g))),
-        Box::new(List(Arc::clone(g))),
-        Box::new(Revoke(Arc::clone(g))),
+        Arc::new(RootAccess(Arc::clone(g))),
+        Arc::new(Elevation(Arc::clone(g))),
+        Arc::new(List(Arc::clone(g))),
+        Arc::new(Revoke(Arc::clone(g))),
     ]
 }
 
@@ -204,6 +205,6 @@ impl TypedTool for Revoke {
     }
 
     fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: RevokeArgs) -> ToolFuture<'a> {
-        Box::pin(async move { structured(&self.0.revoke_own(ctx.caller, args.grant_id)?) })
+        Box::pin(async move { structured(&self.0.revoke_own(ctx.caller, GrantId(args.grant_id))?) })
     }
 }

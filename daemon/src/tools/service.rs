@@ -22,11 +22,13 @@ use zbus::proxy::CacheProperties;
 use zbus::zvariant::{ObjectPath, OwnedObjectPath, OwnedValue};
 
 use super::{allowed, invalid};
+use crate::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 use crate::config::ServiceTool;
 use crate::host::Host;
-use crate::jobs::{Finish, JobKind, JobState, Jobs, OutputSink, Work};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::jobs::{Finish, Jobs, OutputSink, Work};
+use crate::vocab::ToolErrorCode;
+use crate::vocab::{JobKind, JobState};
 
 const UNIT_IFACE: &str = "org.freedesktop.systemd1.Unit";
 const SERVICE_IFACE: &str = "org.freedesktop.systemd1.Service";
@@ -89,14 +91,14 @@ trait UnitProperties {
     fn get(&self, interface: &str, name: &str) -> zbus::Result<OwnedValue>;
 }
 
-pub fn tools(config: &ServiceTool, host: &Arc<Host>) -> Vec<Box<dyn HostTool>> {
+pub fn tools(config: &ServiceTool, host: &Arc<Host>) -> Vec<Arc<dyn HostTool>> {
     let systemd = Arc::new(Systemd {
         units: config.units.clone(),
         bus: tokio::sync::Mutex::new(None),
     });
     vec![
-        Box::new(Status(Arc::clone(&systemd))),
-        Box::new(Action {
+        Arc::new(Status(Arc::clone(&systemd))),
+        Arc::new(Action {
             systemd,
             jobs: Arc::clone(&host.jobs),
             timeout: config.timeout,
@@ -665,8 +667,9 @@ async fn run_action(conn: Connection, unit: String, verb: Verb, sink: OutputSink
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::RuntimeTools;
     use crate::session::tests::session;
-    use crate::session::{Caller, RuntimeTools};
+    use crate::vocab::Caller;
     use tokio_util::sync::CancellationToken;
 
     fn patterns() -> Vec<String> {
@@ -838,7 +841,8 @@ mod tests {
     #[tokio::test]
     async fn without_units_the_tools_are_listed_and_unavailable() {
         let s = session("");
-        let names: Vec<&str> = s.catalog().specs().map(|spec| spec.name.as_str()).collect();
+        let catalog = s.catalog();
+        let names: Vec<&str> = catalog.specs().map(|spec| spec.name.as_str()).collect();
         assert!(names.contains(&"service.status") && names.contains(&"service.action"));
         let err = s
             .invoke_runtime_tool(

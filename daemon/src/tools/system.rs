@@ -4,8 +4,8 @@ use serde_json::{Value, json};
 use std::collections::HashSet;
 
 use super::internal;
-use crate::session::catalog::{Annotations, NoArgs, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{ToolContext, ToolError, ToolOutput};
+use crate::catalog::{Annotations, NoArgs, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 
 /// Filesystems `system.health` reports on (deduplicated by device).
 const HEALTH_PATHS: [&str; 3] = ["/", "/var", "/tmp"];
@@ -208,7 +208,7 @@ mod tests {
     #[test]
     fn health_reports_real_numbers() {
         let ctx = ToolContext {
-            caller: &crate::session::Caller::Local(0),
+            caller: &crate::vocab::Caller::Local(0),
             cancel: Default::default(),
             host: &crate::session::tests::NoCarriers,
         };

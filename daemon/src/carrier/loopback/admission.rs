@@ -8,7 +8,7 @@
 use http::header::{AUTHORIZATION, HOST, ORIGIN};
 use http::{HeaderMap, StatusCode, Uri};
 
-use crate::audit::Reason;
+use crate::vocab::Reason;
 
 /// What the loopback carrier expects, derived from its bound address and endpoint path.
 #[derive(Debug, Clone, PartialEq, Eq)]

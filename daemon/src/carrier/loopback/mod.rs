@@ -21,13 +21,16 @@ use tokio_util::sync::CancellationToken;
 use self::admission::{Expected, Refusal};
 use super::endpoint::{self, Endpoint, Site};
 use super::http::{self as server, Body, HeadRefusal};
-use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Reason, Record};
+use crate::audit::{Audit, Record};
 use crate::bearer::BearerStore;
 use crate::config::{Limits, LoopbackConfig, WireNameProfile};
 use crate::mcp::McpServer;
-use crate::metrics::{Listener, Metrics};
-use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::metrics::Metrics;
+use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
+use crate::vocab::Caller;
+use crate::vocab::Listener;
+use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
 
 /// The loopback carrier. Each bind mints a fresh bearer store: a restart (fresh attach)
 /// invalidates every bearer.

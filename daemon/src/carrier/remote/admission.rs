@@ -8,113 +8,9 @@
 use http::header::{AUTHORIZATION, HOST, ORIGIN};
 use http::{HeaderMap, StatusCode, Uri};
 
-use crate::audit::Reason;
+use crate::config::PublicUrl;
 use crate::oauth::Principal;
-
-const METADATA_PREFIX: &str = "/.well-known/oauth-protected-resource";
-
-/// The https URL clients use to reach the remote carrier.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PublicUrl {
-    /// As configured: the RFC 9728 `resource` and default audience, code point by code point.
-    text: String,
-    host: String,
-    port: u16,
-    path: String,
-    origin: String,
-    metadata_path: String,
-}
-
-impl PublicUrl {
-    /// An `https` URL without user-info, query or fragment; the path may be a prefix.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        if text.contains('#') || text.contains('?') {
-            return Err(format!("must not carry a query or fragment, got {text:?}"));
-        }
-        let uri: Uri = text.parse().map_err(|_| format!("not a URL: {text:?}"))?;
-        if uri.scheme_str() != Some("https") {
-            return Err(format!("must be an https URL, got {text:?}"));
-        }
-        let authority = uri
-            .authority()
-            .ok_or_else(|| format!("has no host: {text:?}"))?;
-        if authority.as_str().contains('@') {
-            return Err(format!("must not carry user-info, got {text:?}"));
-        }
-        let host = authority.host().to_ascii_lowercase();
-        if host.is_empty() {
-            return Err(format!("has no host: {text:?}"));
-        }
-        let port = authority.port_u16().unwrap_or(443);
-        let path = match uri.path() {
-            "" => "/".to_owned(),
-            p => p.to_owned(),
-        };
-        let origin = if port == 443 {
-            format!("https://{host}")
-        } else {
-            format!("https://{host}:{port}")
-        };
-        // RFC 9728 §3.1: a trailing "/" right after the host is dropped.
-        let metadata_path = if path == "/" {
-            METADATA_PREFIX.to_owned()
-        } else {
-            format!("{METADATA_PREFIX}{path}")
-        };
-        Ok(Self {
-            text: text.to_owned(),
-            host,
-            port,
-            path,
-            origin,
-            metadata_path,
-        })
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.text
-    }
-
-    pub fn path(&self) -> &str {
-        &self.path
-    }
-
-    pub fn origin(&self) -> &str {
-        &self.origin
-    }
-
-    /// The origin with its port spelled out, as rmcp's allow-list wants it.
-    pub fn origin_with_port(&self) -> String {
-        format!("https://{}:{}", self.host, self.port)
-    }
-
-    pub fn metadata_path(&self) -> &str {
-        &self.metadata_path
-    }
-
-    pub fn metadata_url(&self) -> String {
-        format!("{}{}", self.origin, self.metadata_path)
-    }
-
-    /// `host` and `host:port` forms clients may send for the public authority.
-    pub fn authorities(&self) -> Vec<String> {
-        let mut out = vec![format!("{}:{}", self.host, self.port)];
-        if self.port == 443 {
-            out.push(self.host.clone());
-        }
-        out
-    }
-
-    /// Whether an authority (Host header or URI authority) names the public authority.
-    pub fn is_authority(&self, value: &str) -> bool {
-        let Ok(authority) = value.parse::<http::uri::Authority>() else {
-            return false;
-        };
-        !authority.as_str().contains('@')
-            && authority.host().eq_ignore_ascii_case(&self.host)
-            && authority.port_u16().unwrap_or(443) == self.port
-    }
-}
+use crate::vocab::Reason;
 
 /// Where a request is going.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -337,51 +233,16 @@ mod tests {
 
     use super::*;
 
-    fn url() -> PublicUrl {
-        PublicUrl::parse("https://mcp.example.com/team/ops/mcp").unwrap()
-    }
-
-    #[test]
-    fn public_urls() {
-        let u = url();
-        assert_eq!(u.path(), "/team/ops/mcp");
-        assert_eq!(
-            u.metadata_path(),
-            "/.well-known/oauth-protected-resource/team/ops/mcp"
-        );
-        assert_eq!(
-            u.metadata_url(),
-            "https://mcp.example.com/.well-known/oauth-protected-resource/team/ops/mcp"
-        );
-        assert_eq!(u.origin(), "https://mcp.example.com");
-        let root = PublicUrl::parse("https://mcp.example.com").unwrap();
-        assert_eq!(root.path(), "/");
-        assert_eq!(
-            root.metadata_path(),
-            "/.well-known/oauth-protected-resource"
-        );
-        let port = PublicUrl::parse("https://MCP.example.com:8443/mcp").unwrap();
-        assert_eq!(port.origin(), "https://mcp.example.com:8443");
-        assert!(port.is_authority("mcp.example.com:8443"));
-        assert!(!port.is_authority("mcp.example.com"));
-        for bad in [
-            "http://mcp.example.com/mcp",
-            "https://user:pw@mcp.example.com/mcp",
-            "https://mcp.example.com/mcp?x=1",
-            "https://mcp.example.com/mcp#frag",
-            "mcp.example.com/mcp",
-            "https:///mcp",
-        ] {
-            assert!(PublicUrl::parse(bad).is_err(), "{bad}");
-        }
-    }
-
     fn head(uri: &str, headers: &[(&'static str, &'static str)]) -> (Uri, HeaderMap) {
         let mut h = HeaderMap::new();
         for (k, v) in headers {
             h.append(*k, HeaderValue::from_static(v));
         }
         (uri.parse().unwrap(), h)
+    }
+
+    fn url() -> PublicUrl {
+        PublicUrl::parse("https://mcp.example.com/team/ops/mcp").unwrap()
     }
 
     #[test]

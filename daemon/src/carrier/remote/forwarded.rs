@@ -10,36 +10,7 @@ use std::net::IpAddr;
 use http::HeaderMap;
 use ipnet::IpNet;
 
-use crate::audit::AddressClass;
-
-/// An IP (`10.0.0.1`, `::1`) or a CIDR (`10.0.0.0/8`).
-pub fn parse_net(text: &str) -> Option<IpNet> {
-    let text = text.trim();
-    text.parse::<IpNet>()
-        .ok()
-        .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from))
-}
-
-/// Whether `net` holds an address that is neither loopback nor private (RFC 1918,
-/// link-local, CGNAT, ULA). Every such range is a CIDR block, so a net lies inside one of
-/// them exactly when both of its ends are loopback or private.
-pub fn holds_public(net: &IpNet) -> bool {
-    let inside = |ip: IpAddr| {
-        matches!(
-            AddressClass::of(ip),
-            AddressClass::Loopback | AddressClass::Private
-        )
-    };
-    !(inside(net.network()) && inside(net.broadcast()))
-}
-
-/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) as the IPv4 address it is.
-pub fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
-    }
-}
+use crate::vocab::canonical;
 
 fn trusted(ip: IpAddr, proxies: &[IpNet]) -> bool {
     proxies.iter().any(|net| net.contains(&ip))
@@ -91,6 +62,7 @@ mod tests {
     use http::HeaderValue;
 
     use super::*;
+    use crate::config::{holds_public, parse_net};
 
     fn headers(values: &[&'static str]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -29,13 +29,16 @@ use self::admission::{Challenges, Credentials, Failure, Refusal, Route};
 use self::throttle::Throttle;
 use super::endpoint::{self, Endpoint, Site};
 use super::http::{self as server, Body, HeadRefusal};
-use crate::audit::{AddressClass, Audit, Carrier as CarrierName, Reason, Record};
+use crate::audit::{Audit, Record};
 use crate::config::{Limits, RemoteConfig, WireNameProfile};
 use crate::mcp::McpServer;
-use crate::metrics::{Listener, Metrics, Rejection};
+use crate::metrics::Metrics;
 use crate::oauth::Verifier;
-use crate::session::{Caller, RuntimeTools, TurnSubmission};
+use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
+use crate::vocab::Caller;
+use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
+use crate::vocab::{Listener, Rejection};
 
 /// The remote carrier. The verifier and throttle outlive restarts; the TLS files are
 /// re-read at every bind.

@@ -37,7 +37,7 @@ impl Throttle {
 
     /// The client an address is counted as: the IPv4 address, or the IPv6 prefix.
     fn client(&self, addr: IpAddr) -> IpAddr {
-        crate::carrier::address_group(addr, self.config.ipv6_prefix)
+        crate::vocab::address_group(addr, self.config.ipv6_prefix)
     }
 
     fn live(&self, w: &Window, now: Instant) -> bool {

@@ -19,11 +19,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{allowed, invalid};
+use crate::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
+use crate::catalog::{ToolContext, ToolError, ToolOutput};
 use crate::config::DockerTool;
 use crate::host::Host;
 use crate::jobs::{Finish, Jobs, OutputSink, Work};
-use crate::session::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
-use crate::session::{ToolContext, ToolError, ToolErrorCode, ToolOutput};
+use crate::vocab::ToolErrorCode;
 use engine::{Engine, EngineError, Response};
 use logs::Collector;
 
@@ -48,15 +49,15 @@ const SINCE_MAX: u64 = i64::MAX as u64;
 /// Longest container name accepted.
 const NAME_MAX: usize = 255;
 
-pub fn tools(config: &DockerTool, host: &Arc<Host>) -> Vec<Box<dyn HostTool>> {
+pub fn tools(config: &DockerTool, host: &Arc<Host>) -> Vec<Arc<dyn HostTool>> {
     let docker = Arc::new(Docker {
         engine: Engine::new(config.socket.clone()),
         containers: config.containers.clone(),
         timeout: config.timeout,
     });
     vec![
-        Box::new(Logs(Arc::clone(&docker))),
-        Box::new(ActionTool {
+        Arc::new(Logs(Arc::clone(&docker))),
+        Arc::new(ActionTool {
             docker,
             jobs: Arc::clone(&host.jobs),
         }),
@@ -295,7 +296,7 @@ impl Docker {
                 let visible = self.engine_error(e);
                 step(visible.message.clone());
                 return Finish {
-                    state: crate::jobs::JobState::OutcomeUnknown,
+                    state: crate::vocab::JobState::OutcomeUnknown,
                     exit_code: None,
                     detail: format!(
                         "{}; the engine may have acted: check the container before retrying",
@@ -543,7 +544,7 @@ impl TypedTool for ActionTool {
             let target = name.clone();
             let job = self.jobs.start(
                 ctx.caller,
-                crate::jobs::JobKind::Docker,
+                crate::vocab::JobKind::Docker,
                 &target,
                 Some(action.as_str()),
                 Work::Action {
@@ -599,7 +600,7 @@ mod tests {
     }
 
     fn logs_args(args: Value) -> LogsArgs {
-        crate::session::catalog::parse_args(args.as_object().cloned().unwrap()).unwrap()
+        crate::catalog::parse_args(args.as_object().cloned().unwrap()).unwrap()
     }
 
     #[test]
@@ -657,9 +658,8 @@ mod tests {
         );
         for bad in [json!(-5), json!(true), json!(1.0), json!(1e300)] {
             let args = json!({"container": "web", "since": bad});
-            let err =
-                crate::session::catalog::parse_args::<LogsArgs>(args.as_object().cloned().unwrap())
-                    .unwrap_err();
+            let err = crate::catalog::parse_args::<LogsArgs>(args.as_object().cloned().unwrap())
+                .unwrap_err();
             assert_eq!(err.code, ToolErrorCode::InvalidArguments, "{bad}");
             assert_eq!(
                 err.message, "since: unix seconds (an integer) or a duration such as \"10m\"",

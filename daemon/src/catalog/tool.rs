@@ -1,0 +1,238 @@
+//! The tool contract: what a tool is (its spec, typed arguments and call), what it gets
+//! (the caller, a cancel token, read-only facts about the daemon) and what it answers (a
+//! result, or a visible tool error from the closed set). Sources of tools implement it;
+//! the session calls it; nothing here knows about carriers or MCP.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::vocab::{Caller, ToolErrorCode};
+
+/// Tool arguments: always a JSON object.
+pub type Args = Map<String, Value>;
+
+/// A visible tool error: a closed-set code and a short message for the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolError {
+    pub code: ToolErrorCode,
+    pub message: String,
+}
+
+/// Longest message a visible tool error carries. Messages may quote caller input (a tool
+/// name, a path, a schema violation); the cap keeps an answer from growing with it.
+pub const MAX_ERROR_MESSAGE: usize = 1024;
+
+impl ToolError {
+    pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
+        let mut message = message.into();
+        if message.len() > MAX_ERROR_MESSAGE {
+            let mut end = MAX_ERROR_MESSAGE;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+            message.push('…');
+        }
+        Self { code, message }
+    }
+}
+
+impl fmt::Display for ToolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code.as_str(), self.message)
+    }
+}
+
+/// A successful tool result: structured data, rendered as text for clients that show text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolOutput {
+    Structured(Value),
+    Text(String),
+    /// Long work started: a durable job handle. Structured data for every client; an MCP
+    /// Task for 2026-07-28 clients that declared the Tasks extension.
+    Job(robota_proto::JobRecord),
+}
+
+/// Read-only facts about the daemon that tools may report (`system.health`).
+pub trait HostView: Send + Sync + 'static {
+    /// Carrier name → bound address, for the carriers currently serving.
+    fn carriers(&self) -> Vec<(String, String)>;
+}
+
+/// What a tool implementation gets besides its arguments.
+pub struct ToolContext<'a> {
+    pub caller: &'a Caller,
+    pub cancel: CancellationToken,
+    pub host: &'a dyn HostView,
+}
+
+/// MCP annotations of a tool (hints to clients; `read_only` also drives default policy),
+/// and two properties only the daemon reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Annotations {
+    pub read_only: bool,
+    pub destructive: bool,
+    pub idempotent: bool,
+    /// Acts only on the caller's own records (its jobs, its grants): allowed by default
+    /// like a read-only tool.
+    pub self_service: bool,
+    /// Takes an optional `idempotency_key` argument: the same key from the same caller
+    /// returns the first result without a second effect (SPEC §10).
+    pub replay_safe: bool,
+}
+
+impl Annotations {
+    pub const READ_ONLY: Annotations = Annotations {
+        read_only: true,
+        destructive: false,
+        idempotent: true,
+        self_service: false,
+        replay_safe: false,
+    };
+
+    /// Allowed when no policy rule matches.
+    pub fn allowed_by_default(&self) -> bool {
+        self.read_only || self.self_service
+    }
+}
+
+/// The argument every replay-safe tool accepts.
+pub const IDEMPOTENCY_KEY: &str = "idempotency_key";
+
+/// Its schema: printable ASCII, 1 to 128 characters. [`ToolSpec::typed`] adds it to every
+/// replay-safe tool; the session takes the key out before the tool parses its arguments.
+pub(super) fn idempotency_key_schema() -> Value {
+    json!({
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 128,
+        "pattern": "^[\\x21-\\x7e]+$",
+        "description": "Optional. Retrying with the same key returns the first result without a second effect; the same key with different arguments is an error."
+    })
+}
+
+/// What a catalog entry declares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    /// An object schema (`"type": "object"`).
+    pub input_schema: serde_json::Map<String, Value>,
+    pub annotations: Annotations,
+}
+
+impl ToolSpec {
+    /// A spec whose input schema is generated from the argument type `T`: a plain object
+    /// schema (every subschema inlined, no `$schema`, `title` or top-level `description`),
+    /// with field doc comments as property descriptions. A replay-safe tool's schema gets
+    /// the optional [`IDEMPOTENCY_KEY`] property as well.
+    pub fn typed<T: JsonSchema>(
+        name: &str,
+        description: impl Into<String>,
+        annotations: Annotations,
+    ) -> ToolSpec {
+        let mut settings = schemars::generate::SchemaSettings::draft2020_12();
+        settings.inline_subschemas = true;
+        settings.meta_schema = None;
+        let mut input_schema = match settings.into_generator().into_root_schema_for::<T>().into() {
+            Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        input_schema.remove("title");
+        input_schema.remove("description");
+        // Some clients want `properties` on every object schema, even an empty one.
+        input_schema
+            .entry("properties")
+            .or_insert_with(|| Value::Object(serde_json::Map::new()));
+        if annotations.replay_safe
+            && let Some(Value::Object(properties)) = input_schema.get_mut("properties")
+        {
+            properties.insert(IDEMPOTENCY_KEY.into(), idempotency_key_schema());
+        }
+        ToolSpec {
+            name: name.to_owned(),
+            description: description.into(),
+            input_schema,
+            annotations,
+        }
+    }
+
+    /// The schema of one property, to adjust what depends on the configuration (a
+    /// description naming the configured units, an `enum` of the configured templates).
+    pub fn property_mut(&mut self, name: &str) -> Option<&mut serde_json::Map<String, Value>> {
+        self.input_schema
+            .get_mut("properties")?
+            .get_mut(name)?
+            .as_object_mut()
+    }
+
+    /// Replaces one property's description.
+    pub fn describe(mut self, property: &str, description: impl Into<String>) -> Self {
+        if let Some(schema) = self.property_mut(property) {
+            schema.insert("description".into(), Value::String(description.into()));
+        }
+        self
+    }
+}
+
+/// Parses arguments that passed the tool's schema into its argument type. What the schema
+/// cannot say (`1.0` is an integer to JSON Schema, not to a `u64`; a number past the
+/// field's type) fails here, as `invalid_arguments` naming the argument.
+pub fn parse_args<T: DeserializeOwned>(args: Args) -> Result<T, ToolError> {
+    serde_path_to_error::deserialize(Value::Object(args)).map_err(|e| {
+        let path = e.path().to_string();
+        let problem = e.into_inner().to_string();
+        ToolError::new(
+            ToolErrorCode::InvalidArguments,
+            if path == "." {
+                problem
+            } else {
+                format!("{path}: {problem}")
+            },
+        )
+    })
+}
+
+pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = Result<ToolOutput, ToolError>> + Send + 'a>>;
+
+/// A tool implementation as the catalog holds it.
+pub trait HostTool: Send + Sync + 'static {
+    fn spec(&self) -> ToolSpec;
+    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a>;
+}
+
+/// A tool with typed arguments: every first-party tool. Its [`HostTool`] impl parses the
+/// (schema-checked) arguments into [`TypedTool::Args`] once, then runs it.
+pub trait TypedTool: Send + Sync + 'static {
+    /// `#[derive(Deserialize, JsonSchema)]` with `#[serde(deny_unknown_fields)]`.
+    type Args: DeserializeOwned + JsonSchema + Send;
+
+    /// Built with [`ToolSpec::typed`]`::<Self::Args>`.
+    fn spec(&self) -> ToolSpec;
+
+    fn run<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Self::Args) -> ToolFuture<'a>;
+}
+
+impl<T: TypedTool> HostTool for T {
+    fn spec(&self) -> ToolSpec {
+        TypedTool::spec(self)
+    }
+
+    fn call<'a>(&'a self, ctx: &'a ToolContext<'a>, args: Args) -> ToolFuture<'a> {
+        match parse_args::<T::Args>(args) {
+            Ok(args) => self.run(ctx, args),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        }
+    }
+}
+
+/// The arguments of a tool that takes none.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoArgs {}

@@ -1,0 +1,365 @@
+//! The control API: one handler per command group, reached through one exhaustive
+//! `match` (a new command does not compile until it is handled here).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use robota_proto::{BearerInfo, Command, ErrorCode, Reply, Response, Secret};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::sync::oneshot;
+
+use super::core::{Core, Op};
+use crate::bearer::{BearerError, HOST_LABEL, unix_secs};
+use crate::control::{ControlApi, ControlReader, Peer};
+use crate::grants::{DecideError, Grant};
+use crate::jobs::JobError;
+use crate::store::StoreError;
+use crate::vocab::JobId;
+
+/// How long `keys-refresh` waits (discovery and a fetch may take 3 × 10 s; the CLI's own
+/// timeout is 30 s).
+const OPERATOR_KEYS_WAIT: Duration = Duration::from_secs(25);
+/// Most records one list answer carries.
+const CEILING: u32 = 1000;
+
+/// The control plane's view of the daemon.
+pub(super) struct Api(pub Arc<Core>);
+
+impl ControlApi for Api {
+    async fn handle(&self, command: Command, peer: Peer) -> Response {
+        let core = &self.0;
+        tracing::debug!(uid = peer.uid, command = ?command, "control command");
+        match command {
+            Command::Status => Response::ok(Reply::Status(core.status())),
+            Command::Stop => lifecycle::stop(core, peer).await,
+            Command::Restart => lifecycle::restart(core, peer).await,
+            Command::BearerIssue { label, ttl_secs } => bearers::issue(core, label, ttl_secs),
+            Command::BearerList => bearers::list(core),
+            Command::BearerRevoke { label } => bearers::revoke(core, label),
+            Command::BearerRotate => bearers::rotate(core),
+            Command::Audit {
+                since,
+                reason,
+                after_seq,
+                limit,
+            } => audit(core, since, reason, after_seq, limit),
+            Command::JobsList { owner, limit } => jobs::list(core, owner, limit),
+            Command::JobCancel { job_id } => jobs::cancel(core, JobId(job_id), peer),
+            Command::GrantsList { all } => grants::list(core, all),
+            Command::GrantApprove {
+                grant_id,
+                duration_secs,
+            } => grants::approve(core, grant_id, duration_secs, peer),
+            Command::GrantDeny { grant_id } => grants::deny(core, grant_id, peer),
+            Command::GrantRevoke { grant_id } => grants::revoke(core, grant_id, peer),
+            Command::KeysRefresh => keys::refresh(core).await,
+            // The control socket switches the connection over before a handler sees it.
+            Command::Mcp => Response::error(
+                ErrorCode::BadRequest,
+                "`mcp` switches a connection to MCP; it is not answered as a command",
+            ),
+        }
+    }
+
+    async fn serve_mcp(&self, reader: ControlReader, writer: OwnedWriteHalf, peer: Peer) {
+        let core = &self.0;
+        let session = core.session.read().clone();
+        let ended = core.relays.read().child_token();
+        crate::carrier::relay::serve(
+            session,
+            &core.plan.config,
+            core.plan.metrics.clone(),
+            reader,
+            writer,
+            peer.uid,
+            ended,
+        )
+        .await;
+    }
+}
+
+/// The operator behind a control connection.
+fn operator(peer: Peer) -> String {
+    format!("local:{}", peer.uid)
+}
+
+fn store_failed(e: StoreError) -> Response {
+    tracing::error!(error = %e, "store failure");
+    Response::error(
+        ErrorCode::Internal,
+        "the store failed; see the daemon's log",
+    )
+}
+
+/// `audit`: the newest matching records.
+fn audit(
+    core: &Core,
+    since: Option<u64>,
+    reason: Option<String>,
+    after_seq: Option<u64>,
+    limit: Option<u32>,
+) -> Response {
+    let query = crate::audit::Query {
+        since,
+        reason,
+        after_seq,
+        limit: limit.unwrap_or(CEILING).min(CEILING) as usize,
+    };
+    let (records, last_seq) = core.audit.query(&query);
+    Response::ok(Reply::Audit { records, last_seq })
+}
+
+/// `stop`, `restart`: asked of the main loop, which owns the lifecycle.
+mod lifecycle {
+    use super::*;
+
+    pub(super) async fn stop(core: &Core, peer: Peer) -> Response {
+        tracing::info!(uid = peer.uid, "stop requested over the control socket");
+        match core.ops.send(Op::Stop).await {
+            Ok(()) => Response::ok(Reply::Stopping),
+            Err(_) => Response::error(ErrorCode::Unavailable, "the daemon is already stopping"),
+        }
+    }
+
+    pub(super) async fn restart(core: &Core, peer: Peer) -> Response {
+        tracing::info!(uid = peer.uid, "restart requested over the control socket");
+        let (tx, rx) = oneshot::channel();
+        if core.ops.send(Op::Restart(tx)).await.is_err() {
+            return Response::error(ErrorCode::Unavailable, "the daemon is stopping");
+        }
+        match rx.await {
+            Ok(Ok(status)) => Response::ok(Reply::Restarted { status }),
+            Ok(Err(message)) => Response::error(ErrorCode::Internal, message),
+            Err(_) => Response::error(
+                ErrorCode::Unavailable,
+                "the daemon stopped during the restart",
+            ),
+        }
+    }
+}
+
+/// `bearer issue|list|revoke|rotate`: the loopback carrier's bearers.
+mod bearers {
+    use super::*;
+    use crate::bearer::BearerStore;
+
+    /// The loopback carrier's bearers, or the answer that it is disabled.
+    fn store(core: &Core) -> Result<Arc<BearerStore>, Box<Response>> {
+        match &core.loopback {
+            Some(loopback) => Ok(loopback.carrier().bearers()),
+            None => Err(Box::new(Response::error(
+                ErrorCode::Unavailable,
+                "the loopback carrier is disabled",
+            ))),
+        }
+    }
+
+    fn failed(e: BearerError) -> Response {
+        let code = match e {
+            BearerError::Exists(_) => ErrorCode::Conflict,
+            BearerError::NotFound(_) => ErrorCode::NotFound,
+            BearerError::Full => ErrorCode::Unavailable,
+            BearerError::BadLabel(_) | BearerError::Reserved | BearerError::BadTtl => {
+                ErrorCode::BadRequest
+            }
+        };
+        Response::error(code, e.to_string())
+    }
+
+    pub(super) fn issue(core: &Core, label: Option<String>, ttl_secs: Option<u64>) -> Response {
+        let bearers = match store(core) {
+            Ok(b) => b,
+            Err(refusal) => return *refusal,
+        };
+        match (label, ttl_secs) {
+            (None, None) => Response::ok(Reply::Bearer {
+                label: HOST_LABEL.into(),
+                secret: Secret(bearers.host_secret()),
+                expires_at: None,
+            }),
+            (None, Some(_)) => Response::error(
+                ErrorCode::BadRequest,
+                "the host bearer has no expiry; give --label to mint an extra bearer with a TTL",
+            ),
+            (Some(label), ttl_secs) => {
+                match bearers.issue(&label, ttl_secs.map(Duration::from_secs)) {
+                    Ok((secret, expires)) => {
+                        tracing::info!(label = %label, "bearer issued");
+                        Response::ok(Reply::Bearer {
+                            label,
+                            secret: Secret(secret),
+                            expires_at: expires.map(unix_secs),
+                        })
+                    }
+                    Err(e) => failed(e),
+                }
+            }
+        }
+    }
+
+    pub(super) fn list(core: &Core) -> Response {
+        match store(core) {
+            Ok(bearers) => Response::ok(Reply::Bearers {
+                bearers: bearers
+                    .list()
+                    .into_iter()
+                    .map(|b| BearerInfo {
+                        label: b.label,
+                        created_at: unix_secs(b.created),
+                        expires_at: b.expires.map(unix_secs),
+                        last_used_at: b.last_used.map(unix_secs),
+                    })
+                    .collect(),
+            }),
+            Err(refusal) => *refusal,
+        }
+    }
+
+    pub(super) fn revoke(core: &Core, label: String) -> Response {
+        let bearers = match store(core) {
+            Ok(b) => b,
+            Err(refusal) => return *refusal,
+        };
+        match bearers.revoke(&label) {
+            Ok(()) => {
+                tracing::info!(label = %label, "bearer revoked");
+                Response::ok(Reply::Revoked { label })
+            }
+            Err(e) => failed(e),
+        }
+    }
+
+    pub(super) fn rotate(core: &Core) -> Response {
+        match store(core) {
+            Ok(bearers) => {
+                let secret = bearers.rotate();
+                tracing::info!("host bearer rotated");
+                Response::ok(Reply::Bearer {
+                    label: HOST_LABEL.into(),
+                    secret: Secret(secret),
+                    expires_at: None,
+                })
+            }
+            Err(refusal) => *refusal,
+        }
+    }
+}
+
+/// `jobs list|cancel`, as the operator.
+mod jobs {
+    use super::*;
+
+    /// The control-protocol edge of the job service.
+    fn failed(e: JobError) -> Response {
+        match e {
+            JobError::NotFound(id) => {
+                Response::error(ErrorCode::NotFound, format!("there is no job {id}"))
+            }
+            JobError::Busy(_) | JobError::Elsewhere(_) => {
+                Response::error(ErrorCode::Unavailable, e.to_string())
+            }
+            JobError::Store(e) => store_failed(e),
+        }
+    }
+
+    pub(super) fn list(core: &Core, owner: Option<String>, limit: Option<u32>) -> Response {
+        let limit = limit.unwrap_or(CEILING).min(CEILING) as usize;
+        match core.host.jobs.list(owner.as_deref(), limit) {
+            Ok(jobs) => Response::ok(Reply::Jobs { jobs }),
+            Err(e) => store_failed(e),
+        }
+    }
+
+    pub(super) fn cancel(core: &Core, job_id: JobId, peer: Peer) -> Response {
+        match core.host.jobs.cancel(None, job_id) {
+            Ok(job) => {
+                tracing::info!(job_id = job_id.0, by = %operator(peer), "job cancel requested by the operator");
+                Response::ok(Reply::Job { job })
+            }
+            Err(e) => failed(e),
+        }
+    }
+}
+
+/// `grants list|approve|deny|revoke`, as the operator.
+mod grants {
+    use super::*;
+
+    /// The control-protocol edge of operator decisions.
+    fn decided(result: Result<Grant, DecideError>) -> Response {
+        match result {
+            Ok(grant) => Response::ok(Reply::Grant { grant }),
+            Err(DecideError::NotFound(id)) => {
+                Response::error(ErrorCode::NotFound, format!("there is no grant {id}"))
+            }
+            Err(e @ DecideError::WrongState { .. }) => {
+                Response::error(ErrorCode::Conflict, e.to_string())
+            }
+            Err(e @ DecideError::BadDuration(_)) => {
+                Response::error(ErrorCode::BadRequest, e.to_string())
+            }
+            Err(DecideError::Store(e)) => store_failed(e),
+        }
+    }
+
+    pub(super) fn list(core: &Core, all: bool) -> Response {
+        match core.host.grants.list(None, !all) {
+            Ok(grants) => Response::ok(Reply::Grants { grants }),
+            Err(e) => store_failed(e),
+        }
+    }
+
+    pub(super) fn approve(
+        core: &Core,
+        grant_id: i64,
+        duration_secs: Option<u64>,
+        peer: Peer,
+    ) -> Response {
+        decided(core.host.grants.approve(
+            grant_id,
+            &operator(peer),
+            duration_secs.map(Duration::from_secs),
+        ))
+    }
+
+    pub(super) fn deny(core: &Core, grant_id: i64, peer: Peer) -> Response {
+        decided(core.host.grants.deny(grant_id, &operator(peer)))
+    }
+
+    pub(super) fn revoke(core: &Core, grant_id: i64, peer: Peer) -> Response {
+        decided(core.host.grants.revoke(grant_id, &operator(peer)))
+    }
+}
+
+/// `keys-refresh`: fetch the remote verifier's keys now.
+mod keys {
+    use super::*;
+    use crate::vocab::RefreshTrigger;
+
+    pub(super) async fn refresh(core: &Core) -> Response {
+        let Some(remote) = &core.remote else {
+            return Response::error(ErrorCode::Unavailable, "the remote carrier is disabled");
+        };
+        let verifier = remote.carrier().verifier();
+        let refresh = verifier.refresh(RefreshTrigger::Operator);
+        match tokio::time::timeout(OPERATOR_KEYS_WAIT, refresh).await {
+            Ok(Ok(())) => Response::ok(Reply::KeySet(verifier.key_set())),
+            Ok(Err(error)) => {
+                let held = verifier.key_set().keys;
+                Response::error(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the key-set refresh failed: {error}; the {held} keys held stay in use"
+                    ),
+                )
+            }
+            Err(_) => Response::error(
+                ErrorCode::Unavailable,
+                format!(
+                    "the key-set fetch did not end within {}; it goes on, and `robota-mcpctl status` shows how it ends",
+                    humantime::format_duration(OPERATOR_KEYS_WAIT)
+                ),
+            ),
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! The daemon, in three steps: [`Plan`] (the configuration checked, nothing bound),
+//! bind (store, audit, control socket, metrics listener, carriers), serve (until SIGTERM,
+//! SIGINT or `stop`; SIGHUP or `restart` re-attach a fresh session). `--stdio` is the same
+//! plan served on stdin/stdout.
+
+mod api;
+mod core;
+mod plan;
+mod status;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
+
+use parking_lot::RwLock;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use self::api::Api;
+use self::core::{Core, Op, State};
+pub use self::plan::{Plan, PlanError};
+use crate::audit::Audit;
+use crate::carrier::loopback::LoopbackCarrier;
+use crate::carrier::remote::RemoteCarrier;
+use crate::carrier::stdio::StdioCarrier;
+use crate::catalog::HostView;
+use crate::control;
+use crate::host::Host;
+use crate::mcp::Wire;
+use crate::notify;
+use crate::oauth::Verifier;
+use crate::transport::{LifecycleError, McpTransport};
+use crate::vocab::Listener;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("control socket")]
+    Control(#[source] control::ControlError),
+    #[error("cannot bind the metrics listener on {addr}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the loopback carrier on {addr} failed to start")]
+    Loopback {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: LifecycleError,
+    },
+    #[error("the remote carrier on {addr} failed to start")]
+    Remote {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: LifecycleError,
+    },
+    #[error("the remote carrier's verifier has no keys")]
+    VerifierKeys(#[source] crate::oauth::jwt::LoadError),
+    #[error("the audit store")]
+    Audit(#[source] crate::audit::OpenError),
+    #[error("the job, grant and idempotency store")]
+    Store(#[source] crate::store::StoreError),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot create the state directory {path}")]
+    StateDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the stdio carrier failed to start")]
+    Stdio {
+        #[source]
+        source: LifecycleError,
+    },
+}
+
+impl DaemonError {
+    /// Configuration-class errors get the configuration exit code.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DaemonError::Plan(_)
+            | DaemonError::Loopback {
+                source: LifecycleError::WireNames(_),
+                ..
+            }
+            | DaemonError::Remote {
+                source: LifecycleError::WireNames(_),
+                ..
+            }
+            | DaemonError::Stdio {
+                source: LifecycleError::WireNames(_),
+            } => crate::exit::CONFIG,
+
+            _ => crate::exit::RUNTIME,
+        }
+    }
+}
+
+/// The `/metrics` listener's bounds: a scraper needs little.
+const METRICS_BOUNDS: crate::config::HttpLimits = crate::config::HttpLimits {
+    max_connections: 8,
+    max_connections_per_address: None,
+    max_in_flight: 8,
+    max_header_bytes: 16 * 1024,
+    header_timeout: std::time::Duration::from_secs(5),
+    body_timeout: std::time::Duration::from_secs(5),
+    idle_timeout: std::time::Duration::from_secs(30),
+};
+
+/// Run the daemon until a stop. `shutdown` is an extra stop trigger (tests, embedding).
+pub async fn run(plan: Plan, shutdown: CancellationToken) -> Result<(), DaemonError> {
+    let bound = bind(plan).await?;
+    serve(bound, shutdown).await
+}
+
+/// What `bind` produced: everything is listening, nothing is served yet.
+struct Bound {
+    core: Arc<Core>,
+    ops: mpsc::Receiver<Op>,
+    control: control::ControlSocket,
+    metrics: Option<TcpListener>,
+}
+
+/// Open the store and audit, bind every listener, start the carriers on a fresh session.
+async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
+    notify::status("starting");
+    let verifier = plan.verifier.take();
+    let config = &plan.config;
+    let metrics = plan.metrics.clone();
+    let audit = Arc::new(Audit::open(&config.state_dir).map_err(DaemonError::Audit)?);
+    let host = Host::open(config, audit.clone(), metrics.clone()).map_err(DaemonError::Store)?;
+    let control_socket = control::bind(&config.control).map_err(DaemonError::Control)?;
+    let metrics_listener = match config.metrics {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| DaemonError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
+    let wire = Wire {
+        result_limit: config.limits.tool_result,
+        metrics: metrics.clone(),
+    };
+    let loopback = config.loopback.clone().map(|l| {
+        McpTransport::new(
+            Arc::new(LoopbackCarrier::new(
+                l,
+                config.limits,
+                audit.clone(),
+                metrics.clone(),
+            )),
+            wire.clone(),
+        )
+    });
+    let remote = match (&config.remote, verifier) {
+        (Some(r), Some(verifier)) => {
+            verifier.load().await.map_err(DaemonError::VerifierKeys)?;
+            // The schedule ends with the verifier.
+            drop(verifier.spawn_schedule());
+            let keys = verifier.key_set();
+            tracing::info!(
+                issuer = %r.issuer,
+                keys = keys.keys,
+                from = keys.location.as_deref().unwrap_or("-"),
+                cached = keys.from_cache,
+                "remote verifier ready"
+            );
+            let verifier: Arc<dyn Verifier> = Arc::new(verifier);
+            Some(McpTransport::new(
+                Arc::new(RemoteCarrier::new(
+                    r.clone(),
+                    config.limits,
+                    verifier,
+                    audit.clone(),
+                    metrics.clone(),
+                )),
+                wire.clone(),
+            ))
+        }
+        _ => None,
+    };
+    let (ops_tx, ops) = mpsc::channel(4);
+    let core = Arc::new(Core {
+        control_path: control_socket.path().display().to_string(),
+        plan,
+        started: Instant::now(),
+        audit,
+        host,
+        state: RwLock::new(State::Starting),
+        generation: AtomicU64::new(0),
+        session: RwLock::new(None),
+        loopback,
+        remote,
+        metrics_addr: RwLock::new(None),
+        relays: RwLock::new(CancellationToken::new()),
+        ops: ops_tx,
+    });
+    core.attach_and_start().await?;
+    Ok(Bound {
+        core,
+        ops,
+        control: control_socket,
+        metrics: metrics_listener,
+    })
+}
+
+/// Serve until a stop; restart on SIGHUP or `restart`.
+async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonError> {
+    let Bound {
+        core,
+        mut ops,
+        control: control_socket,
+        metrics: metrics_listener,
+    } = bound;
+    let metrics = core.plan.metrics.clone();
+    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
+
+    let listeners = CancellationToken::new();
+    let mut tasks = Vec::new();
+    if let Some(listener) = metrics_listener {
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| "unknown".into(), |a| a.to_string());
+        tracing::info!(address = %addr, "metrics listener serving /metrics");
+        *core.metrics_addr.write() = Some(addr);
+        let options = crate::carrier::http::Options {
+            name: Listener::Metrics,
+            bounds: METRICS_BOUNDS,
+            tls: None,
+            shared_peers: Vec::new(),
+            ipv6_prefix: 64,
+            metrics: metrics.clone(),
+        };
+        tasks.push(tokio::spawn(crate::carrier::http::serve(
+            listener,
+            options,
+            crate::carrier::scrape::Scrape {
+                metrics: metrics.clone(),
+                audit: core.audit.clone(),
+            },
+            listeners.clone(),
+        )));
+    }
+    tracing::info!(path = %core.control_path, "control socket listening");
+    tasks.push(tokio::spawn(control::serve(
+        control_socket,
+        core.plan.config.control.clone(),
+        Arc::new(Api(core.clone())),
+        core.audit.clone(),
+        metrics,
+        listeners.clone(),
+    )));
+    tasks.push(tokio::spawn(prune(
+        core.host.store.clone(),
+        listeners.clone(),
+    )));
+
+    *core.state.write() = State::Serving;
+    notify::ready(&core.ready_status());
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "ready");
+
+    let mut watchdog = notify::watchdog_interval().map(tokio::time::interval);
+    let result = loop {
+        let tick = async {
+            match watchdog.as_mut() {
+                Some(interval) => {
+                    interval.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break Ok(()); }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break Ok(()); }
+            () = shutdown.cancelled() => break Ok(()),
+            _ = sighup.recv() => {
+                if let Err(e) = core.restart().await {
+                    break Err(e);
+                }
+            }
+            op = ops.recv() => match op {
+                Some(Op::Stop) | None => break Ok(()),
+                Some(Op::Restart(reply)) => {
+                    let result = core.restart().await;
+                    let _ = reply.send(match &result {
+                        Ok(()) => Ok(core.status()),
+                        Err(e) => Err(crate::error_chain(e)),
+                    });
+                    if let Err(e) = result {
+                        break Err(e);
+                    }
+                }
+            },
+            () = tick => notify::watchdog(),
+        }
+    };
+
+    // The drain, in order: relayed sessions, carriers (each drains its connections under
+    // its grace), the other listeners and tasks, jobs, the audit writer.
+    *core.state.write() = State::Stopping;
+    notify::stopping();
+    core.relays.read().cancel();
+    core.stop_carriers().await;
+    listeners.cancel();
+    for task in tasks {
+        let _ = task.await;
+    }
+    core.host.jobs.shutdown().await;
+    core.audit.close();
+    tracing::info!("stopped");
+    result
+}
+
+/// The store forgets what is older than its retention, hourly (also at start).
+async fn prune(store: Arc<crate::store::Store>, stop: CancellationToken) {
+    let mut hourly = tokio::time::interval(crate::store::PRUNE_EVERY);
+    hourly.tick().await;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = hourly.tick() => {
+                let store = store.clone();
+                match tokio::task::spawn_blocking(move || store.prune()).await {
+                    Ok(Err(e)) => tracing::error!(error = %e, "cannot prune the store"),
+                    Err(e) => tracing::error!(error = %e, "the store pruner failed"),
+                    Ok(Ok(())) => {}
+                }
+            }
+        }
+    }
+}
+
+/// `system.health` on stdio: the one carrier.
+struct StdioOnly;
+
+impl HostView for StdioOnly {
+    fn carriers(&self) -> Vec<(String, String)> {
+        vec![("stdio".into(), "stdio".into())]
+    }
+}
+
+/// The plan served on stdin/stdout for the client that launched us: no control socket,
+/// no HTTP. The store is shared with a daemon on the same state directory (SQLite
+/// locking makes that safe); refusals and grant events are logged, not persisted.
+pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
+    let config = &plan.config;
+    std::fs::create_dir_all(&config.state_dir).map_err(|source| DaemonError::StateDir {
+        path: config.state_dir.clone(),
+        source,
+    })?;
+    let audit = Arc::new(Audit::new());
+    let host = Host::open(config, audit, plan.metrics.clone()).map_err(DaemonError::Store)?;
+    let session = plan.session(&host, Arc::new(StdioOnly))?;
+    let transport = McpTransport::new(
+        Arc::new(StdioCarrier {
+            config: config.stdio.clone(),
+            request_limit: config.limits.request_body,
+        }),
+        Wire {
+            result_limit: config.limits.tool_result,
+            metrics: plan.metrics.clone(),
+        },
+    );
+    let failed = |source| DaemonError::Stdio { source };
+    transport.attach(Arc::new(session)).map_err(failed)?;
+    transport.start().await.map_err(failed)?;
+    let ended = transport.ended().unwrap_or_default();
+    let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
+    tokio::select! {
+        () = ended.cancelled() => {}
+        _ = sigterm.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    transport.stop().await;
+    // Jobs this process started end with it and record how (else they would wait as
+    // `running` until some process settles them as `outcome-unknown`).
+    host.jobs.shutdown().await;
+    Ok(())
+}
