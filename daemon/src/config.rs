@@ -31,7 +31,7 @@ pub const EMBEDDED_DEFAULT: &str = include_str!("default-config.toml");
 /// Where the packaged daemon looks for its configuration.
 pub const SYSTEM_CONFIG_PATH: &str = "/etc/robota-mcpd/config.toml";
 
-/// Hard ceilings from SPEC §6; configured values above them are errors.
+/// Hard ceilings (docs/design.md §7); configured values above them are errors.
 pub const REQUEST_BODY_CEILING: u64 = 16 * 1024 * 1024;
 pub const TOOL_RESULT_CEILING: u64 = 64 * 1024 * 1024;
 /// Default and ceiling of `[limits] request_memory`.
@@ -176,7 +176,7 @@ pub struct HttpLimits {
     pub idle_timeout: Duration,
 }
 
-/// The remote carrier: an OAuth 2 resource server (SPEC §5).
+/// The remote carrier: an OAuth 2 resource server (docs/design.md §6).
 #[derive(Debug, Clone)]
 pub struct RemoteConfig {
     pub listen: SocketAddr,

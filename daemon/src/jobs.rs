@@ -1,6 +1,6 @@
 //! Durable jobs: long work returns a handle at once; state and output live in the store.
 //!
-//! The state machine is ours and canonical (SPEC §10): `running` → `succeeded` | `failed` |
+//! The state machine is ours and canonical (docs/design.md §11.1): `running` → `succeeded` | `failed` |
 //! `cancelled` | `timed-out`, or `outcome-unknown` when the process that ran the job died
 //! before recording how it ended. A job is never re-run. Two kinds of work exist: a
 //! process from a `[jobs.<name>]` template (own process group, killed on cancel or

@@ -1,4 +1,4 @@
-//! The MCP transport service lifecycle (SPEC §3), one object per carrier.
+//! The MCP transport service lifecycle (docs/design.md §3), one object per carrier.
 //!
 //! `attach(session)` then `start()`. Start validates the catalog's wire names, binds the
 //! carrier and resolves only when it can serve; it is cancellable (by `stop()`) and

@@ -144,7 +144,11 @@ fn violations(root: &Path) -> (Vec<(String, String, String)>, usize) {
             continue;
         }
         let Some(level) = level_of(module) else {
-            found.push((rel.display().to_string(), module.to_owned(), "(no level)".into()));
+            found.push((
+                rel.display().to_string(),
+                module.to_owned(),
+                "(no level)".into(),
+            ));
             continue;
         };
         let text = std::fs::read_to_string(&file).expect("read");
@@ -166,7 +170,10 @@ fn violations(root: &Path) -> (Vec<(String, String, String)>, usize) {
 fn every_reference_points_down() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let (found, edges) = violations(&root);
-    assert!(edges > 100, "only {edges} references found: is the reader broken?");
+    assert!(
+        edges > 100,
+        "only {edges} references found: is the reader broken?"
+    );
     let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (file, module, named) in found {
         by_file
@@ -192,7 +199,10 @@ fn every_top_level_module_has_a_level() {
         .collect();
     assert!(declared.len() > 10, "{declared:?}");
     for module in declared {
-        assert!(level_of(module).is_some(), "{module} has no level in LEVELS");
+        assert!(
+            level_of(module).is_some(),
+            "{module} has no level in LEVELS"
+        );
     }
 }
 

@@ -1,7 +1,7 @@
 //! Property tests for every parser on the admission path: the bearer grammar, loopback
 //! admission, remote routing and decisions, the `X-Forwarded-For` walk and CIDRs, the
 //! configuration parser and the JWT pre-checks. Each property states an invariant from
-//! SPEC §4/§5 or docs/ARCHITECTURE.md and is checked against an oracle that does not
+//! docs/design.md §5/§6 or docs/ARCHITECTURE.md and is checked against an oracle that does not
 //! reuse the code under test (labels known by construction, bit arithmetic, …).
 
 use std::cell::{Cell, RefCell};
@@ -267,7 +267,7 @@ fn loopback_head() -> impl Strategy<Value = LoopbackHead> {
     })
 }
 
-/// The oracle: SPEC §4 written out, with every label known from how the head was built.
+/// The oracle: docs/design.md §5.2 written out, with every label known from how the head was built.
 fn loopback_oracle(
     h: &LoopbackHead,
     uri: &Uri,
@@ -384,7 +384,7 @@ fn build_loopback(h: &LoopbackHead) -> Option<(Uri, HeaderMap, Vec<HeaderValue>)
 }
 
 /// Admission agrees with the oracle on generated heads; the bearer lookup is consulted
-/// only once path, Host and Origin passed; refusal reasons come in SPEC order. The run
+/// only once path, Host and Origin passed; refusal reasons come in the documented order. The run
 /// must reach every outcome, so the generator cannot silently stop covering one.
 #[test]
 fn loopback_admission_matches_spec() {

@@ -327,7 +327,7 @@ impl JobState {
     }
 }
 
-/// A durable job (SPEC §10), as `job.status`, `jobs list` and MCP Tasks show it.
+/// A durable job (docs/design.md §11.1), as `job.status`, `jobs list` and MCP Tasks show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobRecord {
     pub job_id: i64,
@@ -394,7 +394,7 @@ impl GrantState {
     }
 }
 
-/// A grant (SPEC §10): bound to one caller, time limited, revocable.
+/// A grant (docs/design.md §11.6): bound to one caller, time limited, revocable.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GrantRecord {
     pub grant_id: i64,

@@ -1,4 +1,4 @@
-//! Reading the documentation the way `tests/tests/docs.rs` checks it: fenced blocks of
+//! Reading the documentation the way `tests/tests/operations/docs.rs` checks it: fenced blocks of
 //! Markdown files, the shell commands of `sh` blocks, a small YAML subset (Prometheus
 //! configuration and rule files), metric names in PromQL, headings as link anchors.
 //!

@@ -83,7 +83,7 @@ pub struct Annotations {
     /// like a read-only tool.
     pub self_service: bool,
     /// Takes an optional `idempotency_key` argument: the same key from the same caller
-    /// returns the first result without a second effect (SPEC §10).
+    /// returns the first result without a second effect (docs/design.md §11.2).
     pub replay_safe: bool,
 }
 

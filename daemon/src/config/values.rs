@@ -191,7 +191,7 @@ pub fn holds_public(net: &IpNet) -> bool {
     !(inside(net.network()) && inside(net.broadcast()))
 }
 
-/// Longest tool name (SPEC §2 grammar `[A-Za-z0-9_.-]{1,64}`).
+/// Longest tool name (docs/design.md §2.3: grammar `[A-Za-z0-9_.-]{1,64}`).
 pub const MAX_NAME_LEN: usize = 64;
 
 /// Check a tool name against the grammar `[A-Za-z0-9_.-]{1,64}`.

@@ -118,6 +118,50 @@ pub async fn run(plan: Plan, shutdown: CancellationToken) -> Result<(), DaemonEr
     serve(bound, shutdown).await
 }
 
+/// A daemon started in this process (tests, embedding): bound and serving.
+pub struct Running {
+    /// Every listener, by name (`loopback`, `remote`, `metrics`, `control`) and address.
+    pub places: Vec<(String, String)>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), DaemonError>>,
+}
+
+impl Running {
+    /// The address of the listener named `name`.
+    pub fn address(&self, name: &str) -> Option<&str> {
+        self.places
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, a)| a.as_str())
+    }
+
+    /// Stop (as SIGTERM would) and wait for the drain.
+    pub async fn stop(self) -> Result<(), DaemonError> {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .unwrap_or_else(|e| panic!("the daemon task failed: {e}"))
+    }
+}
+
+/// Bind everything, then serve in a task; resolves once every listener is bound.
+pub async fn start(plan: Plan) -> Result<Running, DaemonError> {
+    let bound = bind(plan).await?;
+    let shutdown = CancellationToken::new();
+    let core = bound.core.clone();
+    let task = tokio::spawn(serve(bound, shutdown.clone()));
+    let places = core
+        .places()
+        .into_iter()
+        .map(|p| (p.name.to_owned(), p.address))
+        .collect();
+    Ok(Running {
+        places,
+        shutdown,
+        task,
+    })
+}
+
 /// What `bind` produced: everything is listening, nothing is served yet.
 struct Bound {
     core: Arc<Core>,
@@ -201,6 +245,13 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
         relays: RwLock::new(CancellationToken::new()),
         ops: ops_tx,
     });
+    if let Some(listener) = &metrics_listener {
+        *core.metrics_addr.write() = Some(
+            listener
+                .local_addr()
+                .map_or_else(|_| "unknown".into(), |a| a.to_string()),
+        );
+    }
     core.attach_and_start().await?;
     Ok(Bound {
         core,
@@ -226,11 +277,9 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
     let listeners = CancellationToken::new();
     let mut tasks = Vec::new();
     if let Some(listener) = metrics_listener {
-        let addr = listener
-            .local_addr()
-            .map_or_else(|_| "unknown".into(), |a| a.to_string());
-        tracing::info!(address = %addr, "metrics listener serving /metrics");
-        *core.metrics_addr.write() = Some(addr);
+        if let Some(addr) = core.metrics_addr.read().as_deref() {
+            tracing::info!(address = %addr, "metrics listener serving /metrics");
+        }
         let options = crate::carrier::http::Options {
             name: Listener::Metrics,
             bounds: METRICS_BOUNDS,

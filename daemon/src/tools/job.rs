@@ -138,7 +138,7 @@ impl TypedTool for Status {
     fn spec(&self) -> ToolSpec {
         ToolSpec::typed::<Self::Args>(
             "job.status",
-            "The state of one of your jobs: running, succeeded, failed, cancelled, timed-out or outcome-unknown (the daemon stopped while it ran; it was not re-run).",
+            "The state of one of your jobs: running, succeeded, failed, cancelled, timed-out or outcome-unknown (the process that ran it died, or an action was cut off before its end was known; it was not re-run).",
             Annotations::READ_ONLY,
         )
     }

@@ -1,4 +1,4 @@
-//! Loopback admission: a pure function of the request head (SPEC §4).
+//! Loopback admission: a pure function of the request head (docs/design.md §5.2).
 //!
 //! Order: endpoint path, Host (or HTTP/2 `:authority`, and an absolute-form URI must
 //! agree), Origin if present → 403; then `Authorization: Bearer <token>` matching a live

@@ -1,4 +1,4 @@
-//! The loopback Streamable HTTP carrier (SPEC §4): 127.0.0.1 only, Host/Origin checks,
+//! The loopback Streamable HTTP carrier (docs/design.md §5): 127.0.0.1 only, Host/Origin checks,
 //! a daemon-minted bearer, stateless rmcp behind it.
 //!
 //! Invariant: admission never reads the body; what happens after admission is

@@ -1,4 +1,4 @@
-//! Remote admission (SPEC §5): pure functions of the request head, the verifier's
+//! Remote admission (docs/design.md §6.2, §6.8): pure functions of the request head, the verifier's
 //! verdict and the throttle's answer. No socket, no clock, no body.
 //!
 //! Every name checked comes from the public URL: the endpoint path, the metadata path

@@ -1,4 +1,4 @@
-//! The remote Streamable HTTP carrier: an OAuth 2 resource server (SPEC §5).
+//! The remote Streamable HTTP carrier: an OAuth 2 resource server (docs/design.md §6).
 //!
 //! A request is routed by the public URL's names (endpoint, RFC 9728 metadata, 404),
 //! checked for the public Host and Origin, then its bearer token is verified by the

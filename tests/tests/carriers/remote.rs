@@ -38,7 +38,7 @@ use serde_json::{Value, json};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
-/// Every token-verification reason of SPEC §5 plus `missing-token`.
+/// Every token-verification reason of docs/design.md §6.8 plus `missing-token`.
 const TOKEN_REASONS: [&str; 15] = [
     "missing-token",
     "oversize",
@@ -90,7 +90,7 @@ enum Expect {
     BadHeader,
     /// 401, `Bearer error="invalid_token", resource_metadata=…`, with the reason.
     Invalid(&'static str),
-    /// Like `Invalid`, where SPEC leaves the reason open between a few.
+    /// Like `Invalid`, where the design leaves the reason open between a few.
     InvalidOneOf(&'static [&'static str]),
     /// 403, `Bearer error="insufficient_scope", scope=…, resource_metadata=…`.
     Insufficient(&'static str),

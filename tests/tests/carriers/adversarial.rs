@@ -32,7 +32,15 @@ async fn trickling_heads_do_not_exhaust_the_connection_limit() {
             false
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Wait until the four hold every slot.
+    let held = robota_e2e::poll_until(Duration::from_secs(5), Duration::from_millis(10), || {
+        robota_e2e::metric_sum(
+            &d.metrics_text().unwrap_or_default(),
+            &["robota_mcpd_connections_open", "listener=\"loopback\""],
+        ) >= 4.0
+    })
+    .await;
+    assert!(held, "the trickling clients never held the slots");
     // A well-behaved client still gets served, once the tricklers are cut (~1 s).
     let served = within(
         Duration::from_secs(8),

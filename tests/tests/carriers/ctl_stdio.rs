@@ -67,7 +67,7 @@ async fn lists_and_calls(discover: bool) {
         .expect("tools/list");
     let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
     names.sort_unstable();
-    // The whole canonical catalog of SPEC §10, plus the submission tool.
+    // The whole canonical catalog of docs/design.md §11, plus the submission tool.
     assert_eq!(
         names,
         [

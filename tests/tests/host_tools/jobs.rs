@@ -393,6 +393,26 @@ async fn a_job_cut_off_by_a_crash_is_outcome_unknown_and_never_rerun() {
     );
     let pgid = read_pid(&pid_file).unwrap();
     client.close().await;
+    // The daemon records the job's process group just after it spawned it; wait for that
+    // record (a crash in between leaves a group the next start cannot know about).
+    let recorded =
+        robota_e2e::poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+            rusqlite::Connection::open_with_flags(
+                tmp.path().join("state/robota.db"),
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+            )
+            .and_then(|db| {
+                db.query_row("SELECT pid FROM jobs WHERE id = ?1", [id], |r| {
+                    r.get::<_, Option<i64>>(0)
+                })
+            })
+            .is_ok_and(|pid| pid == Some(i64::from(pgid)))
+        })
+        .await;
+    assert!(
+        recorded,
+        "the daemon never recorded the job's process group"
+    );
 
     first.signal(Signal::SIGKILL);
     assert!(first.wait_exit(Duration::from_secs(10)).is_some());
@@ -423,8 +443,25 @@ async fn a_job_cut_off_by_a_crash_is_outcome_unknown_and_never_rerun() {
         "orphaned job processes left: {:?}",
         procs::group_members(pgid)
     );
-    // Never re-run: the template ran exactly once.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Never re-run: recovery ends before READY=1, and it left one job, outcome-unknown and
+    // with no new process recorded (a re-run would be a new row or the same one running
+    // again); the template's own record says it ran once.
+    let db = rusqlite::Connection::open_with_flags(
+        tmp.path().join("state/robota.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let rows: Vec<(i64, String, Option<i64>)> = db
+        .prepare("SELECT id, state, pid FROM jobs")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        [(id, "outcome-unknown".to_owned(), Some(i64::from(pgid)))]
+    );
     let runs = std::fs::read_to_string(tmp.path().join("slow.runs")).unwrap();
     assert_eq!(runs.lines().count(), 1, "{runs:?}");
     let table = second.ctl_ok(&["jobs", "list"]);

@@ -1,0 +1,9 @@
+//! End-to-end tests of one area, in one test binary (one link instead of one per file).
+
+mod adversarial;
+mod ctl_stdio;
+mod loopback_admission;
+mod mcp_clients;
+mod oversize;
+mod remote;
+mod request_path;

@@ -1,0 +1,7 @@
+//! End-to-end tests of one area, in one test binary (one link instead of one per file).
+
+mod audit;
+mod concurrency;
+mod control;
+mod docs;
+mod lifecycle;
