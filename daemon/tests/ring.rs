@@ -129,7 +129,9 @@ async fn loopback_admission_answers_each_case_and_books_it() {
     let host = format!("127.0.0.1:{}", addr.port());
     let origin = format!("http://{host}");
     let wrong = "ab".repeat(32);
-    let cases: [(&str, &str, Option<&str>, Option<&str>, u16); 6] = [
+    // (case, Host, bearer, Origin, status)
+    type Case<'a> = (&'a str, &'a str, Option<&'a str>, Option<&'a str>, u16);
+    let cases: [Case; 6] = [
         ("served", &host, Some(&bearer), Some(&origin), 200),
         ("no origin is fine", &host, Some(&bearer), None, 200),
         ("wrong host", "localhost", Some(&bearer), None, 403),
