@@ -78,11 +78,13 @@ pub struct BearerMeta {
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BearerError {
-    #[error("a bearer labelled {0:?} already exists; revoke it first")]
+    // Labels are quoted as they are: whoever shows the message (robota-mcpctl) escapes
+    // what is not printable, once.
+    #[error("a bearer labelled \"{0}\" already exists; revoke it first")]
     Exists(String),
-    #[error("no bearer labelled {0:?}")]
+    #[error("no bearer labelled \"{0}\"")]
     NotFound(String),
-    #[error("label {0:?} is invalid: use 1 to 64 characters of [A-Za-z0-9_.-]")]
+    #[error("label \"{0}\" is invalid: use 1 to 64 characters of [A-Za-z0-9_.-]")]
     BadLabel(String),
     #[error("the label {HOST_LABEL:?} belongs to the host bearer; use `bearer rotate`")]
     Reserved,
@@ -173,7 +175,22 @@ impl BearerStore {
             Some(ttl) if ttl < Duration::from_secs(1) || ttl > MAX_TTL => {
                 return Err(BearerError::BadTtl);
             }
-            Some(ttl) => Some(now.checked_add(ttl).ok_or(BearerError::BadTtl)?),
+            // Up to a whole second, so the expiry shown (in seconds) is the one enforced,
+            // and never sooner than asked.
+            Some(ttl) => {
+                let at = now.checked_add(ttl).ok_or(BearerError::BadTtl)?;
+                let since = at
+                    .duration_since(UNIX_EPOCH)
+                    .map_err(|_| BearerError::BadTtl)?;
+                let secs = since
+                    .as_secs()
+                    .saturating_add(u64::from(since.subsec_nanos() > 0));
+                Some(
+                    UNIX_EPOCH
+                        .checked_add(Duration::from_secs(secs))
+                        .ok_or(BearerError::BadTtl)?,
+                )
+            }
         };
         let mut entries = self.entries.lock();
         entries.retain(|e| e.expires.is_none_or(|t| t > now));
@@ -338,8 +355,10 @@ mod tests {
         let one = one.unwrap();
         assert!(
             one >= before + Duration::from_secs(1)
-                && one <= SystemTime::now() + Duration::from_secs(1)
+                && one <= SystemTime::now() + Duration::from_secs(2)
         );
+        // On a whole second: what `bearer list` shows is what is enforced.
+        assert_eq!(one.duration_since(UNIX_EPOCH).unwrap().subsec_nanos(), 0);
         let (_, max) = store.issue("long", Some(MAX_TTL)).unwrap();
         assert!(max.unwrap() >= before + MAX_TTL);
         assert!(

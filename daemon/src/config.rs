@@ -363,20 +363,28 @@ fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// `"60s"`, `"10m"`, `"1h 30m"`.
+/// The longest duration any key takes: far beyond any sensible timeout or grant, and far
+/// from where adding it to a clock could overflow.
+pub const DURATION_CEILING: Duration = Duration::from_secs(10 * 365 * 86_400);
+
+/// `"60s"`, `"10m"`, `"1h 30m"`; at most [`DURATION_CEILING`].
 #[derive(Debug, Clone, Copy)]
 struct DurationText(Duration);
 
 impl<'de> Deserialize<'de> for DurationText {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        humantime::parse_duration(&s)
-            .map(DurationText)
-            .map_err(|e| {
-                serde::de::Error::custom(format!(
-                    "invalid duration {s:?} ({e}); write e.g. \"60s\" or \"10m\""
-                ))
-            })
+        let d = humantime::parse_duration(&s).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "invalid duration {s:?} ({e}); write e.g. \"60s\" or \"10m\""
+            ))
+        })?;
+        if d > DURATION_CEILING {
+            return Err(serde::de::Error::custom(format!(
+                "duration {s:?} is over the most any key takes (10 years)"
+            )));
+        }
+        Ok(DurationText(d))
     }
 }
 
@@ -778,6 +786,34 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         None
     };
 
+    // Two listeners on one port cannot both bind (an unspecified address takes the port
+    // on every address).
+    let mut listens: Vec<(&str, SocketAddr)> = Vec::new();
+    if let Some(l) = &loopback {
+        listens.push(("loopback.listen", l.listen));
+    }
+    if let Some(r) = &remote {
+        listens.push(("remote.listen", r.listen));
+    }
+    if let Some(m) = metrics {
+        listens.push(("metrics.listen", m));
+    }
+    for (i, (key, addr)) in listens.iter().enumerate() {
+        for (other, theirs) in &listens[..i] {
+            let overlap = addr.port() == theirs.port()
+                && addr.port() != 0
+                && (addr.ip() == theirs.ip()
+                    || addr.ip().is_unspecified()
+                    || theirs.ip().is_unspecified());
+            if overlap {
+                issues.add(
+                    *key,
+                    format!("{addr} is also {other} ({theirs}): two listeners cannot share a port"),
+                );
+            }
+        }
+    }
+
     let request_body = raw.limits.request_body.map_or(1024 * 1024, |s| s.0);
     if request_body == 0 || request_body > REQUEST_BODY_CEILING {
         issues.add(
@@ -1025,12 +1061,17 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
             continue;
         };
         // Whoever a trusted net holds may write X-Forwarded-For, so may pick the address it
-        // is throttled as; every address is nobody's proxy.
-        if net.prefix_len() == 0 {
+        // is throttled as; every address is nobody's proxy, and no proxy fleet needs more
+        // than a /8 (IPv4) or a /16 (IPv6) — two /1s are /0 again.
+        let widest = match net {
+            ipnet::IpNet::V4(_) => 8,
+            ipnet::IpNet::V6(_) => 16,
+        };
+        if net.prefix_len() < widest {
             issues.add(
                 key,
                 format!(
-                    "{net} trusts every address: any client could forge X-Forwarded-For and escape throttling; list only the proxies in front of the daemon"
+                    "{net} trusts too many addresses (wider than /{widest}): any client there could forge X-Forwarded-For and escape throttling; list only the proxies in front of the daemon"
                 ),
             );
             continue;
@@ -1413,17 +1454,25 @@ mod tests {
 
     #[test]
     fn trusting_every_address_is_refused_and_public_nets_warned_about() {
-        for all in ["0.0.0.0/0", "::/0", " 0.0.0.0/0 "] {
+        for all in [
+            "0.0.0.0/0",
+            "::/0",
+            " 0.0.0.0/0 ",
+            "0.0.0.0/1",
+            "10.0.0.0/7",
+            "2000::/15",
+            "::ffff:0.0.0.0/96",
+        ] {
             let found = issues(&format!(
                 "{REMOTE}trusted_proxies = [\"127.0.0.1\", \"{all}\"]\n"
             ));
             assert_eq!(found.len(), 1, "{all}: {found:?}");
             assert_eq!(found[0].path, "remote.trusted_proxies[1]");
-            assert!(found[0].problem.contains("every address"), "{found:?}");
+            assert!(found[0].problem.contains("too many addresses"), "{found:?}");
         }
         let config = parse(
             &format!(
-                "{REMOTE}trusted_proxies = [\"127.0.0.1\", \"10.0.0.0/8\", \"203.0.113.0/24\", \"::1\", \"2001:db8::/32\"]\n"
+                "{REMOTE}trusted_proxies = [\"127.0.0.1\", \"10.0.0.0/8\", \"203.0.113.0/24\", \"::1\", \"2001:db8::/32\", \"fd00::/16\"]\n"
             ),
             &env(),
         )
@@ -1434,7 +1483,7 @@ mod tests {
             ["remote.trusted_proxies[2]", "remote.trusted_proxies[4]"]
         );
         assert!(config.warnings[0].problem.contains("public"));
-        assert_eq!(config.remote.unwrap().trusted_proxies.len(), 5);
+        assert_eq!(config.remote.unwrap().trusted_proxies.len(), 6);
         assert!(parse(REMOTE, &env()).unwrap().warnings.is_empty());
     }
 }

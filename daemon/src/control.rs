@@ -293,7 +293,13 @@ async fn connection<A: ControlApi>(
             let _ = write_frame(&mut writer, &reply).await;
             return;
         }
-        let reply = match Request::decode(&line) {
+        let request = Request::decode(&line);
+        if request.is_ok() {
+            // Every well-formed request of an allowed peer counts as admitted (a relayed MCP
+            // session counts once here, and its MCP requests under `stdio`).
+            metrics.admitted(Carrier::Control);
+        }
+        let reply = match request {
             Ok(Request {
                 command: Command::Mcp,
                 ..

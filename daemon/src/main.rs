@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::{Args, Sub};
 
 fn main() -> ExitCode {
+    close_inherited_fds();
     let args = Args::parse();
     let env = Environment::from_process();
     let journal =
@@ -87,6 +88,23 @@ fn main() -> ExitCode {
             }
             code(e.exit_code())
         }
+    }
+}
+
+/// Descriptors inherited beyond stdin, stdout and stderr (a shell's, a supervisor's) are
+/// closed before anything opens its own, so no job or turn process is handed them.
+fn close_inherited_fds() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let inherited: Vec<i32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    // The listing's own descriptor is among them and already closed: EBADF, ignored.
+    for fd in inherited {
+        let _ = nix::unistd::close(fd);
     }
 }
 

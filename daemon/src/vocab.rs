@@ -274,6 +274,9 @@ closed_set! {
         Busy = "busy",
         /// 431 on `/metrics` (the carriers audit theirs as the refusal `oversize`).
         HeadTooLarge = "head-too-large",
+        /// 403 on a loopback `/metrics`: a `Host` that is not the listener's own address
+        /// (DNS rebinding: a web page reading the metrics through a name of its own).
+        WrongHost = "wrong-host",
         /// A 4xx from the MCP SDK: `Accept`/`Content-Type` (406, 415), protocol headers or
         /// per-request metadata (400), an unknown method (404).
         Protocol = "protocol",

@@ -76,12 +76,25 @@ fn errors_name_their_key_and_exit_78() {
         (
             "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
              trusted_proxies = [\"0.0.0.0/0\"]\n",
-            "remote.trusted_proxies[0]: 0.0.0.0/0 trusts every address",
+            "remote.trusted_proxies[0]: 0.0.0.0/0 trusts too many addresses",
         ),
         (
             "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
              trusted_proxies = [\"::1\", \"::/0\"]\n",
-            "remote.trusted_proxies[1]: ::/0 trusts every address",
+            "remote.trusted_proxies[1]: ::/0 trusts too many addresses",
+        ),
+        (
+            "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n\
+             trusted_proxies = [\"0.0.0.0/1\", \"128.0.0.0/1\"]\n",
+            "remote.trusted_proxies[0]: 0.0.0.0/1 trusts too many addresses",
+        ),
+        (
+            "[loopback]\nlisten = \"127.0.0.1:9464\"\n",
+            "metrics.listen: 127.0.0.1:9464 is also loopback.listen",
+        ),
+        (
+            "[tools.permissions]\nmax_duration = \"18446744073709551615s\"\n",
+            "tools.permissions.max_duration: duration",
         ),
     ];
     for (text, needle) in cases {

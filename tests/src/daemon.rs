@@ -116,6 +116,7 @@ pub struct DaemonBuilder {
     env: Vec<(String, String)>,
     watchdog_usec: Option<u64>,
     state_dir: Option<PathBuf>,
+    inherited: Option<PathBuf>,
 }
 
 impl Default for DaemonBuilder {
@@ -128,6 +129,7 @@ impl Default for DaemonBuilder {
             env: Vec::new(),
             watchdog_usec: None,
             state_dir: None,
+            inherited: None,
         }
     }
 }
@@ -167,6 +169,13 @@ impl DaemonBuilder {
     /// daemon's own pid, set by exec-ing through a shell).
     pub fn watchdog_usec(mut self, usec: u64) -> Self {
         self.watchdog_usec = Some(usec);
+        self
+    }
+
+    /// Start the daemon with `path` open on descriptor 9 and not close-on-exec, as a
+    /// careless supervisor or shell would hand it over.
+    pub fn inherit_open(mut self, path: &Path) -> Self {
+        self.inherited = Some(path.to_path_buf());
         self
     }
 
@@ -225,16 +234,26 @@ impl DaemonBuilder {
         let stderr = File::create(dir.path().join("daemon.stderr")).expect("stderr file");
 
         let mut env = self.env.clone();
-        let mut cmd = match self.watchdog_usec {
-            None => Command::new(crate::mcpd_bin()),
-            Some(usec) => {
-                let mut c = Command::new("/bin/sh");
-                c.arg("-c")
-                    .arg("WATCHDOG_PID=$$ exec \"$0\" \"$@\"")
-                    .arg(crate::mcpd_bin());
+        // Through a shell when the daemon is to be started as systemd would with
+        // `WatchdogSec=` (`WATCHDOG_PID` is the daemon's own pid: the shell execs it) or
+        // with a descriptor left open.
+        let mut cmd = if self.watchdog_usec.is_none() && self.inherited.is_none() {
+            Command::new(crate::mcpd_bin())
+        } else {
+            let mut script = String::new();
+            if let Some(usec) = self.watchdog_usec {
+                script.push_str("WATCHDOG_PID=$$ ");
                 env.push(("WATCHDOG_USEC".into(), usec.to_string()));
-                c
             }
+            script.push_str("exec ");
+            if let Some(path) = &self.inherited {
+                env.push(("ROBOTA_E2E_INHERITED".into(), path.display().to_string()));
+                script.push_str("9<\"$ROBOTA_E2E_INHERITED\" ");
+            }
+            script.push_str("\"$0\" \"$@\"");
+            let mut c = Command::new("/bin/sh");
+            c.arg("-c").arg(script).arg(crate::mcpd_bin());
+            c
         };
         let child = cmd
             .arg("--config")

@@ -13,9 +13,12 @@
 //! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
 //! for twice its body (ours and the SDK's copy) while it is read, then for
 //! [`super::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until it is
-//! answered. A body whose cost alone would exceed the budget is refused 413; otherwise it
-//! waits for budget within the body deadline. So a flood of bodies built to amplify
-//! (`[[],[],…]`) costs at most the budget, whatever the limits.
+//! answered. A body whose cost alone would exceed the budget is refused 413. A request
+//! waits for budget only while it holds none (for a declared body length, before its
+//! first byte); any further share must be free at once, or it gives back what it holds
+//! and is answered 503 — so no set of requests can hold the budget while waiting on each
+//! other. A flood of bodies built to amplify (`[[],[],…]`) costs about the budget,
+//! whatever the limits.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -171,9 +174,14 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
-        match self.budget(parse, deadline).await {
+        // Never wait for more while holding some: a request that cannot have its whole
+        // share at once gives back what it holds (503), so holders cannot block each other.
+        match self.try_budget(parse) {
             Some(more) => held.merge(more),
-            None => return self.reject(Rejection::Busy, busy()),
+            None => {
+                drop(held);
+                return self.reject(Rejection::Busy, busy());
+            }
         }
         if let Err(requested) = protocol_version(&parts.headers) {
             return self.reject(
@@ -199,7 +207,14 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         response.map(|b| b.boxed())
     }
 
-    /// `units` of the memory budget, waiting at most until `deadline`.
+    /// `units` of the memory budget now, or none.
+    fn try_budget(&self, units: usize) -> Option<OwnedSemaphorePermit> {
+        let units = u32::try_from(units).ok()?;
+        self.memory.clone().try_acquire_many_owned(units).ok()
+    }
+
+    /// `units` of the memory budget, waiting at most until `deadline` (only while holding
+    /// none of it).
     async fn budget(&self, units: usize, deadline: Instant) -> Option<OwnedSemaphorePermit> {
         let units = u32::try_from(units).ok()?;
         tokio::time::timeout_at(deadline, self.memory.clone().acquire_many_owned(units))
@@ -208,7 +223,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .ok()
     }
 
-    /// Read the body, holding budget for twice what has arrived.
+    /// Read the body, holding budget for twice what has arrived: for a declared length,
+    /// all of it before the first byte (waiting for it, holding nothing); for a body of
+    /// unknown length, in steps that must be free at once.
     async fn read(
         &self,
         body: Incoming,
@@ -242,7 +259,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                     .saturating_sub(held.num_permits())
                     .max(64)
                     .min((self.memory_units).saturating_sub(held.num_permits()));
-                let more = self.budget(step, deadline).await.ok_or(ReadFailure::Busy)?;
+                let more = self.try_budget(step).ok_or(ReadFailure::Busy)?;
                 held.merge(more);
             }
             collected.extend_from_slice(&data);
@@ -372,6 +389,7 @@ mod tests {
             Err("2025-06-18".into())
         );
         assert!(protocol_version(&headers(&["2025-03-26"])).is_err());
+        assert_eq!(protocol_version(&headers(&[""])), Err(String::new()));
         assert!(protocol_version(&headers(&["2025-11-25", "2025-11-25"])).is_err());
     }
 

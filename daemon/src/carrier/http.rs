@@ -71,6 +71,18 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a full listener writes to a plain-text peer it cannot make room for.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
 
+/// Marks a response to a request that was not admitted (a refusal, a 404, metadata): the
+/// connection counts as one that has not been served, so it is evicted first and held
+/// only to the head deadline — an unauthenticated peer cannot keep slots by asking.
+#[derive(Debug, Clone, Copy)]
+pub struct Unadmitted;
+
+/// `response`, marked [`Unadmitted`].
+pub fn unadmitted(mut response: Response<Body>) -> Response<Body> {
+    response.extensions_mut().insert(Unadmitted);
+    response
+}
+
 /// Why a request was refused on its head, before any handler saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadRefusal {
@@ -275,10 +287,13 @@ impl<H: Handler> Conn<H> {
                     let response = if head_too_large(&req, max_header_bytes) {
                         handler.head_refused(peer, HeadRefusal::TooLarge);
                         discard_body(req);
-                        empty(http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
+                        unadmitted(empty(http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE))
                     } else {
                         handler.handle(req, peer).await
                     };
+                    if response.extensions().get::<Unadmitted>().is_some() {
+                        busy.0.unserve();
+                    }
                     Ok::<_, Infallible>(response.map(|body| Tracked { body, _busy: busy }))
                 }
             })
@@ -582,6 +597,13 @@ impl Ticket {
     fn busy(&self) -> Busy {
         self.table.inner.lock().start_request(self.id);
         Busy(self.clone())
+    }
+
+    /// The request just answered was not admitted: it does not count as served.
+    fn unserve(&self) {
+        if let Some(slot) = self.table.inner.lock().slots.get_mut(&self.id) {
+            slot.served = slot.served.saturating_sub(1);
+        }
     }
 
     fn served(&self) -> u64 {

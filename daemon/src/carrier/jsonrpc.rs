@@ -40,8 +40,11 @@ pub enum Invalid {
         id: Option<Value>,
         why: &'static str,
     },
-    /// -32602: `params` present but not an object.
-    Params { id: Option<Value> },
+    /// -32602: `params` not an object, or not what the method needs.
+    Params {
+        id: Option<Value>,
+        why: &'static str,
+    },
 }
 
 impl Invalid {
@@ -56,7 +59,7 @@ impl Invalid {
     pub fn id(&self) -> Option<&Value> {
         match self {
             Invalid::Parse(_) => None,
-            Invalid::Request { id, .. } | Invalid::Params { id } => id.as_ref(),
+            Invalid::Request { id, .. } | Invalid::Params { id, .. } => id.as_ref(),
         }
     }
 
@@ -64,7 +67,7 @@ impl Invalid {
         match self {
             Invalid::Parse(why) => format!("Parse error: {why}"),
             Invalid::Request { why, .. } => format!("Invalid Request: {why}"),
-            Invalid::Params { .. } => "Invalid params: `params` must be an object".into(),
+            Invalid::Params { why, .. } => format!("Invalid params: {why}"),
         }
     }
 
@@ -85,6 +88,7 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
     let top = Probe {
         values: &mut values,
         depth: 0,
+        params: false,
     }
     .deserialize(&mut de)
     .and_then(|top| de.end().map(|()| top))
@@ -125,7 +129,13 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
     match &fields.method {
         Some(Kind::Str(method)) => {
             if fields.params.as_ref().is_some_and(|p| !p.is_object()) {
-                return Err(Invalid::Params { id });
+                return Err(Invalid::Params {
+                    id,
+                    why: "`params` must be an object",
+                });
+            }
+            if let Some(why) = params_problem(method, fields.params.as_ref()) {
+                return Err(Invalid::Params { id, why });
             }
             let method = Some(method.clone());
             Ok(Inspected { id, method, cost })
@@ -182,6 +192,35 @@ struct Fields {
     params: Option<Kind>,
     result: bool,
     error: bool,
+    // The members of `params` the methods below require.
+    name: Option<Kind>,
+    arguments: Option<Kind>,
+    task_id: Option<Kind>,
+}
+
+/// What a method's `params` must hold, for the methods whose `params` are checked here
+/// (elsewhere a wrong shape would reach the SDK and come back as "method not found").
+fn params_problem(method: &str, params: Option<&Kind>) -> Option<&'static str> {
+    let fields = match params {
+        Some(Kind::Object(Some(fields))) => Some(fields),
+        _ => None,
+    };
+    let string = |k: &Option<Kind>| matches!(k, Some(Kind::Str(_)));
+    match method {
+        "tools/call" => match fields {
+            None => Some("tools/call needs `params` with a string `name`"),
+            Some(f) if !string(&f.name) => Some("tools/call needs a string `name`"),
+            Some(f) if !matches!(f.arguments, None | Some(Kind::Null) | Some(Kind::Object(_))) => {
+                Some("tools/call `arguments` must be an object")
+            }
+            Some(_) => None,
+        },
+        "tasks/get" | "tasks/cancel" => match fields {
+            Some(f) if string(&f.task_id) => None,
+            _ => Some("a tasks request needs a string `taskId`"),
+        },
+        _ => None,
+    }
 }
 
 /// Walks one value: counts it and everything inside, refuses duplicate keys, and
@@ -190,6 +229,8 @@ struct Fields {
 struct Probe<'a> {
     values: &'a mut usize,
     depth: u8,
+    /// This value is the message's `params`: note the members methods require.
+    params: bool,
 }
 
 impl Probe<'_> {
@@ -197,6 +238,7 @@ impl Probe<'_> {
         Probe {
             values: &mut *self.values,
             depth: self.depth.saturating_add(1),
+            params: false,
         }
     }
 }
@@ -245,7 +287,7 @@ impl<'de> Visitor<'de> for Probe<'_> {
         *self.values += 1;
         // Only the message's own members are kept (`jsonrpc`, `id`, `method`); strings
         // deeper down (arguments, content) are counted, never copied.
-        Ok(Kind::Str(if self.depth == 1 {
+        Ok(Kind::Str(if self.depth == 1 && !self.params {
             v.to_owned()
         } else {
             String::new()
@@ -261,7 +303,8 @@ impl<'de> Visitor<'de> for Probe<'_> {
     fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Kind, A::Error> {
         *self.values += 1;
         let mut seen: HashSet<Cow<'de, str>> = HashSet::new();
-        let mut fields = (self.depth == 0).then(Box::<Fields>::default);
+        let mut fields = (self.depth == 0 || self.params).then(Box::<Fields>::default);
+        let top = self.depth == 0;
         while let Some(key) = map.next_key_seed(Key)? {
             *self.values += 1;
             if seen.contains(&key) {
@@ -270,15 +313,20 @@ impl<'de> Visitor<'de> for Probe<'_> {
                     Shorten(&key)
                 )));
             }
-            let value = map.next_value_seed(self.inner())?;
+            let mut inner = self.inner();
+            inner.params = top && key == "params";
+            let value = map.next_value_seed(inner)?;
             if let Some(f) = fields.as_mut() {
-                match key.as_ref() {
-                    "jsonrpc" => f.jsonrpc = Some(value),
-                    "id" => f.id = Some(value),
-                    "method" => f.method = Some(value),
-                    "params" => f.params = Some(value),
-                    "result" => f.result = true,
-                    "error" => f.error = true,
+                match (top, key.as_ref()) {
+                    (true, "jsonrpc") => f.jsonrpc = Some(value),
+                    (true, "id") => f.id = Some(value),
+                    (true, "method") => f.method = Some(value),
+                    (true, "params") => f.params = Some(value),
+                    (true, "result") => f.result = true,
+                    (true, "error") => f.error = true,
+                    (false, "name") => f.name = Some(value),
+                    (false, "arguments") => f.arguments = Some(value),
+                    (false, "taskId") => f.task_id = Some(value),
                     _ => {}
                 }
             }
@@ -361,7 +409,7 @@ mod tests {
 
     #[test]
     fn each_defect_gets_its_json_rpc_code_and_the_id_where_known() {
-        let cases: [(&str, i32, Value); 13] = [
+        let cases: [(&str, i32, Value); 18] = [
             ("", -32700, Value::Null),
             ("{", -32700, Value::Null),
             (
@@ -406,6 +454,31 @@ mod tests {
                 r#"{"jsonrpc":"2.0","id":8,"result":{},"error":{}}"#,
                 -32600,
                 json!(8),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":9,"method":"tools/call"}"#,
+                -32602,
+                json!(9),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":10,"method":"tools/call","params":{}}"#,
+                -32602,
+                json!(10),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":11,"method":"tools/call","params":{"name":"x","arguments":[]}}"#,
+                -32602,
+                json!(11),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":12,"method":"tasks/get","params":{"taskId":3}}"#,
+                -32602,
+                json!(12),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":13,"method":"tools/call","params":{"name":7}}"#,
+                -32602,
+                json!(13),
             ),
         ];
         for (body, code, id) in cases {

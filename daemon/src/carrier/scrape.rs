@@ -15,6 +15,48 @@ use crate::vocab::{Listener, Rejection};
 pub struct Scrape {
     pub metrics: Metrics,
     pub audit: Arc<Audit>,
+    /// On a loopback listener, the `Host` values a scrape may carry (its own address, or
+    /// `localhost`, with the port); any other name is a page that rebound a name of its
+    /// own to this host. `None`: any `Host` (a listener the operator put on a network).
+    pub hosts: Option<Arc<[String]>>,
+}
+
+impl Scrape {
+    /// The handler for a listener bound at `local`.
+    pub fn new(metrics: Metrics, audit: Arc<Audit>, local: std::net::SocketAddr) -> Self {
+        let hosts = local.ip().is_loopback().then(|| {
+            let port = local.port();
+            let own = match local {
+                std::net::SocketAddr::V4(a) => format!("{}:{port}", a.ip()),
+                std::net::SocketAddr::V6(a) => format!("[{}]:{port}", a.ip()),
+            };
+            let mut hosts = vec![format!("localhost:{port}")];
+            // On port 80 a client may leave the port out.
+            if port == 80 {
+                hosts.push("localhost".into());
+                hosts.push(own.trim_end_matches(":80").to_owned());
+            }
+            hosts.push(own);
+            hosts.into()
+        });
+        Self {
+            metrics,
+            audit,
+            hosts,
+        }
+    }
+
+    fn host_allowed(&self, req: &hyper::Request<hyper::body::Incoming>) -> bool {
+        let Some(hosts) = &self.hosts else {
+            return true;
+        };
+        let host = req
+            .headers()
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri().authority().map(|a| a.as_str()));
+        host.is_some_and(|h| hosts.iter().any(|ok| ok.eq_ignore_ascii_case(h)))
+    }
 }
 
 impl server::Handler for Scrape {
@@ -23,6 +65,11 @@ impl server::Handler for Scrape {
         req: hyper::Request<hyper::body::Incoming>,
         _peer: std::net::SocketAddr,
     ) -> hyper::Response<Body> {
+        if !self.host_allowed(&req) {
+            self.metrics
+                .rejected(Listener::Metrics, Rejection::WrongHost);
+            return server::empty(http::StatusCode::FORBIDDEN);
+        }
         if req.uri().path() != "/metrics" {
             self.metrics
                 .rejected(Listener::Metrics, Rejection::NotFound);

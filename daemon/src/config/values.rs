@@ -173,9 +173,21 @@ impl Default for KeyRefresh {
 /// An IP (`10.0.0.1`, `::1`) or a CIDR (`10.0.0.0/8`).
 pub fn parse_net(text: &str) -> Option<IpNet> {
     let text = text.trim();
-    text.parse::<IpNet>()
+    let net = text
+        .parse::<IpNet>()
         .ok()
-        .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from))
+        .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from))?;
+    // Peers are compared as IPv4 when they are IPv4-mapped, so a mapped net is the IPv4
+    // net it maps (else it would never match).
+    match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
+            Some(v4) => ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96)
+                .ok()
+                .map(IpNet::V4),
+            None => Some(net),
+        },
+        _ => Some(net),
+    }
 }
 
 /// Whether `net` holds an address that is neither loopback nor private (RFC 1918,

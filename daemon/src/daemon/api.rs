@@ -99,6 +99,24 @@ fn audit(
     after_seq: Option<u64>,
     limit: Option<u32>,
 ) -> Response {
+    use crate::vocab::{GrantEvent, Reason};
+    if let Some(r) = reason.as_deref()
+        && Reason::parse(r).is_none()
+        && GrantEvent::parse(r).is_none()
+    {
+        let known: Vec<&str> = Reason::ALL
+            .iter()
+            .map(|r| r.as_str())
+            .chain(GrantEvent::ALL.iter().map(|e| e.as_str()))
+            .collect();
+        return Response::error(
+            ErrorCode::BadRequest,
+            format!(
+                "\"{r}\" is not an audit reason; use one of: {}",
+                known.join(", ")
+            ),
+        );
+    }
     let query = crate::audit::Query {
         since,
         reason,

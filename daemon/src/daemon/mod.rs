@@ -277,9 +277,17 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
     let listeners = CancellationToken::new();
     let mut tasks = Vec::new();
     if let Some(listener) = metrics_listener {
-        if let Some(addr) = core.metrics_addr.read().as_deref() {
-            tracing::info!(address = %addr, "metrics listener serving /metrics");
-        }
+        let local = listener
+            .local_addr()
+            .map_err(|source| DaemonError::Metrics {
+                addr: core
+                    .plan
+                    .config
+                    .metrics
+                    .unwrap_or(([127, 0, 0, 1], 0).into()),
+                source,
+            })?;
+        tracing::info!(address = %local, "metrics listener serving /metrics");
         let options = crate::carrier::http::Options {
             name: Listener::Metrics,
             bounds: METRICS_BOUNDS,
@@ -291,10 +299,7 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
         tasks.push(tokio::spawn(crate::carrier::http::serve(
             listener,
             options,
-            crate::carrier::scrape::Scrape {
-                metrics: metrics.clone(),
-                audit: core.audit.clone(),
-            },
+            crate::carrier::scrape::Scrape::new(metrics.clone(), core.audit.clone(), local),
             listeners.clone(),
         )));
     }

@@ -156,6 +156,13 @@ async fn stalled_peers_cannot_lock_out_a_scrape() {
     for _ in 0..16 {
         stalled.push(stall(addr, b"P").await);
     }
+    // The later eight took the first eight's slots, oldest first.
+    for (i, conn) in stalled.iter_mut().take(8).enumerate() {
+        assert!(
+            closed_within(conn, QUICK).await,
+            "stalled peer {i} kept its slot"
+        );
+    }
     let started = Instant::now();
     let text = d
         .metrics_text()
@@ -533,7 +540,8 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
     let addr = d.loopback_addr();
     let bearer = d.bearer();
     let before = procs::rss_kib(d.pid());
-    // 16 at once, 1 MiB each: about 350,000 JSON values per body, ~70 MB to hold each.
+    // 16 at once, 1 MiB each: about 350,000 JSON values per body, ~70 MB to hold each,
+    // so the budget holds one parse at a time.
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..16 {
         let bearer = bearer.clone();
@@ -541,10 +549,14 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
             async move { post_raw(addr, &bearer, amplifying_body(i, 1024 * 1024 - 64)).await },
         );
     }
+    // Each is served, or answered 503 at once when the share it needs is not free.
     let mut statuses = Vec::new();
     while let Some(resp) = calls.join_next().await {
         let resp = resp.expect("task");
         statuses.push(resp.status);
+        if resp.status == 503 {
+            assert_eq!(resp.header("retry-after"), Some("1"), "{}", resp.describe());
+        }
         if resp.status == 200 {
             let rpc = resp.messages().into_iter().next().expect("an answer");
             assert_eq!(
@@ -555,7 +567,10 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
             );
         }
     }
-    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| matches!(s, 200 | 503)) && statuses.contains(&200),
+        "{statuses:?}"
+    );
     let peak = procs::peak_rss_kib(d.pid());
     let after = procs::rss_kib(d.pid());
     eprintln!(
@@ -573,6 +588,168 @@ async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
     )
     .await;
     served(&resp, "after the amplifying bodies");
+}
+
+/// `{"jsonrpc":"2.0","id":id,"method":"tools/call",…"arguments":{"x":[0,0,…]}}` of about
+/// `len` bytes: each 1 MiB costs most of the default budget to parse.
+fn number_array_body(id: i64, len: usize) -> Vec<u8> {
+    let mut body =
+        format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"system.info","arguments":{{"x":["#)
+            .into_bytes();
+    while body.len() + 5 < len {
+        body.extend_from_slice(b"0,");
+    }
+    body.extend_from_slice(b"0]}}}");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_never_hold_the_memory_budget_waiting_for_each_other() {
+    // Twenty bodies of 1 MiB, each costing ~100 MiB of the 128 MiB budget to parse: each
+    // holds budget for its bytes, and none may then wait for its parse share while others
+    // hold theirs. Every one is answered at once (served, or 503 with Retry-After), never
+    // at the body deadline; a small request meanwhile is served.
+    let d = Daemon::builder()
+        .loopback("max_in_flight = 64")
+        .loopback("body_timeout = \"20s\"")
+        .start();
+    let addr = d.loopback_addr();
+    let bearer = d.bearer();
+    let started = Instant::now();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let bearer = bearer.clone();
+        calls.spawn(async move {
+            let resp = post_raw(addr, &bearer, number_array_body(i, 1024 * 1024 - 64)).await;
+            (resp, started.elapsed())
+        });
+    }
+    let small = within(PROMPT * 3, "a small request beside the big ones", async {
+        exchange(
+            addr,
+            &Request::mcp(addr.port(), Some(&bearer), &tools_list(99)),
+        )
+        .await
+    })
+    .await;
+    served(&small, "a small request beside the big ones");
+    let mut answers = Vec::new();
+    while let Some(answer) = calls.join_next().await {
+        let (resp, took) = answer.expect("task");
+        assert!(
+            matches!(resp.status, 200 | 503),
+            "a big body: {}",
+            resp.describe()
+        );
+        if resp.status == 503 {
+            assert_eq!(resp.header("retry-after"), Some("1"), "{}", resp.describe());
+        }
+        answers.push((resp.status, took));
+    }
+    eprintln!("20 × 1 MiB number arrays: {answers:?}");
+    let slowest = answers.iter().map(|(_, t)| *t).max().expect("answers");
+    assert!(
+        slowest < Duration::from_secs(10),
+        "a big body waited {slowest:?} (the body deadline is 20 s): {answers:?}"
+    );
+    // Alone, one such body is within the budget and is served.
+    let resp = post_raw(addr, &bearer, number_array_body(100, 1024 * 1024 - 64)).await;
+    served(&resp, "one 1 MiB number array alone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_http2_peers_cannot_evict_a_served_connection() {
+    // The loopback listener has 64 slots. A client's HTTP/2 connection is served once;
+    // then 70 connections each make one request without a bearer (401). Refused
+    // requests do not count as service, so the full listener evicts those, never the
+    // client's connection.
+    let d = Daemon::start("");
+    let addr = d.loopback_addr();
+    let bearer = d.bearer();
+    let list = serde_json::to_vec(&tools_list(1)).expect("json");
+    let mut client = H2Conn::connect(addr).await;
+    let (status, _) = client
+        .post(Some(&bearer), &[], TestBody::full(list.clone()))
+        .await
+        .expect("the client's first request");
+    assert_eq!(status, 200);
+    let mut refused = Vec::new();
+    for i in 0..70 {
+        let mut h2 = H2Conn::connect(addr).await;
+        // A connection evicted before it is answered has no status to show.
+        if let Ok((status, _)) = h2.post(None, &[], TestBody::full(list.clone())).await {
+            assert_eq!(status, 401, "refused peer {i}");
+        }
+        refused.push(h2);
+    }
+    assert!(
+        !client.is_closed(),
+        "the served client's connection was evicted"
+    );
+    let (status, _) = client
+        .post(Some(&bearer), &[], TestBody::full(list))
+        .await
+        .expect("the client's second request on the same connection");
+    assert_eq!(status, 200);
+    assert!(
+        metric(
+            &d,
+            &[
+                "robota_mcpd_connections_total",
+                "listener=\"loopback\"",
+                "outcome=\"evicted\""
+            ]
+        ) >= 6.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_under_a_foreign_host_name_is_refused() {
+    // A page that rebinds its own name to 127.0.0.1 reaches the loopback metrics
+    // listener with its name in `Host`; only the listener's own address and `localhost`
+    // are scraped.
+    let d = Daemon::start("");
+    let addr = d.metrics_addr();
+    let port = addr.port();
+    let get = |host: String| {
+        format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+    };
+    for host in [
+        format!("attacker.example:{port}"),
+        "127.0.0.1".into(),
+        String::new(),
+    ] {
+        let mut conn = Conn::connect(addr).await.expect("connect");
+        conn.write(get(host.clone()).as_bytes())
+            .await
+            .expect("write");
+        let resp = conn.read_response().await.expect("response");
+        assert_eq!(resp.status, 403, "Host {host:?}: {}", resp.describe());
+        assert!(!String::from_utf8_lossy(&resp.body).contains("robota_mcpd"));
+    }
+    for host in [
+        format!("localhost:{port}"),
+        format!("LOCALHOST:{port}"),
+        addr.to_string(),
+    ] {
+        let mut conn = Conn::connect(addr).await.expect("connect");
+        conn.write(get(host.clone()).as_bytes())
+            .await
+            .expect("write");
+        let resp = conn.read_response().await.expect("response");
+        assert_eq!(resp.status, 200, "Host {host:?}: {}", resp.describe());
+    }
+    assert_eq!(
+        metric(
+            &d,
+            &[
+                "robota_mcpd_http_rejections_total",
+                "listener=\"metrics\"",
+                "cause=\"wrong-host\""
+            ]
+        ),
+        3.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -680,6 +857,21 @@ fn malformed_cases() -> Vec<(&'static str, i64, Value)> {
             -32602,
             json!("s"),
         ),
+        (
+            r#"{"jsonrpc":"2.0","id":8,"method":"tools/call"}"#,
+            -32602,
+            json!(8),
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"arguments":{}}}"#,
+            -32602,
+            json!(9),
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":10,"method":"tasks/get","params":{}}"#,
+            -32602,
+            json!(10),
+        ),
     ]
 }
 
@@ -703,6 +895,16 @@ async fn protocol_errors_are_answered_as_json_rpc_with_the_request_id() {
         json!(["2025-11-25", "2026-07-28"]),
         "{v}"
     );
+    // An empty one is no version either.
+    let v = rpc_error(
+        &exchange(addr, &raw(addr, &bearer, "", body)).await,
+        "empty version",
+    );
+    assert_eq!(
+        (v["id"].clone(), v["error"]["code"].clone()),
+        (json!(42), json!(-32022)),
+        "{v}"
+    );
     for (body, code, id) in malformed_cases() {
         let v = rpc_error(
             &exchange(addr, &raw(addr, &bearer, "2025-11-25", body.as_bytes())).await,
@@ -718,10 +920,10 @@ async fn protocol_errors_are_answered_as_json_rpc_with_the_request_id() {
     // Each is counted by cause.
     let text = d.metrics_text().expect("metrics");
     for (cause, n) in [
-        ("unsupported-version", 1.0),
+        ("unsupported-version", 2.0),
         ("parse-error", 3.0),
         ("invalid-request", 5.0),
-        ("invalid-params", 2.0),
+        ("invalid-params", 5.0),
     ] {
         assert_eq!(
             metric_sum(

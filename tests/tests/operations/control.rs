@@ -29,8 +29,14 @@ fn peer_uid_not_allowed_gets_exit_4() {
         "{}",
         out.stdout
     );
-    // The refused peer got nothing; root still gets served.
-    d.ctl_ok(&["status"]);
+    // The refused peer got nothing; root still gets served, and sees the refusal.
+    let st = d.status();
+    let control = st
+        .carriers
+        .iter()
+        .find(|c| c.name == "control")
+        .expect("control");
+    assert_eq!(control.refused, 1, "{control:?}");
     let out = d.ctl_as(NOBODY, NOBODY, &["bearer", "issue"]);
     out.expect_code(4, "bearer issue as uid 65534 without allow_uids");
     assert!(
@@ -86,6 +92,15 @@ fn ctl_exit_codes_distinguish_failures() {
         .expect_code(2, "unparseable --ttl");
     d.ctl(&["bearer", "revoke", "never-issued"])
         .expect_code(1, "revoke of an unknown label");
+    // An audit filter naming no reason is an error that lists the reasons, not an empty
+    // answer that reads as "nothing was refused".
+    let out = d.ctl(&["audit", "--reason", "no-such-reason"]);
+    out.expect_code(1, "audit --reason with an unknown reason");
+    assert!(
+        out.stderr.contains("no-such-reason") && out.stderr.contains("bad-bearer"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]
@@ -114,6 +129,9 @@ fn status_reports_carriers_and_session() {
         .find(|c| c.name == "control")
         .expect("control");
     assert_eq!(control.address, d.socket_path().display().to_string());
+    // Control requests are counted: at least this `status` and the harness's own.
+    assert!(control.admitted >= 2, "{control:?}");
+    assert_eq!(control.refused, 0, "{control:?}");
     let lo = st
         .carriers
         .iter()

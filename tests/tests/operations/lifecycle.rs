@@ -287,6 +287,29 @@ fn sigterm_sends_stopping_and_exits_zero() {
     assert!(stopping > ready, "STOPPING=1 after READY=1: {lines:?}");
 }
 
+#[test]
+fn a_descriptor_left_open_by_whoever_started_the_daemon_is_not_kept() {
+    // Started with a file open on descriptor 9 and not close-on-exec: the daemon lets
+    // go of it before it opens anything, so no job or turn process it starts holds it.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let marker = tmp.path().join("left-open");
+    std::fs::write(&marker, b"held by the supervisor").expect("marker");
+    let d = Daemon::builder().inherit_open(&marker).start();
+    let held: Vec<_> = std::fs::read_dir(format!("/proc/{}/fd", d.pid()))
+        .expect("the daemon's descriptors")
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .collect();
+    assert!(
+        !held.iter().any(|p| p == &marker),
+        "the daemon still holds the inherited descriptor: {held:?}"
+    );
+    assert!(
+        held.iter().any(|p| p.to_string_lossy().contains("socket:")),
+        "no sockets among {held:?}: not the daemon's table"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_invalidates_every_bearer_and_serves_again() {
     let d = Daemon::start("");

@@ -219,6 +219,6 @@ impl<S> Loopback<S> {
                 HeaderValue::from_static(challenge),
             );
         }
-        endpoint::closing(response, version)
+        server::unadmitted(endpoint::closing(response, version))
     }
 }

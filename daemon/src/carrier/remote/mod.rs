@@ -195,9 +195,9 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         match route {
             Route::NotFound => {
                 c.metrics.rejected(Listener::Remote, Rejection::NotFound);
-                return server::empty(StatusCode::NOT_FOUND);
+                return server::unadmitted(server::empty(StatusCode::NOT_FOUND));
             }
-            Route::Metadata => return self.metadata(req.method()),
+            Route::Metadata => return server::unadmitted(self.metadata(req.method())),
             Route::Endpoint => {}
         }
         let outcome = match admission::credentials(req.headers()) {
@@ -298,6 +298,6 @@ impl<S> Remote<S> {
         if let Some(seconds) = refusal.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        endpoint::closing(response, version)
+        server::unadmitted(endpoint::closing(response, version))
     }
 }
