@@ -86,6 +86,20 @@ a \"count\" of the refusals it stands for.")]
     #[command(subcommand)]
     Keys(KeysCommand),
 
+    /// Downstream MCP servers: list them (the default), or restart one
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl upstreams
+  robota-mcpctl --json upstreams | jq '.upstreams[] | {name, state}'
+  robota-mcpctl upstreams restart pg
+
+States: starting, up, backoff (failed; the next attempt waits), down (not ready within
+the start bound, or stopped). A tool that could not be imported is listed with why.")]
+    Upstreams {
+        #[command(subcommand)]
+        command: Option<UpstreamsCommand>,
+    },
+
     /// Serve MCP on stdin/stdout, relayed to the running daemon's session (for desktop
     /// clients that only launch children); the caller is local:<your uid>
     #[command(after_help = "\
@@ -164,6 +178,26 @@ Examples:
         /// Write the new secret to this new file (mode 0600) instead of stdout
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum UpstreamsCommand {
+    /// Each upstream: kind, state, tools imported and refused, restarts, last error
+    #[command(after_help = "\
+Example:
+  robota-mcpctl upstreams list")]
+    List,
+
+    /// Restart one upstream now (a shared child is stopped and started again, an HTTP
+    /// backend reconnected); prints it once that attempt has ended
+    #[command(after_help = "\
+Example:
+  robota-mcpctl upstreams restart pg")]
+    Restart {
+        /// The upstream's name (its `[upstreams.<name>]` table)
+        #[arg(value_name = "NAME")]
+        name: String,
     },
 }
 

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use robota_proto::{Command, Reply, Request, Secret};
 
-use crate::cli::{BearerCommand, CtlCommand, GrantsCommand, JobsCommand, KeysCommand};
+use crate::cli::{
+    BearerCommand, CtlCommand, GrantsCommand, JobsCommand, KeysCommand, UpstreamsCommand,
+};
 use crate::client;
 use crate::error::CtlError;
 use crate::render;
@@ -113,6 +115,24 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             }
             reply @ Reply::KeySet(_) => print_json(&reply),
             other => Err(unexpected("key-set", &other)),
+        },
+        CtlCommand::Upstreams {
+            command: None | Some(UpstreamsCommand::List),
+        } => match call(ctx, Command::Upstreams)? {
+            Reply::Upstreams { upstreams } if !ctx.json => print(&render::upstreams(&upstreams)),
+            reply @ Reply::Upstreams { .. } => print_json(&reply),
+            other => Err(unexpected("upstreams", &other)),
+        },
+        CtlCommand::Upstreams {
+            command: Some(UpstreamsCommand::Restart { name }),
+        } => match call(ctx, Command::UpstreamRestart { name: name.clone() })? {
+            Reply::Upstream { upstream } if !ctx.json => print(&format!(
+                "upstream {} restarted\n\n{}",
+                render::clean(&upstream.name),
+                render::upstreams(std::slice::from_ref(&upstream))
+            )),
+            reply @ Reply::Upstream { .. } => print_json(&reply),
+            other => Err(unexpected("upstream", &other)),
         },
         CtlCommand::Stdio => stdio(ctx),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {

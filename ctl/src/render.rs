@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use robota_proto::{BearerInfo, GrantRecord, JobRecord, KeySetStatus, Status};
+use robota_proto::{BearerInfo, GrantRecord, JobRecord, KeySetStatus, Status, UpstreamStatus};
 
 /// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
 /// `char::is_control` covers: Unicode's format characters (bidi embeddings, overrides and
@@ -177,6 +177,16 @@ pub fn status(status: &Status) -> String {
     if let Some(keys) = &status.key_set {
         facts.push(("key set", key_set(keys)));
     }
+    if !status.upstreams.is_empty() {
+        let up = status.upstreams.iter().filter(|u| u.state == "up").count();
+        facts.push((
+            "upstreams",
+            format!(
+                "{up} of {} up (robota-mcpctl upstreams)",
+                status.upstreams.len()
+            ),
+        ));
+    }
     let rows: Vec<Vec<String>> = facts
         .into_iter()
         .map(|(key, value)| vec![format!("{key}:"), value])
@@ -230,6 +240,77 @@ pub fn status(status: &Status) -> String {
             ],
             &rows,
         ));
+    }
+    out
+}
+
+/// The upstreams table, then each upstream's refused tools and last error.
+pub fn upstreams(upstreams: &[UpstreamStatus]) -> String {
+    if upstreams.is_empty() {
+        return "no upstreams configured\n".into();
+    }
+    let rows: Vec<Vec<String>> = upstreams
+        .iter()
+        .map(|u| {
+            let kind = match &u.children {
+                Some(children) => format!("{} ({})", clean(&u.kind), clean(children)),
+                None => clean(&u.kind).into_owned(),
+            };
+            let mut tools = u.tools.len().to_string();
+            if u.listed_from_cache {
+                tools.push_str(" (last known)");
+            }
+            vec![
+                clean(&u.name).into_owned(),
+                kind,
+                clean(&u.state).into_owned(),
+                rfc3339(u.since),
+                u.protocol
+                    .as_deref()
+                    .map_or_else(|| "-".to_owned(), |p| clean(p).into_owned()),
+                tools,
+                u.refused.len().to_string(),
+                u.restarts.to_string(),
+            ]
+        })
+        .collect();
+    let mut out = table(
+        &[
+            ("UPSTREAM", Align::Left),
+            ("KIND", Align::Left),
+            ("STATE", Align::Left),
+            ("SINCE", Align::Left),
+            ("PROTOCOL", Align::Left),
+            ("TOOLS", Align::Right),
+            ("REFUSED", Align::Right),
+            ("RESTARTS", Align::Right),
+        ],
+        &rows,
+    );
+    for u in upstreams {
+        if !u.tools.is_empty() {
+            let names: Vec<String> = u.tools.iter().map(|t| clean(t).into_owned()).collect();
+            out.push_str(&format!(
+                "\n{} tools: {}\n",
+                clean(&u.name),
+                names.join(", ")
+            ));
+        }
+        for refused in &u.refused {
+            out.push_str(&format!(
+                "{} refused {:?}: {}\n",
+                clean(&u.name),
+                clean(&refused.tool),
+                clean(&refused.reason)
+            ));
+        }
+        if let Some(error) = &u.last_error {
+            out.push_str(&format!(
+                "{} last error: {}\n",
+                clean(&u.name),
+                clean(error)
+            ));
+        }
     }
     out
 }
@@ -488,6 +569,7 @@ mod tests {
             bearer_count: 2,
             refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
             key_set: None,
+            upstreams: Vec::new(),
         };
         let text = super::status(&status);
         for needle in [

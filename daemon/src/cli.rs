@@ -28,4 +28,15 @@ pub enum Sub {
     CheckConfig,
     /// Print the embedded default configuration.
     DefaultConfig,
+    /// Internal: how the daemon starts an upstream's command, so the kernel kills it when
+    /// the daemon dies. Not for use by hand.
+    #[command(hide = true)]
+    ExecUpstream {
+        /// The daemon's pid: the command is not run if its parent is another process.
+        #[arg(long)]
+        parent: u32,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        argv: Vec<std::ffi::OsString>,
+    },
 }

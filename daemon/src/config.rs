@@ -15,10 +15,16 @@ use std::time::Duration;
 use serde::Deserialize;
 
 mod tools;
+mod upstreams;
 mod values;
 pub use tools::{
     DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
     ToolsConfig, check_template_name,
+};
+pub use upstreams::{
+    Backoff, Children, HttpTarget, RESPONSE_LIMIT_CEILING, RESPONSE_LIMIT_DEFAULT,
+    STREAM_LIMIT_CEILING, STREAM_LIMIT_DEFAULT, UpstreamConfig, UpstreamEndpoint, UpstreamProtocol,
+    check_upstream_name,
 };
 pub use values::{
     KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, check_caller_pattern, check_name, holds_public,
@@ -118,6 +124,8 @@ pub struct Config {
     pub limits: Limits,
     pub policy: Vec<PolicyRule>,
     pub tools: ToolsConfig,
+    /// Downstream MCP servers, by name (sorted).
+    pub upstreams: Vec<UpstreamConfig>,
     /// Settings that are valid but probably not what was meant: `check-config` prints
     /// them and still succeeds, the daemon logs them at start.
     pub warnings: Vec<ConfigIssue>,
@@ -427,6 +435,8 @@ struct RawConfig {
     tools: tools::RawTools,
     #[serde(default)]
     jobs: BTreeMap<String, tools::RawJob>,
+    #[serde(default)]
+    upstreams: BTreeMap<String, upstreams::RawUpstream>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -881,6 +891,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
     }
 
     let tools = tools::validate(raw.tools, raw.jobs, &mut issues);
+    let upstreams = upstreams::validate(raw.upstreams, &mut issues);
 
     if !issues.0.is_empty() {
         return Err(issues.0);
@@ -908,6 +919,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         },
         policy,
         tools,
+        upstreams,
         warnings: issues.1,
     })
 }

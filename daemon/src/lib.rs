@@ -21,6 +21,7 @@ pub mod session;
 pub mod store;
 pub mod tools;
 pub mod transport;
+pub mod upstream;
 pub mod vocab;
 
 /// Process exit codes; the unit's `RestartPreventExitStatus=` names [`exit::CONFIG`].

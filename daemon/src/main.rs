@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use robota_mcpd::config::{self, Environment};
 use robota_mcpd::daemon::{self, Plan};
-use robota_mcpd::{error_chain, exit, logging};
+use robota_mcpd::{error_chain, exit, logging, upstream};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{Args, Sub};
@@ -17,6 +17,14 @@ use crate::cli::{Args, Sub};
 fn main() -> ExitCode {
     close_inherited_fds();
     let args = Args::parse();
+    if let Some(Sub::ExecUpstream { parent, argv }) = &args.command {
+        // Returns only if the command could not be executed.
+        eprintln!(
+            "robota-mcpd exec-upstream: {}",
+            upstream::exec_child(*parent, argv)
+        );
+        return code(exit::RUNTIME);
+    }
     let env = Environment::from_process();
     let journal =
         !args.stdio && logging::stderr_is_journal(std::env::var("JOURNAL_STREAM").ok().as_deref());
@@ -44,7 +52,7 @@ fn main() -> ExitCode {
             tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
         }
     }
-    let plan = match Plan::build(config) {
+    let mut plan = match Plan::build(config) {
         Ok(plan) => plan,
         Err(e) => {
             eprintln!(
@@ -58,6 +66,9 @@ fn main() -> ExitCode {
         eprintln!("robota-mcpd: configuration OK ({source})");
         return ExitCode::SUCCESS;
     }
+    // Upstream children start through this very binary, which has the kernel kill them
+    // when the daemon dies.
+    plan.launcher = upstream::Launcher::Shim("/proc/self/exe".into());
 
     // Sockets and files we create are private unless we open them up on purpose.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));

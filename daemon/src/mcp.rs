@@ -21,10 +21,10 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler};
-use serde_json::json;
+use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::catalog::{self, Snapshot, ToolError, ToolOutput, ToolSpec};
+use crate::catalog::{self, Snapshot, ToolError, ToolOutput, ToolSpec, UPSTREAM_META};
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
 use crate::session::{JobOp, RuntimeTools, TurnSubmission};
@@ -101,7 +101,10 @@ impl WireNames {
     ) -> Self {
         let submission = snapshot.submission();
         let mut problems = Vec::new();
-        let known = |name: &str| snapshot.get(name).is_some() || name == submission.name;
+        // A name under an upstream's prefix may be an alias for a tool it offers later.
+        let known = |name: &str| {
+            snapshot.get(name).is_some() || name == submission.name || snapshot.in_namespace(name)
+        };
         for alias in aliases.keys().filter(|name| !known(name)) {
             problems.push(WireError::UnknownAlias(alias.clone()));
         }
@@ -207,6 +210,32 @@ fn wire_of(
 }
 
 fn wire_tool(wire: &str, spec: &ToolSpec) -> Tool {
+    if let Some(imported) = &spec.imported {
+        // The upstream's own definition (title, annotations, output schema, icons, `_meta`)
+        // under the wire name, with its origin in `_meta`.
+        let mut definition = imported.listing.clone();
+        definition.insert("name".into(), Value::String(wire.to_owned()));
+        definition.insert(
+            "description".into(),
+            Value::String(spec.description.clone()),
+        );
+        definition.insert(
+            "inputSchema".into(),
+            Value::Object(spec.input_schema.clone()),
+        );
+        let meta = definition
+            .entry("_meta")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !meta.is_object() {
+            *meta = Value::Object(Map::new());
+        }
+        if let Value::Object(meta) = meta {
+            meta.insert(UPSTREAM_META.into(), imported.meta());
+        }
+        if let Ok(tool) = serde_json::from_value::<Tool>(Value::Object(definition)) {
+            return tool;
+        }
+    }
     let a = spec.annotations;
     Tool::new(
         wire.to_owned(),
@@ -304,6 +333,59 @@ impl<S> Clone for McpServer<S> {
     }
 }
 
+/// Where `tools/call` leaves an imported tool's result — already checked against the
+/// result limit and shaped for the caller's revision — for the carrier to send as it is,
+/// in place of the placeholder the handler returns. rmcp's result type has no room for
+/// fields it does not know, and an upstream's result keeps them (docs/design.md §13.4).
+/// A carrier puts one in the request's HTTP parts for every `tools/call`.
+#[derive(Clone, Default)]
+pub struct PassthroughSlot(Arc<Mutex<Option<Map<String, Value>>>>);
+
+impl PassthroughSlot {
+    pub fn take(&self) -> Option<Map<String, Value>> {
+        self.0.lock().take()
+    }
+
+    /// The JSON-RPC response carrying the slot's result for request `id`, if it holds one.
+    pub fn response(&self, id: &Value) -> Option<Value> {
+        self.take()
+            .map(|result| json!({"jsonrpc": "2.0", "id": id, "result": result}))
+    }
+}
+
+/// A passthrough result shaped for the caller's revision, as rmcp shapes its own results:
+/// `resultType: "complete"` for 2026-07-28; for older revisions no `resultType` and only
+/// object `structuredContent` (another value moves to the first text block).
+fn for_revision(mut raw: Map<String, Value>, modern: bool) -> Map<String, Value> {
+    if modern {
+        raw.insert("resultType".into(), Value::String("complete".into()));
+        return raw;
+    }
+    raw.remove("resultType");
+    if let Some(value) = raw
+        .get("structuredContent")
+        .filter(|v| !v.is_object())
+        .cloned()
+    {
+        raw.remove("structuredContent");
+        let content = raw
+            .entry("content")
+            .or_insert_with(|| Value::Array(Vec::new()));
+        if let Value::Array(blocks) = content {
+            let first_holds_it = blocks
+                .first()
+                .and_then(|b| b.get("text"))
+                .and_then(Value::as_str)
+                .and_then(|t| serde_json::from_str::<Value>(t).ok())
+                .is_some_and(|v| v == value);
+            if !first_holds_it {
+                blocks.insert(0, json!({"type": "text", "text": value.to_string()}));
+            }
+        }
+    }
+    raw
+}
+
 /// What the MCP face needs besides the session: the result limit, which applies to what
 /// goes on the wire, and where tool calls are counted.
 #[derive(Clone)]
@@ -359,6 +441,10 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         })
     }
 
+    pub fn inflight(&self) -> &Arc<InFlight> {
+        &self.shared.inflight
+    }
+
     /// The wire names of the current catalog generation.
     fn names(&self) -> Arc<WireNames> {
         let snapshot: Arc<Snapshot> = self.shared.session.catalog();
@@ -374,10 +460,6 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             }
         }
         names.clone()
-    }
-
-    pub fn inflight(&self) -> &Arc<InFlight> {
-        &self.shared.inflight
     }
 
     fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Caller> {
@@ -425,15 +507,34 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     }
 
     /// The rendered result, or `result_too_large` when what would go on the wire (the
-    /// structured content and its text copy) is over the result limit.
+    /// structured content and its text copy; a passthrough result as it will be sent) is
+    /// over the result limit. A passthrough result goes into its slot.
     fn bounded(
         &self,
         result: Result<ToolOutput, ToolError>,
+        passthrough: Option<(&PassthroughSlot, bool)>,
     ) -> (CallToolResult, Option<ToolErrorCode>) {
+        let limit = self.shared.wire.result_limit;
+        let result = match (result, passthrough) {
+            (Ok(ToolOutput::Passthrough(raw)), Some((slot, modern))) => {
+                let raw = for_revision(raw, modern);
+                let size = json_size(&raw);
+                if size <= limit {
+                    // The slot's result is sent instead of this placeholder.
+                    *slot.0.lock() = Some(raw);
+                    return (CallToolResult::success(Vec::new()), None);
+                }
+                Err(ToolError::new(
+                    ToolErrorCode::ResultTooLarge,
+                    format!("the result is {size} bytes on the wire, over the {limit} byte limit"),
+                ))
+            }
+            // Without a slot (the handler driven directly), rmcp's own type carries it.
+            (other, _) => other,
+        };
         let code = result.as_ref().err().map(|e| e.code);
         let rendered = render(result);
         let size = wire_size(&rendered);
-        let limit = self.shared.wire.result_limit;
         if size <= limit {
             return (rendered, code);
         }
@@ -445,18 +546,28 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     }
 }
 
+fn json_size(value: &Map<String, Value>) -> u64 {
+    let mut count = Count(0);
+    match serde_json::to_writer(&mut count, value) {
+        Ok(()) => count.0,
+        Err(_) => u64::MAX,
+    }
+}
+
+struct Count(u64);
+
+impl std::io::Write for Count {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Bytes of a result's JSON serialization, without building it.
 fn wire_size(result: &CallToolResult) -> u64 {
-    struct Count(u64);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len() as u64;
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     let mut count = Count(0);
     match serde_json::to_writer(&mut count, result) {
         Ok(()) => count.0,
@@ -472,6 +583,13 @@ pub fn render(result: Result<ToolOutput, ToolError>) -> CallToolResult {
         Ok(ToolOutput::Job(job)) => {
             CallToolResult::structured(serde_json::to_value(&job).unwrap_or_default())
         }
+        Ok(ToolOutput::Passthrough(raw)) => serde_json::from_value(Value::Object(raw))
+            .unwrap_or_else(|e| {
+                render(Err(ToolError::new(
+                    ToolErrorCode::Internal,
+                    format!("the upstream's result cannot be relayed: {e}"),
+                )))
+            }),
         Err(err) => {
             let mut out = CallToolResult::structured_error(
                 json!({"code": err.code.as_str(), "message": err.message}),
@@ -536,6 +654,14 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
         };
         let started = Instant::now();
         let cancel = context.ct.clone();
+        let slot = context
+            .extensions
+            .get::<http::request::Parts>()
+            .and_then(|parts| parts.extensions.get::<PassthroughSlot>())
+            .cloned();
+        let modern = context
+            .protocol_version()
+            .is_some_and(|v| v.as_str() >= ProtocolVersion::V_2026_07_28.as_str());
         let _inflight =
             self.shared
                 .inflight
@@ -553,7 +679,7 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
                 job,
             ))));
         }
-        let (rendered, code) = self.bounded(result);
+        let (rendered, code) = self.bounded(result, slot.as_ref().map(|s| (s, modern)));
         metrics.tool_call(tool, code, started.elapsed());
         Ok(rendered.into())
     }

@@ -39,7 +39,17 @@ struct Inner {
     rejections: IntCounterVec,
     duplicates: IntCounterVec,
     jobs_recovered: IntGauge,
+    upstream_up: IntGaugeVec,
+    upstream_restarts: IntCounterVec,
+    upstream_tools: IntGaugeVec,
+    /// Tool label values given out so far (bounded: imported names come and go).
+    tool_labels: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
+
+/// Distinct `tool` label values at most; later new names count as [`OTHER_TOOL_LABEL`].
+pub const MAX_TOOL_LABELS: usize = 4096;
+/// The `tool` label of calls past [`MAX_TOOL_LABELS`] distinct names.
+pub const OTHER_TOOL_LABEL: &str = "(other)";
 
 /// Decrements the open-connections gauge when dropped.
 pub struct OpenConnection(IntGauge);
@@ -141,6 +151,28 @@ impl Metrics {
             "Calls with an idempotency key seen before, by canonical tool and decision.",
             &["tool", "decision"],
         );
+        let upstream_restarts = counter(
+            "upstream_restarts_total",
+            "Restarts of a downstream MCP server (a shared child started again, an HTTP backend reconnected), by upstream.",
+            &["upstream"],
+        );
+        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique gauge");
+            g
+        };
+        let upstream_up = gauge_vec(
+            "upstream_up",
+            "Whether a downstream MCP server is up (1) or not (0), by upstream.",
+            &["upstream"],
+        );
+        let upstream_tools = gauge_vec(
+            "upstream_tools",
+            "Tools imported from a downstream MCP server, by upstream.",
+            &["upstream"],
+        );
         let jobs_recovered = IntGauge::new(
             "jobs_recovered_at_start",
             "Jobs found running from a process that had died, marked outcome-unknown at this start.",
@@ -232,7 +264,47 @@ impl Metrics {
             rejections,
             duplicates,
             jobs_recovered,
+            upstream_up,
+            upstream_restarts,
+            upstream_tools,
+            tool_labels: parking_lot::Mutex::new(std::collections::HashSet::new()),
         }))
+    }
+
+    /// `upstream` is a configured upstream's name (a closed set of the configuration).
+    pub fn upstream_up(&self, upstream: &str, up: bool) {
+        self.0
+            .upstream_up
+            .with_label_values(&[upstream])
+            .set(i64::from(up));
+    }
+
+    pub fn upstream_restart(&self, upstream: &str) {
+        self.0
+            .upstream_restarts
+            .with_label_values(&[upstream])
+            .inc();
+    }
+
+    pub fn upstream_tools(&self, upstream: &str, tools: usize) {
+        self.0
+            .upstream_tools
+            .with_label_values(&[upstream])
+            .set(i64::try_from(tools).unwrap_or(i64::MAX));
+    }
+
+    /// `tool` as a label value: itself while fewer than [`MAX_TOOL_LABELS`] names have
+    /// been seen, else [`OTHER_TOOL_LABEL`] for a name not seen before.
+    fn tool_label<'a>(&self, tool: &'a str) -> &'a str {
+        let mut seen = self.0.tool_labels.lock();
+        if seen.contains(tool) {
+            return tool;
+        }
+        if seen.len() >= MAX_TOOL_LABELS {
+            return OTHER_TOOL_LABEL;
+        }
+        seen.insert(tool.to_owned());
+        tool
     }
 
     pub fn duplicate(&self, tool: &str, decision: Duplicate) {
@@ -363,12 +435,14 @@ impl Metrics {
     /// `tool` must be a canonical catalog name (a closed set), never caller text.
     pub fn tool_call(&self, tool: &str, error: Option<ToolErrorCode>, took: Duration) {
         let outcome = error.map_or("ok", ToolErrorCode::as_str);
+        let tool = self.tool_label(tool);
         self.0.tool_calls.with_label_values(&[tool, outcome]).inc();
         let h: Histogram = self.0.tool_duration.with_label_values(&[tool]);
         h.observe(took.as_secs_f64());
     }
 
     pub fn policy_denial(&self, tool: &str, code: ToolErrorCode) {
+        let tool = self.tool_label(tool);
         self.0
             .policy_denials
             .with_label_values(&[tool, code.as_str()])
@@ -421,6 +495,18 @@ mod tests {
         assert_eq!(m.refused_count(Carrier::Loopback), 1);
     }
 
+    #[test]
+    fn tool_labels_are_bounded() {
+        let m = Metrics::new();
+        for i in 0..MAX_TOOL_LABELS + 10 {
+            m.tool_call(&format!("pg.t{i}"), None, Duration::from_millis(1));
+        }
+        m.tool_call("pg.t0", None, Duration::from_millis(1));
+        let text = m.render();
+        assert!(text.contains(r#"robota_mcpd_tool_calls_total{outcome="ok",tool="pg.t0"} 2"#));
+        assert!(text.contains(r#"robota_mcpd_tool_calls_total{outcome="ok",tool="(other)"} 10"#));
+    }
+
     /// docs/metrics.md lists every metric the code registers, and every closed-set value
     /// a label can take; no documented metric is missing from the code.
     #[test]
@@ -444,6 +530,9 @@ mod tests {
         m.connection(Listener::Loopback, ConnOutcome::Accepted);
         drop(m.open_connection(Listener::Loopback));
         m.rejected(Listener::Loopback, Rejection::Busy);
+        m.upstream_up("pg", true);
+        m.upstream_restart("pg");
+        m.upstream_tools("pg", 2);
         let families = m.0.registry.gather();
         assert!(families.len() >= 9);
         for family in &families {

@@ -179,7 +179,36 @@ closed_set! {
         TimedOut = "timed_out",
         ResultTooLarge = "result_too_large",
         Unavailable = "unavailable",
+        /// An interrupted call whose effect is not known (a downstream server that died
+        /// or dropped the connection mid-call; a replay of a cut-off idempotent call).
+        /// Never retried.
+        OutcomeUnknown = "outcome_unknown",
         Internal = "internal",
+    }
+}
+
+closed_set! {
+    /// How a downstream MCP server is reached (`[upstreams.<name>]`).
+    pub enum UpstreamKind {
+        /// A supervised child speaking MCP on its stdin/stdout (`command`).
+        Stdio = "stdio",
+        /// A fixed local Streamable HTTP backend (`url`: loopback or `unix:`).
+        Http = "http",
+    }
+}
+
+closed_set! {
+    /// Where a downstream MCP server stands (`status`, `robota-mcpctl upstreams`).
+    pub enum UpstreamState {
+        /// Being started or connected: spawn or connect, handshake, tool listing.
+        Starting = "starting",
+        /// Ready: its tools answer.
+        Up = "up",
+        /// Failed; the next attempt waits for the backoff.
+        Backoff = "backoff",
+        /// Not ready within the start bound, or stopped: its calls answer `unavailable`
+        /// (an attempt may still be under way).
+        Down = "down",
     }
 }
 
@@ -384,6 +413,12 @@ mod tests {
             of(ConnOutcome::ALL, ConnOutcome::as_str, ConnOutcome::parse),
             of(Rejection::ALL, Rejection::as_str, Rejection::parse),
             of(Duplicate::ALL, Duplicate::as_str, Duplicate::parse),
+            of(UpstreamKind::ALL, UpstreamKind::as_str, UpstreamKind::parse),
+            of(
+                UpstreamState::ALL,
+                UpstreamState::as_str,
+                UpstreamState::parse,
+            ),
         ]
     }
 

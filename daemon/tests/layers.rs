@@ -20,8 +20,9 @@ const LEVELS: &[&[&str]] = &[
     &["host"],
     // The tool contract and the catalog of sources.
     &["catalog"],
-    // Tools (implementations) and the session (roles over the catalog): neither knows the other.
-    &["tools", "session"],
+    // Tools (implementations), downstream MCP servers (sources of imported tools) and the
+    // session (roles over the catalog): none knows another.
+    &["tools", "upstream", "session"],
     // MCP: the rmcp handler, then the transport lifecycle.
     &["mcp"],
     &["transport"],

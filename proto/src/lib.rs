@@ -157,6 +157,13 @@ pub enum Command {
     Restart,
     /// Fetch (or re-read) the remote verifier's signing keys now.
     KeysRefresh,
+    /// The downstream MCP servers (`[upstreams.<name>]`) and their tools.
+    Upstreams,
+    /// Restart one downstream MCP server now: a shared child is stopped and started again,
+    /// an HTTP backend reconnected. Answered once that attempt has ended.
+    UpstreamRestart {
+        name: String,
+    },
 }
 
 impl Command {
@@ -171,13 +178,15 @@ impl Command {
             Command::GrantsList { .. } => &["all"],
             Command::GrantApprove { .. } => &["grant_id", "duration_secs"],
             Command::GrantDeny { .. } | Command::GrantRevoke { .. } => &["grant_id"],
+            Command::UpstreamRestart { .. } => &["name"],
             Command::Status
             | Command::BearerList
             | Command::BearerRotate
             | Command::Mcp
             | Command::Stop
             | Command::Restart
-            | Command::KeysRefresh => &[],
+            | Command::KeysRefresh
+            | Command::Upstreams => &[],
         }
     }
 }
@@ -261,6 +270,13 @@ pub enum Reply {
     },
     /// The key set after a successful `keys-refresh`.
     KeySet(KeySetStatus),
+    Upstreams {
+        upstreams: Vec<UpstreamStatus>,
+    },
+    /// The upstream after `upstream-restart`.
+    Upstream {
+        upstream: UpstreamStatus,
+    },
 }
 
 impl Reply {
@@ -280,6 +296,8 @@ impl Reply {
             Reply::Stopping => "stopping",
             Reply::Restarted { .. } => "restarted",
             Reply::KeySet(_) => "key-set",
+            Reply::Upstreams { .. } => "upstreams",
+            Reply::Upstream { .. } => "upstream",
         }
     }
 }
@@ -576,6 +594,53 @@ pub struct Status {
     /// The remote carrier's key set, when it is enabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_set: Option<Box<KeySetStatus>>,
+    /// The downstream MCP servers, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub upstreams: Vec<UpstreamStatus>,
+}
+
+/// One downstream MCP server (docs/design.md §13).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamStatus {
+    /// Its configured name, the prefix of its tools.
+    pub name: String,
+    /// `stdio` (a child process) or `http` (a local backend).
+    pub kind: String,
+    /// A stdio upstream's children: `shared` or `per-call`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub children: Option<String>,
+    /// `starting`, `up`, `backoff` or `down`.
+    pub state: String,
+    /// Since when (unix seconds) it has been in that state.
+    pub since: u64,
+    /// The MCP revision agreed with it last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<String>,
+    /// Canonical names of its imported tools (listed even while it is not up: its
+    /// last-known list; they answer `unavailable` until it is up).
+    pub tools: Vec<String>,
+    /// Its tools that were not imported, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<RefusedTool>,
+    /// Its tools that `tools = [...]` does not select.
+    #[serde(default)]
+    pub excluded: usize,
+    /// The tools come from the list kept in the state directory (it has not been up yet).
+    #[serde(default)]
+    pub listed_from_cache: bool,
+    /// Times it was started again since this session began.
+    pub restarts: u64,
+    /// Why it last failed, for the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// A tool an upstream offers that was not imported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusedTool {
+    /// The upstream's own name for it.
+    pub tool: String,
+    pub reason: String,
 }
 
 /// Where the remote verifier's keys come from (`[remote]` `jwks_uri`, `jwks_file`, or

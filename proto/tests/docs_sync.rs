@@ -6,7 +6,8 @@ use std::path::Path;
 
 use robota_proto::{
     BearerInfo, Command, ErrorCode, GrantKind, GrantRecord, GrantState, JobRecord, JobState,
-    KeySetStatus, KeySourceKind, PROTOCOL_VERSION, Reply, Request, Response, Secret, Status, exit,
+    KeySetStatus, KeySourceKind, PROTOCOL_VERSION, Reply, Request, Response, Secret, Status,
+    UpstreamStatus, exit,
 };
 use serde_json::Value;
 
@@ -49,7 +50,9 @@ fn all_commands() -> Vec<Command> {
             Command::Mcp => Some(Command::Stop),
             Command::Stop => Some(Command::Restart),
             Command::Restart => Some(Command::KeysRefresh),
-            Command::KeysRefresh => None,
+            Command::KeysRefresh => Some(Command::Upstreams),
+            Command::Upstreams => Some(Command::UpstreamRestart { name: "pg".into() }),
+            Command::UpstreamRestart { .. } => None,
         }
     }
     chain(Command::Status, next)
@@ -87,7 +90,13 @@ fn all_replies() -> Vec<Reply> {
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
             Reply::Restarted { .. } => Some(Reply::KeySet(key_set())),
-            Reply::KeySet(_) => None,
+            Reply::KeySet(_) => Some(Reply::Upstreams {
+                upstreams: vec![upstream()],
+            }),
+            Reply::Upstreams { .. } => Some(Reply::Upstream {
+                upstream: upstream(),
+            }),
+            Reply::Upstream { .. } => None,
         }
     }
     chain(Reply::Status(status()), next)
@@ -165,6 +174,24 @@ fn status() -> Status {
         bearer_count: 1,
         refusals_last_hour: Default::default(),
         key_set: None,
+        upstreams: Vec::new(),
+    }
+}
+
+fn upstream() -> UpstreamStatus {
+    UpstreamStatus {
+        name: "pg".into(),
+        kind: "stdio".into(),
+        children: Some("shared".into()),
+        state: "up".into(),
+        since: 0,
+        protocol: Some("2026-07-28".into()),
+        tools: vec!["pg.query".into()],
+        refused: Vec::new(),
+        excluded: 0,
+        listed_from_cache: false,
+        restarts: 0,
+        last_error: None,
     }
 }
 
@@ -283,7 +310,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 16, "the command chain lost a link");
+    assert_eq!(commands.len(), 18, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -297,7 +324,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 13, "the reply chain lost a link");
+    assert_eq!(replies.len(), 15, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

@@ -8,8 +8,13 @@
 
 use std::borrow::Cow;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use bytes::BytesMut;
+use parking_lot::Mutex;
 use rmcp::RoleServer;
+use rmcp::model::RequestId;
 use rmcp::service::{RxJsonRpcMessage, TxJsonRpcMessage};
 use rmcp::transport::Transport;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -18,6 +23,7 @@ use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 use tokio_util::sync::CancellationToken;
 
 use super::jsonrpc;
+use crate::mcp::PassthroughSlot;
 use crate::vocab::Caller;
 
 /// Lines waiting to be written.
@@ -32,6 +38,7 @@ where
     W: AsyncWrite + Send + Unpin + 'static,
 {
     let (out, mut outbound) = mpsc::channel::<Vec<u8>>(QUEUE);
+    let passthrough = Passthrough::default();
     let (to_server, inbound) = mpsc::channel::<RxJsonRpcMessage<RoleServer>>(QUEUE);
     // Fired when the SDK drops the transport: the reader stops, the writer sends what is
     // queued and closes its side, so the peer sees the end.
@@ -56,6 +63,7 @@ where
     });
     let answers = out.clone();
     let stop = closed.clone();
+    let reader_passthrough = passthrough.clone();
     tokio::spawn(async move {
         let mut read = read;
         // A line over the limit is answered, then dropped to its end by the codec
@@ -78,7 +86,7 @@ where
                 Ok(Some(line)) if line.iter().all(u8::is_ascii_whitespace) => continue,
                 Ok(Some(line)) => match accept(&line) {
                     Ok(mut message) => {
-                        admit(&mut message, &caller);
+                        admit(&mut message, &caller, &reader_passthrough);
                         if to_server.send(message).await.is_err() {
                             break;
                         }
@@ -108,16 +116,27 @@ where
     LinesTransport {
         out,
         inbound,
+        passthrough,
         _closed: closed.drop_guard(),
     }
 }
 
-/// Hands the admitted caller to the handler, the way the HTTP carriers do.
-fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller) {
-    use rmcp::model::{GetExtensions, JsonRpcMessage};
-    let parts = crate::mcp::admitted(caller.clone());
+/// The passthrough slots of the `tools/call` requests being answered, by request id.
+#[derive(Clone, Default)]
+struct Passthrough(Arc<Mutex<HashMap<RequestId, PassthroughSlot>>>);
+
+/// Hands the admitted caller to the handler, the way the HTTP carriers do; a `tools/call`
+/// also gets a passthrough slot.
+fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthrough: &Passthrough) {
+    use rmcp::model::{ClientRequest, GetExtensions, JsonRpcMessage};
+    let mut parts = crate::mcp::admitted(caller.clone());
     match message {
         JsonRpcMessage::Request(req) => {
+            if matches!(req.request, ClientRequest::CallToolRequest(_)) {
+                let slot = PassthroughSlot::default();
+                parts.extensions.insert(slot.clone());
+                passthrough.0.lock().insert(req.id.clone(), slot);
+            }
             req.request.extensions_mut().insert(parts);
         }
         JsonRpcMessage::Notification(not) => {
@@ -144,6 +163,7 @@ fn accept(line: &[u8]) -> Result<RxJsonRpcMessage<RoleServer>, serde_json::Value
 pub struct LinesTransport {
     out: mpsc::Sender<Vec<u8>>,
     inbound: mpsc::Receiver<RxJsonRpcMessage<RoleServer>>,
+    passthrough: Passthrough,
     _closed: tokio_util::sync::DropGuard,
 }
 
@@ -158,9 +178,23 @@ impl Transport<RoleServer> for LinesTransport {
         &mut self,
         item: TxJsonRpcMessage<RoleServer>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
+        use rmcp::model::JsonRpcMessage;
         let out = self.out.clone();
+        // An imported tool's result goes out whole, instead of rmcp's rendering of it.
+        let answered = match &item {
+            JsonRpcMessage::Response(r) => Some(&r.id),
+            JsonRpcMessage::Error(e) => e.id.as_ref(),
+            _ => None,
+        };
+        let whole = answered
+            .and_then(|id| self.passthrough.0.lock().remove(id).map(|slot| (id, slot)))
+            .and_then(|(id, slot)| slot.response(&serde_json::to_value(id).unwrap_or_default()));
         async move {
-            let line = serde_json::to_vec(&item).map_err(std::io::Error::other)?;
+            let line = match whole {
+                Some(answer) => serde_json::to_vec(&answer),
+                None => serde_json::to_vec(&item),
+            }
+            .map_err(std::io::Error::other)?;
             out.send(line)
                 .await
                 .map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))

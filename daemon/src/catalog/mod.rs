@@ -28,6 +28,12 @@ pub trait Source: Send + Sync + 'static {
 
     /// The tools it offers now.
     fn tools(&self) -> Vec<Arc<dyn HostTool>>;
+
+    /// The prefix its tools are named under (`pg` for `pg.query`), when they are not known
+    /// in advance: an alias may name such a tool before it is offered.
+    fn namespace(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// A source whose tools never change (the first-party host tools).
@@ -62,7 +68,8 @@ pub const SUBMISSION_SOURCE: &str = "the submission tool";
 /// the source it came from.
 pub struct Entry {
     spec: ToolSpec,
-    validator: jsonschema::Validator,
+    /// None for an imported tool: its server validates its arguments.
+    validator: Option<jsonschema::Validator>,
     tool: Arc<dyn HostTool>,
     source: String,
 }
@@ -111,6 +118,7 @@ pub enum Lookup<'a> {
 /// One generation of the catalog: immutable.
 pub struct Snapshot {
     generation: u64,
+    namespaces: Vec<String>,
     entries: BTreeMap<String, Entry>,
     submission: ToolSpec,
     conflicts: BTreeMap<String, Vec<String>>,
@@ -132,12 +140,18 @@ impl Snapshot {
         for source in sources {
             for tool in source.tools() {
                 let spec = tool.spec();
+                // An imported tool names its own tool too, so a collision inside one
+                // upstream's list names both of its tools.
+                let owner = match &spec.imported {
+                    Some(imported) => format!("{} (its tool {:?})", source.name(), imported.tool),
+                    None => source.name().to_owned(),
+                };
                 match check_spec(&spec) {
                     Ok(validator) => offered.entry(spec.name.clone()).or_default().push(Entry {
                         spec,
                         validator,
                         tool,
-                        source: source.name().to_owned(),
+                        source: owner,
                     }),
                     Err(error) => refused.push(Refused {
                         source: source.name().to_owned(),
@@ -163,6 +177,10 @@ impl Snapshot {
         }
         Self {
             generation,
+            namespaces: sources
+                .iter()
+                .filter_map(|s| s.namespace().map(str::to_owned))
+                .collect(),
             entries,
             submission: submission.clone(),
             conflicts,
@@ -207,6 +225,15 @@ impl Snapshot {
 
     pub fn get(&self, name: &str) -> Option<&Entry> {
         self.entries.get(name)
+    }
+
+    /// Whether `name` lies under a source's namespace (`pg.` for `pg.query`), offered now
+    /// or not.
+    pub fn in_namespace(&self, name: &str) -> bool {
+        self.namespaces.iter().any(|ns| {
+            name.strip_prefix(ns.as_str())
+                .is_some_and(|rest| rest.starts_with('.'))
+        })
     }
 
     /// Every servable runtime tool, by canonical name.
@@ -310,7 +337,13 @@ impl From<crate::grants::GrantError> for ToolError {
     }
 }
 
-fn check_spec(spec: &ToolSpec) -> Result<jsonschema::Validator, CatalogError> {
+/// Whether `spec` can join a catalog: what a source checks before it offers a tool it
+/// did not write (an upstream's), so a bad one is refused with its reason, not at start-up.
+pub fn check(spec: &ToolSpec) -> Result<(), CatalogError> {
+    check_spec(spec).map(drop)
+}
+
+fn check_spec(spec: &ToolSpec) -> Result<Option<jsonschema::Validator>, CatalogError> {
     crate::config::check_name(&spec.name).map_err(|problem| CatalogError::BadName {
         name: spec.name.clone(),
         problem,
@@ -325,14 +358,23 @@ fn check_spec(spec: &ToolSpec) -> Result<jsonschema::Validator, CatalogError> {
     if spec.input_schema.get("type") != Some(&Value::String("object".into())) {
         return Err(bad("the top level must be `\"type\": \"object\"`".into()));
     }
+    // An imported schema is the upstream's data: it is shown, never compiled here (its
+    // server checks its own arguments), so a hostile schema costs nothing to hold.
+    if spec.imported.is_some() {
+        return Ok(None);
+    }
     jsonschema::validator_for(&Value::Object(spec.input_schema.clone()))
+        .map(Some)
         .map_err(|e| bad(e.to_string()))
 }
 
 /// Validate arguments against the entry's schema; they are handed back (never copied:
 /// a large argument is held once).
 pub fn validate_args(entry: &Entry, args: Args) -> Result<Args, ToolError> {
-    validate_with(&entry.validator, args)
+    match &entry.validator {
+        Some(validator) => validate_with(validator, args),
+        None => Ok(args),
+    }
 }
 
 fn validate_with(validator: &jsonschema::Validator, args: Args) -> Result<Args, ToolError> {
@@ -412,6 +454,7 @@ mod tests {
             description: "a tool".into(),
             input_schema: schema.as_object().cloned().unwrap_or_default(),
             annotations: Annotations::default(),
+            imported: None,
         }))
     }
 

@@ -57,6 +57,10 @@ pub enum ToolOutput {
     /// Long work started: a durable job handle. Structured data for every client; an MCP
     /// Task for 2026-07-28 clients that declared the Tasks extension.
     Job(robota_proto::JobRecord),
+    /// A downstream server's `tools/call` result, as the JSON object it sent (content,
+    /// `structuredContent`, `isError`, `_meta` and fields unknown to us alike), passed on
+    /// as it is (docs/design.md §13.4).
+    Passthrough(Map<String, Value>),
 }
 
 /// Read-only facts about the daemon that tools may report (`system.health`).
@@ -124,7 +128,34 @@ pub struct ToolSpec {
     pub description: String,
     /// An object schema (`"type": "object"`).
     pub input_schema: serde_json::Map<String, Value>,
+    /// What policy reads (and, for first-party tools, what clients are shown). An imported
+    /// tool's are always the defaults: nothing an upstream claims makes it read-only.
     pub annotations: Annotations,
+    /// Set for a tool imported from a downstream MCP server.
+    pub imported: Option<Imported>,
+}
+
+/// Where an imported tool comes from, and how its server described it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Imported {
+    /// The upstream's configured name (the prefix of the canonical name).
+    pub upstream: String,
+    /// The tool's own name on the upstream.
+    pub tool: String,
+    /// The upstream's definition as it listed it (`title`, `annotations`, `outputSchema`,
+    /// `icons`, `_meta`, …): shown to clients under the wire name, never read by policy.
+    pub listing: Map<String, Value>,
+}
+
+/// The `_meta` key naming an imported tool's upstream and original name, on `tools/list`
+/// and on its results: `{"name": <upstream>, "tool": <its own name>}`.
+pub const UPSTREAM_META: &str = "io.robota/upstream";
+
+impl Imported {
+    /// The value of [`UPSTREAM_META`].
+    pub fn meta(&self) -> Value {
+        json!({"name": self.upstream, "tool": self.tool})
+    }
 }
 
 impl ToolSpec {
@@ -160,6 +191,7 @@ impl ToolSpec {
             description: description.into(),
             input_schema,
             annotations,
+            imported: None,
         }
     }
 

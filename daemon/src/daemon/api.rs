@@ -53,6 +53,10 @@ impl ControlApi for Api {
             Command::GrantDeny { grant_id } => grants::deny(core, grant_id, peer),
             Command::GrantRevoke { grant_id } => grants::revoke(core, grant_id, peer),
             Command::KeysRefresh => keys::refresh(core).await,
+            Command::Upstreams => Response::ok(Reply::Upstreams {
+                upstreams: core.upstreams_status(),
+            }),
+            Command::UpstreamRestart { name } => upstream_restart(core, &name, peer).await,
             // The control socket switches the connection over before a handler sees it.
             Command::Mcp => Response::error(
                 ErrorCode::BadRequest,
@@ -125,6 +129,22 @@ fn audit(
     };
     let (records, last_seq) = core.audit.query(&query);
     Response::ok(Reply::Audit { records, last_seq })
+}
+
+/// `upstream-restart NAME`: that upstream of the current session, now.
+async fn upstream_restart(core: &Core, name: &str, peer: Peer) -> Response {
+    let upstreams = core.upstreams.read().clone();
+    let Some(upstreams) = upstreams else {
+        return Response::error(
+            ErrorCode::Unavailable,
+            "no session is attached (restarting?)",
+        );
+    };
+    tracing::info!(uid = peer.uid, upstream = %name, "upstream restart requested over the control socket");
+    match upstreams.restart(name).await {
+        Some(upstream) => Response::ok(Reply::Upstream { upstream }),
+        None => Response::error(ErrorCode::NotFound, format!("no upstream named {name:?}")),
+    }
 }
 
 /// `stop`, `restart`: asked of the main loop, which owns the lifecycle.

@@ -19,10 +19,14 @@ use crate::host::Host;
 use crate::notify;
 use crate::session::Session;
 use crate::transport::McpTransport;
+use crate::upstream::Upstreams;
 use crate::vocab::{Carrier, RefreshTrigger};
 
 /// How long a reload waits for the key-set fetch it starts.
 const RELOAD_KEYS_WAIT: Duration = Duration::from_secs(5);
+/// How long a start or restart waits for the upstreams (each at most its own connect
+/// bound): within the carriers' start bound.
+pub(super) const UPSTREAM_START_BOUND: Duration = Duration::from_secs(15);
 
 pub(super) type Loopback = McpTransport<Session, LoopbackCarrier>;
 pub(super) type Remote = McpTransport<Session, RemoteCarrier>;
@@ -71,6 +75,8 @@ pub(super) struct Core {
     pub state: RwLock<State>,
     pub generation: AtomicU64,
     pub session: RwLock<Option<Arc<Session>>>,
+    /// The downstream MCP servers of the current session.
+    pub upstreams: RwLock<Option<Arc<Upstreams>>>,
     pub loopback: Option<Loopback>,
     pub remote: Option<Remote>,
     pub metrics_addr: RwLock<Option<String>>,
@@ -149,7 +155,8 @@ impl Core {
     /// A fresh session, attached to every HTTP carrier and started.
     pub(super) async fn attach_and_start(self: &Arc<Self>) -> Result<(), DaemonError> {
         let view = Arc::new(Board(Arc::downgrade(self)));
-        let session = Arc::new(self.plan.session(&self.host, view)?);
+        let (session, upstreams) = start_session(&self.plan, &self.host, view).await?;
+        *self.upstreams.write() = Some(upstreams);
         let config = &self.plan.config;
         if let (Some(loopback), Some(l)) = (&self.loopback, &config.loopback) {
             let failed = |source| DaemonError::Loopback {
@@ -181,6 +188,7 @@ impl Core {
         self.reload_keys().await;
         self.stop_carriers().await;
         *self.session.write() = None;
+        self.stop_upstreams().await;
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
         self.attach_and_start().await?;
         self.generation.fetch_add(1, Ordering::Relaxed);
@@ -206,6 +214,14 @@ impl Core {
         }
     }
 
+    /// Stops the current session's upstreams (their children get SIGTERM, then SIGKILL).
+    pub(super) async fn stop_upstreams(&self) {
+        let upstreams = self.upstreams.write().take();
+        if let Some(upstreams) = upstreams {
+            upstreams.stop().await;
+        }
+    }
+
     pub(super) async fn stop_carriers(&self) {
         let loopback = async {
             if let Some(l) = &self.loopback {
@@ -219,4 +235,29 @@ impl Core {
         };
         tokio::join!(loopback, remote);
     }
+}
+
+/// A new session generation: its upstreams started (in parallel, each within its connect
+/// bound and all within [`UPSTREAM_START_BOUND`]; those not ready keep trying), then its
+/// catalog — so a collision of names that can be seen now refuses the start — and the
+/// session over it. The upstreams rebuild the catalog when their tools change.
+pub(super) async fn start_session(
+    plan: &Plan,
+    host: &Arc<Host>,
+    view: Arc<dyn HostView>,
+) -> Result<(Arc<Session>, Arc<Upstreams>), DaemonError> {
+    let upstreams = Arc::new(plan.upstreams());
+    if !upstreams.is_empty() {
+        upstreams.start(UPSTREAM_START_BOUND).await;
+    }
+    let catalog = match plan.catalog(host, &upstreams) {
+        Ok(catalog) => catalog,
+        Err(e) => {
+            upstreams.stop().await;
+            return Err(e.into());
+        }
+    };
+    upstreams.attach(&catalog);
+    let session = Arc::new(plan.session(host, catalog, view));
+    Ok((session, upstreams))
 }

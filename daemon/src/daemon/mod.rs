@@ -239,6 +239,7 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
         state: RwLock::new(State::Starting),
         generation: AtomicU64::new(0),
         session: RwLock::new(None),
+        upstreams: RwLock::new(None),
         loopback,
         remote,
         metrics_addr: RwLock::new(None),
@@ -363,6 +364,7 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
     notify::stopping();
     core.relays.read().cancel();
     core.stop_carriers().await;
+    core.stop_upstreams().await;
     listeners.cancel();
     for task in tasks {
         let _ = task.await;
@@ -412,7 +414,7 @@ pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
     })?;
     let audit = Arc::new(Audit::new());
     let host = Host::open(config, audit, plan.metrics.clone()).map_err(DaemonError::Store)?;
-    let session = plan.session(&host, Arc::new(StdioOnly))?;
+    let (session, upstreams) = core::start_session(&plan, &host, Arc::new(StdioOnly)).await?;
     let transport = McpTransport::new(
         Arc::new(StdioCarrier {
             config: config.stdio.clone(),
@@ -424,7 +426,7 @@ pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
         },
     );
     let failed = |source| DaemonError::Stdio { source };
-    transport.attach(Arc::new(session)).map_err(failed)?;
+    transport.attach(session).map_err(failed)?;
     transport.start().await.map_err(failed)?;
     let ended = transport.ended().unwrap_or_default();
     let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
@@ -434,6 +436,7 @@ pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
         _ = tokio::signal::ctrl_c() => {}
     }
     transport.stop().await;
+    upstreams.stop().await;
     // Jobs this process started end with it and record how (else they would wait as
     // `running` until some process settles them as `outcome-unknown`).
     host.jobs.shutdown().await;

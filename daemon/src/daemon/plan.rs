@@ -4,14 +4,15 @@
 
 use std::sync::Arc;
 
-use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView};
-use crate::config::{Config, WireNameProfile};
+use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView, Source};
+use crate::config::{Config, ConfigIssue, WireNameProfile};
 use crate::host::Host;
 use crate::mcp::{WireError, WireNames};
 use crate::metrics::Metrics;
 use crate::oauth::jwt::{BuildError, JwtConfig, JwtVerifier};
 use crate::session::{Idempotency, Parts, Policy, Session, TurnBackend};
 use crate::store::StoreError;
+use crate::upstream::{self, Launcher, Upstreams};
 
 /// Why a configuration cannot be served: all configuration errors (exit 78).
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +33,9 @@ pub enum PlanError {
     /// The in-memory store the plan builds the catalog over (never the state directory).
     #[error("cannot build the catalog")]
     Store(#[from] StoreError),
+    /// An upstream whose name would put its tools among the first-party tools.
+    #[error("{0}")]
+    Upstream(ConfigIssue),
 }
 
 /// A validated configuration, ready to bind.
@@ -41,6 +45,9 @@ pub struct Plan {
     pub metrics: Metrics,
     /// The remote carrier's verifier: every configuration check done, no key loaded.
     pub verifier: Option<JwtVerifier>,
+    /// How upstream children are started: the binary sets this to itself (so a child dies
+    /// with the daemon); in-process daemons start them directly.
+    pub launcher: Launcher,
 }
 
 impl Plan {
@@ -49,8 +56,20 @@ impl Plan {
     pub fn build(config: Config) -> Result<Plan, PlanError> {
         let metrics = Metrics::new();
         let host = Host::detached(&config)?;
-        let catalog = catalog_over(&config, &host)?;
+        // The upstreams as sources without tools (none is started, nothing is read): their
+        // names are checked, and aliases may name their tools.
+        let upstreams = Upstreams::new(
+            &config.upstreams,
+            upstream::Context {
+                launcher: Launcher::Direct,
+                state_dir: None,
+                persist: false,
+                metrics: Metrics::new(),
+            },
+        );
+        let catalog = catalog_over(&config, &host, upstreams.sources())?;
         let snapshot = catalog.snapshot();
+        check_upstream_names(&config, &snapshot)?;
         let mut carriers = vec![("stdio", config.stdio.wire_names, &config.stdio.aliases)];
         if let Some(l) = &config.loopback {
             carriers.push(("loopback", l.wire_names, &l.aliases));
@@ -72,19 +91,42 @@ impl Plan {
             config,
             metrics,
             verifier,
+            launcher: Launcher::Direct,
         })
     }
 
-    /// The catalog over the daemon's own services.
-    pub fn catalog(&self, host: &Arc<Host>) -> Result<Arc<Catalog>, PlanError> {
-        catalog_over(&self.config, host)
+    /// The upstreams of a new session generation (not started yet).
+    pub fn upstreams(&self) -> Upstreams {
+        Upstreams::new(
+            &self.config.upstreams,
+            upstream::Context {
+                launcher: self.launcher.clone(),
+                state_dir: Some(self.config.state_dir.clone()),
+                persist: true,
+                metrics: self.metrics.clone(),
+            },
+        )
     }
 
-    /// A fresh session over `host`: a new catalog, policy and turn backend.
-    pub fn session(&self, host: &Arc<Host>, view: Arc<dyn HostView>) -> Result<Session, PlanError> {
+    /// The catalog over the daemon's own services and `upstreams`' tools as they are now.
+    pub fn catalog(
+        &self,
+        host: &Arc<Host>,
+        upstreams: &Upstreams,
+    ) -> Result<Arc<Catalog>, PlanError> {
+        catalog_over(&self.config, host, upstreams.sources())
+    }
+
+    /// A fresh session over `host` and `catalog`: a new policy and turn backend.
+    pub fn session(
+        &self,
+        host: &Arc<Host>,
+        catalog: Arc<Catalog>,
+        view: Arc<dyn HostView>,
+    ) -> Session {
         let config = &self.config;
-        Ok(Session::new(Parts {
-            catalog: self.catalog(host)?,
+        Session::new(Parts {
+            catalog,
             policy: Policy::new(config.policy.clone()),
             turns: TurnBackend::new(config.session.turn.clone(), config.limits.tool_result),
             grants: host.grants.clone(),
@@ -92,18 +134,46 @@ impl Plan {
             idempotency: Idempotency::new(host.store.clone(), self.metrics.clone()),
             metrics: self.metrics.clone(),
             view,
-        }))
+        })
     }
 }
 
-/// The first-party tools and the submission extension, validated.
-fn catalog_over(config: &Config, host: &Arc<Host>) -> Result<Arc<Catalog>, PlanError> {
+/// The first-party tools, the upstreams' and the submission extension, validated.
+fn catalog_over(
+    config: &Config,
+    host: &Arc<Host>,
+    upstreams: Vec<Arc<dyn Source>>,
+) -> Result<Arc<Catalog>, PlanError> {
     let tools = crate::tools::first_party(config, host)?;
+    let mut sources: Vec<Arc<dyn Source>> =
+        vec![Arc::new(Fixed::new("the first-party tools", tools))];
+    sources.extend(upstreams);
     let catalog = Catalog::new(
-        vec![Arc::new(Fixed::new("the first-party tools", tools))],
+        sources,
         catalog::submission_spec(&config.session.submission_tool),
     )?;
     Ok(Arc::new(catalog))
+}
+
+/// An upstream may not be named like the prefix of a first-party tool (`system`,
+/// `file`, …): its tools would meet theirs.
+fn check_upstream_names(config: &Config, snapshot: &catalog::Snapshot) -> Result<(), PlanError> {
+    for upstream in &config.upstreams {
+        let prefix = format!("{}.", upstream.name);
+        let first_party = snapshot
+            .specs()
+            .find(|s| s.imported.is_none() && s.name.starts_with(&prefix));
+        if let Some(tool) = first_party {
+            return Err(PlanError::Upstream(ConfigIssue {
+                path: format!("upstreams.{}", upstream.name),
+                problem: format!(
+                    "the name is taken by the first-party tools ({} and its kin); choose another",
+                    tool.name
+                ),
+            }));
+        }
+    }
+    Ok(())
 }
 
 fn check_wire_names(
@@ -178,6 +248,30 @@ mod tests {
         assert_eq!(
             crate::error_chain(&err),
             "stdio.aliases: an alias names \"no.such\", which is not in the catalog"
+        );
+    }
+
+    #[test]
+    fn upstreams_are_checked_and_aliases_may_name_their_tools() {
+        let err = plan("[upstreams.system]\ncommand = [\"/bin/true\"]\n")
+            .err()
+            .unwrap();
+        assert_eq!(
+            err.to_string(),
+            "upstreams.system: the name is taken by the first-party tools (system.health and its kin); choose another"
+        );
+        // An alias for a tool the upstream will offer is not unknown.
+        let ok = plan(
+            "[upstreams.pg]\ncommand = [\"/bin/true\"]\n[loopback]\nwire_names = \"compat\"\n[loopback.aliases]\n\"pg.run_query\" = \"q\"\n",
+        );
+        assert!(ok.is_ok(), "{:?}", ok.err().map(|e| crate::error_chain(&e)));
+        let err =
+            plan("[upstreams.pg]\ncommand = [\"/bin/true\"]\n[stdio.aliases]\n\"pgx.q\" = \"q\"\n")
+                .err()
+                .unwrap();
+        assert!(
+            crate::error_chain(&err).contains("not in the catalog"),
+            "{err}"
         );
     }
 

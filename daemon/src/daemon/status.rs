@@ -47,6 +47,15 @@ impl Core {
                 .remote
                 .as_ref()
                 .map(|r| Box::new(r.carrier().verifier().key_set())),
+            upstreams: self.upstreams_status(),
         }
+    }
+
+    pub(super) fn upstreams_status(&self) -> Vec<robota_proto::UpstreamStatus> {
+        self.upstreams
+            .read()
+            .as_ref()
+            .map(|u| u.status())
+            .unwrap_or_default()
     }
 }

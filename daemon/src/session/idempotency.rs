@@ -27,6 +27,7 @@ fn encode_outcome(result: &Result<ToolOutput, ToolError>) -> String {
         Ok(ToolOutput::Structured(v)) => serde_json::json!({"structured": v}),
         Ok(ToolOutput::Text(t)) => serde_json::json!({"text": t}),
         Ok(ToolOutput::Job(job)) => serde_json::json!({"job": job}),
+        Ok(ToolOutput::Passthrough(result)) => serde_json::json!({"passthrough": result}),
         Err(e) => serde_json::json!({"error": {"code": e.code.as_str(), "message": e.message}}),
     };
     value.to_string()
@@ -40,6 +41,9 @@ fn decode_outcome(text: &str) -> Result<ToolOutput, ToolError> {
     }
     if let Some(t) = value.get("text").and_then(Value::as_str) {
         return Ok(ToolOutput::Text(t.to_owned()));
+    }
+    if let Some(Value::Object(result)) = value.get("passthrough") {
+        return Ok(ToolOutput::Passthrough(result.clone()));
     }
     if let Some(job) = value.get("job") {
         return serde_json::from_value(job.clone())
@@ -131,7 +135,7 @@ impl Idempotency {
             IdemRecord::Unknown { .. } => {
                 self.metrics.duplicate(tool, Duplicate::OutcomeUnknown);
                 return Err(ToolError::new(
-                    ToolErrorCode::Internal,
+                    ToolErrorCode::OutcomeUnknown,
                     "outcome unknown: the first call with this idempotency key was cut off by a daemon restart; check the target and retry with a new key",
                 ));
             }

@@ -915,7 +915,7 @@ async fn an_interrupted_idempotent_write_is_never_reported_cancelled() {
         assert_ne!(retry.error_code(), Some("cancelled"), "{retry:?}");
         match retry.error_code() {
             None => outcomes.push("replayed"),
-            Some("internal") => {
+            Some("outcome_unknown") => {
                 let message = retry.structured["message"].as_str().unwrap_or_default();
                 assert!(message.contains("outcome unknown"), "{message}");
                 outcomes.push("unknown");

@@ -1,0 +1,754 @@
+//! Downstream MCP servers (docs/design.md §13): each `[upstreams.<name>]` is supervised
+//! here — a stdio child (shared, or one per call) or an HTTP backend — and is one catalog
+//! [`Source`] whose tools are `<name>.<tool>`. When its tool list changes, the catalog is
+//! rebuilt into a new generation.
+//!
+//! Architecture invariants: the session does not know this module (imported tools are
+//! catalog entries like any other, behind the same policy); nothing an upstream sends is
+//! trusted (names checked, annotations never read by policy, every message bounded);
+//! a slow or broken upstream never holds back the daemon's start or any other tool; a
+//! call that may have had an effect is never retried.
+
+pub mod http;
+pub mod protocol;
+pub mod stdio;
+pub mod tool;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, RwLock};
+use robota_proto::{RefusedTool, UpstreamStatus};
+use serde_json::{Map, Value};
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio_util::sync::CancellationToken;
+
+use self::http::{HttpBounds, HttpLink};
+use self::protocol::{CallError, Negotiated, Rpc};
+use self::stdio::{ChildLink, ChildSpec, STOP_GRACE};
+pub use self::stdio::{Launcher, exec_child};
+use self::tool::Listing;
+use crate::catalog::{Catalog, HostTool, Source};
+use crate::config::{Children, UpstreamConfig, UpstreamEndpoint};
+use crate::metrics::Metrics;
+use crate::vocab::{UpstreamKind, UpstreamState};
+
+/// A child up this long without failing counts as healthy: the backoff starts over.
+const HEALTHY: Duration = Duration::from_secs(60);
+/// Per-call children of one upstream running at once; one more call is `busy`.
+const MAX_PER_CALL: usize = 16;
+/// Largest bearer file read.
+const MAX_BEARER_FILE: u64 = 4096;
+
+/// What every upstream shares: how children start, where tool lists are kept, metrics.
+#[derive(Clone)]
+pub struct Context {
+    pub launcher: Launcher,
+    /// Where the last-known tool lists live (`<state_dir>/upstreams/`); none: kept nowhere
+    /// (`check-config`, `--stdio` processes read them but never write them).
+    pub state_dir: Option<PathBuf>,
+    pub persist: bool,
+    pub metrics: Metrics,
+}
+
+/// Every configured upstream of one session generation.
+pub struct Upstreams {
+    list: Vec<Arc<Upstream>>,
+}
+
+impl Upstreams {
+    /// Nothing starts yet; each upstream's last-known tool list (if the state directory
+    /// holds one) is what it offers until it is up.
+    pub fn new(configs: &[UpstreamConfig], context: Context) -> Self {
+        let context = Arc::new(context);
+        let list = configs
+            .iter()
+            .map(|config| Upstream::new(config.clone(), context.clone()))
+            .collect();
+        Self { list }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// One catalog source per upstream.
+    pub fn sources(&self) -> Vec<Arc<dyn Source>> {
+        self.list
+            .iter()
+            .map(|u| Arc::new(UpstreamSource(u.clone())) as Arc<dyn Source>)
+            .collect()
+    }
+
+    /// Starts every upstream at once and waits until each is up or failed, `bound` at most;
+    /// those still not ready are `down` (they keep trying in the background).
+    pub async fn start(&self, bound: Duration) {
+        let deadline = tokio::time::Instant::now() + bound;
+        for upstream in &self.list {
+            upstream.spawn();
+        }
+        let waits = self.list.iter().map(|u| async move {
+            let mut attempts = u.attempts.subscribe();
+            let first = attempts.wait_for(|n| *n > 0);
+            if tokio::time::timeout_at(deadline, first).await.is_err() {
+                u.not_ready_in_time(bound);
+            }
+        });
+        futures_util::future::join_all(waits).await;
+    }
+
+    /// Tool list changes rebuild `catalog` from now on.
+    pub fn attach(&self, catalog: &Arc<Catalog>) {
+        for upstream in &self.list {
+            *upstream.catalog.lock() = Arc::downgrade(catalog);
+        }
+    }
+
+    pub fn status(&self) -> Vec<UpstreamStatus> {
+        self.list.iter().map(|u| u.status()).collect()
+    }
+
+    /// Restarts one upstream now (a shared child is stopped and started again; an HTTP
+    /// backend reconnected); answers once that attempt has ended, or after its connect
+    /// bound. `None`: no upstream of that name.
+    pub async fn restart(&self, name: &str) -> Option<UpstreamStatus> {
+        let upstream = self.list.iter().find(|u| u.config.name == name)?;
+        let mut attempts = upstream.attempts.subscribe();
+        let before = *attempts.borrow_and_update();
+        upstream.wake.notify_one();
+        let limit = upstream.config.connect_timeout + STOP_GRACE + Duration::from_secs(1);
+        let _ = tokio::time::timeout(limit, attempts.wait_for(|n| *n > before)).await;
+        Some(upstream.status())
+    }
+
+    /// Stops every upstream: children get SIGTERM, then SIGKILL after a grace.
+    pub async fn stop(&self) {
+        let stops = self.list.iter().map(|u| u.shutdown());
+        futures_util::future::join_all(stops).await;
+    }
+}
+
+impl Drop for Upstreams {
+    fn drop(&mut self) {
+        // A session generation dropped without `stop` (a failed start): no supervisor
+        // outlives it. Children are killed by their links' reapers once stopped.
+        for upstream in &self.list {
+            upstream.stop.cancel();
+        }
+    }
+}
+
+/// The catalog's view of one upstream.
+struct UpstreamSource(Arc<Upstream>);
+
+impl Source for UpstreamSource {
+    fn name(&self) -> &str {
+        &self.0.source_name
+    }
+
+    fn tools(&self) -> Vec<Arc<dyn HostTool>> {
+        self.0
+            .listing
+            .read()
+            .tools
+            .iter()
+            .map(|t| t.clone() as Arc<dyn HostTool>)
+            .collect()
+    }
+
+    fn namespace(&self) -> Option<&str> {
+        Some(&self.0.config.name)
+    }
+}
+
+/// How calls reach the upstream while it is up.
+#[derive(Clone)]
+enum Live {
+    Child(Arc<ChildLink>, Negotiated),
+    Http(Arc<HttpLink>, Negotiated),
+    /// A fresh child per call; `broken` fires when one cannot be started.
+    PerCall(CancellationToken),
+}
+
+struct Shown {
+    state: UpstreamState,
+    since: SystemTime,
+    restarts: u64,
+    last_error: Option<String>,
+    protocol: Option<String>,
+    from_cache: bool,
+}
+
+pub struct Upstream {
+    me: Weak<Upstream>,
+    config: UpstreamConfig,
+    source_name: String,
+    context: Arc<Context>,
+    shown: Mutex<Shown>,
+    listing: RwLock<Arc<Listing>>,
+    live: RwLock<Option<Live>>,
+    /// Finished attempts (start, restart), for waiters.
+    attempts: watch::Sender<u64>,
+    wake: Notify,
+    stop: CancellationToken,
+    list_changed: Arc<Notify>,
+    per_call: Arc<Semaphore>,
+    catalog: Mutex<Weak<Catalog>>,
+    supervisor: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// Why serving stopped.
+enum Ended {
+    Stopped,
+    Restart,
+    Failed(String),
+}
+
+impl Upstream {
+    fn new(config: UpstreamConfig, context: Arc<Context>) -> Arc<Self> {
+        let upstream = Arc::new_cyclic(|me: &Weak<Upstream>| Self {
+            me: me.clone(),
+            source_name: format!("upstream {}", config.name),
+            shown: Mutex::new(Shown {
+                state: UpstreamState::Starting,
+                since: SystemTime::now(),
+                restarts: 0,
+                last_error: None,
+                protocol: None,
+                from_cache: false,
+            }),
+            listing: RwLock::new(Arc::new(Listing::default())),
+            live: RwLock::new(None),
+            attempts: watch::channel(0).0,
+            wake: Notify::new(),
+            stop: CancellationToken::new(),
+            list_changed: Arc::new(Notify::new()),
+            per_call: Arc::new(Semaphore::new(MAX_PER_CALL)),
+            catalog: Mutex::new(Weak::new()),
+            supervisor: Mutex::new(None),
+            config,
+            context,
+        });
+        if let Some(listed) = upstream.read_known() {
+            upstream.set_listing(listed, true);
+        }
+        upstream
+            .context
+            .metrics
+            .upstream_up(&upstream.config.name, false);
+        upstream
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    fn kind(&self) -> UpstreamKind {
+        match self.config.endpoint {
+            UpstreamEndpoint::Command { .. } => UpstreamKind::Stdio,
+            UpstreamEndpoint::Http { .. } => UpstreamKind::Http,
+        }
+    }
+
+    fn spawn(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        let mut supervisor = self.supervisor.lock();
+        if supervisor.is_none() {
+            *supervisor = Some(tokio::spawn(me.supervise()));
+        }
+    }
+
+    fn set_state(&self, state: UpstreamState, error: Option<String>) {
+        let mut shown = self.shown.lock();
+        if shown.state != state {
+            shown.state = state;
+            shown.since = SystemTime::now();
+        }
+        if let Some(error) = error {
+            shown.last_error = Some(error);
+        }
+        drop(shown);
+        self.context
+            .metrics
+            .upstream_up(&self.config.name, state == UpstreamState::Up);
+    }
+
+    fn not_ready_in_time(&self, bound: Duration) {
+        let mut shown = self.shown.lock();
+        if shown.state == UpstreamState::Starting {
+            shown.state = UpstreamState::Down;
+            shown.since = SystemTime::now();
+            shown.last_error = Some(format!(
+                "not ready within the start bound ({}); still trying",
+                humantime::format_duration(bound)
+            ));
+            tracing::warn!(upstream = %self.config.name, "not ready within the start bound; its last-known tools are listed and answer unavailable until it is up");
+        }
+    }
+
+    /// Start, serve, back off, start again — until stopped.
+    async fn supervise(self: Arc<Self>) {
+        let backoff = self.config.restart;
+        let mut delay = backoff.initial;
+        let mut first = true;
+        loop {
+            if !first {
+                self.shown.lock().restarts += 1;
+                self.context.metrics.upstream_restart(&self.config.name);
+                self.set_state(UpstreamState::Starting, None);
+            }
+            first = false;
+            let attempt = tokio::select! {
+                attempt = self.attempt() => attempt,
+                () = self.stop.cancelled() => break,
+            };
+            let ended = match attempt {
+                Ok((live, negotiated, listed)) => {
+                    self.shown.lock().protocol = Some(negotiated.version.clone());
+                    self.set_listing(listed, false);
+                    *self.live.write() = Some(live.clone());
+                    self.set_state(UpstreamState::Up, None);
+                    self.attempts.send_modify(|n| *n += 1);
+                    tracing::info!(upstream = %self.config.name, protocol = %negotiated.version, tools = self.listing.read().tools.len(), "upstream up");
+                    let up_at = Instant::now();
+                    let ended = self.serve(&live, &negotiated).await;
+                    *self.live.write() = None;
+                    if up_at.elapsed() >= HEALTHY {
+                        delay = backoff.initial;
+                    }
+                    ended
+                }
+                Err(why) => {
+                    self.attempts.send_modify(|n| *n += 1);
+                    Ended::Failed(why)
+                }
+            };
+            match ended {
+                Ended::Stopped => break,
+                Ended::Restart => {
+                    tracing::info!(upstream = %self.config.name, "upstream restart requested");
+                    delay = backoff.initial;
+                    continue;
+                }
+                Ended::Failed(why) => {
+                    tracing::warn!(upstream = %self.config.name, error = %why, retry_in = %humantime::format_duration(delay), "upstream failed");
+                    self.set_state(UpstreamState::Backoff, Some(why));
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = self.wake.notified() => {}
+                () = self.stop.cancelled() => break,
+            }
+            delay = (delay * 2).min(backoff.max);
+        }
+        *self.live.write() = None;
+        self.set_state(UpstreamState::Down, None);
+    }
+
+    /// One attempt: start or connect, agree on a revision, list the tools.
+    async fn attempt(&self) -> Result<(Live, Negotiated, Vec<Value>), String> {
+        let limit = self.config.connect_timeout;
+        let bounded = async {
+            match &self.config.endpoint {
+                UpstreamEndpoint::Command { children, .. } => {
+                    let link = self.spawn_child()?;
+                    let ready = async {
+                        let negotiated =
+                            protocol::handshake(&*link, self.config.protocol, limit).await?;
+                        let listed = protocol::list_tools(&*link, &negotiated, limit).await?;
+                        Ok::<_, String>((negotiated, listed))
+                    };
+                    match ready.await {
+                        Ok((negotiated, listed)) => {
+                            if *children == Children::PerCall {
+                                // The probe lists the tools; every call gets its own child.
+                                link.stop(Duration::ZERO).await;
+                                Ok((Live::PerCall(CancellationToken::new()), negotiated, listed))
+                            } else {
+                                Ok((Live::Child(link, negotiated.clone()), negotiated, listed))
+                            }
+                        }
+                        Err(why) => {
+                            let closed = link.why();
+                            link.stop(Duration::ZERO).await;
+                            Err(match closed {
+                                Some(closed) => format!("{why} ({closed})"),
+                                None => why,
+                            })
+                        }
+                    }
+                }
+                UpstreamEndpoint::Http {
+                    target,
+                    path,
+                    bearer_file,
+                } => {
+                    let bearer = match bearer_file {
+                        Some(file) => Some(read_bearer(file)?),
+                        None => None,
+                    };
+                    let link = HttpLink::new(
+                        &self.config.name,
+                        target.clone(),
+                        path.clone(),
+                        bearer.as_deref(),
+                        HttpBounds {
+                            response_limit: usize::try_from(self.config.response_limit)
+                                .unwrap_or(usize::MAX),
+                            stream_limit: self.config.stream_limit,
+                            connect_timeout: limit,
+                        },
+                        self.list_changed.clone(),
+                    )?;
+                    let negotiated =
+                        protocol::handshake(&*link, self.config.protocol, limit).await?;
+                    let listed = protocol::list_tools(&*link, &negotiated, limit).await?;
+                    Ok((Live::Http(link, negotiated.clone()), negotiated, listed))
+                }
+            }
+        };
+        // Each step is bounded; the whole attempt too (a server trickling its answers).
+        match tokio::time::timeout(limit * 3, bounded).await {
+            Ok(result) => result,
+            Err(_) => Err(format!(
+                "not ready within {}",
+                humantime::format_duration(limit * 3)
+            )),
+        }
+    }
+
+    fn spawn_child(&self) -> Result<Arc<ChildLink>, String> {
+        let UpstreamEndpoint::Command { argv, env, cwd, .. } = &self.config.endpoint else {
+            return Err("not a stdio upstream".into());
+        };
+        let spec = ChildSpec {
+            argv: argv.clone(),
+            env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            cwd: cwd.clone(),
+        };
+        ChildLink::spawn(
+            &self.config.name,
+            &spec,
+            &self.context.launcher,
+            usize::try_from(self.config.response_limit).unwrap_or(usize::MAX),
+            self.list_changed.clone(),
+        )
+    }
+
+    /// While up: until the link breaks, a restart is asked for, or the daemon stops. A
+    /// new tool list announced meanwhile is read and replaces the old one.
+    async fn serve(&self, live: &Live, negotiated: &Negotiated) -> Ended {
+        loop {
+            let broken = async {
+                match live {
+                    Live::Child(link, _) => link.closed().cancelled().await,
+                    Live::Http(link, _) => link.broken().cancelled().await,
+                    Live::PerCall(broken) => broken.cancelled().await,
+                }
+            };
+            tokio::select! {
+                () = broken => {
+                    let why = match live {
+                        Live::Child(link, _) => {
+                            let why = link.why().unwrap_or_default();
+                            link.stop(STOP_GRACE).await;
+                            why
+                        }
+                        Live::Http(..) => "the backend could not be reached".into(),
+                        Live::PerCall(_) => "a child could not be started for a call".into(),
+                    };
+                    return Ended::Failed(why);
+                }
+                () = self.list_changed.notified() => {
+                    let rpc: Option<&dyn Rpc> = match live {
+                        Live::Child(link, _) => Some(&**link),
+                        Live::Http(link, _) => Some(&**link),
+                        Live::PerCall(_) => None,
+                    };
+                    if let Some(rpc) = rpc {
+                        match protocol::list_tools(rpc, negotiated, self.config.connect_timeout).await {
+                            Ok(listed) => {
+                                tracing::info!(upstream = %self.config.name, "upstream announced a new tool list");
+                                self.set_listing(listed, false);
+                            }
+                            Err(why) => tracing::warn!(upstream = %self.config.name, error = %why, "cannot read the upstream's new tool list; keeping the old one"),
+                        }
+                    }
+                }
+                () = self.wake.notified() => {
+                    self.stop_live(live).await;
+                    return Ended::Restart;
+                }
+                () = self.stop.cancelled() => {
+                    self.stop_live(live).await;
+                    return Ended::Stopped;
+                }
+            }
+        }
+    }
+
+    async fn stop_live(&self, live: &Live) {
+        if let Live::Child(link, _) = live {
+            link.stop(STOP_GRACE).await;
+        }
+    }
+
+    async fn shutdown(&self) {
+        self.stop.cancel();
+        let task = self.supervisor.lock().take();
+        if let Some(task) = task {
+            let _ = tokio::time::timeout(STOP_GRACE + Duration::from_secs(6), task).await;
+        }
+    }
+
+    /// Calls the upstream's own tool `original`.
+    pub async fn call(
+        &self,
+        original: &str,
+        args: Map<String, Value>,
+        cancel: &CancellationToken,
+    ) -> Result<Map<String, Value>, CallError> {
+        let live = self.live.read().clone();
+        let Some(live) = live else {
+            let state = self.shown.lock().state;
+            return Err(CallError::NotSent(format!("the upstream is {state}")));
+        };
+        let mut params = Map::new();
+        params.insert("name".into(), Value::String(original.to_owned()));
+        params.insert("arguments".into(), Value::Object(args));
+        let limit = self.config.call_timeout;
+        match live {
+            Live::Child(link, negotiated) => {
+                link.request(
+                    &negotiated,
+                    "tools/call",
+                    negotiated.params(params),
+                    cancel,
+                    limit,
+                )
+                .await
+            }
+            Live::Http(link, negotiated) => {
+                link.request(
+                    &negotiated,
+                    "tools/call",
+                    negotiated.params(params),
+                    cancel,
+                    limit,
+                )
+                .await
+            }
+            Live::PerCall(broken) => self.call_in_child(params, cancel, &broken).await,
+        }
+    }
+
+    /// A per-call child: started, agreed with, called once, and killed with its group
+    /// however the call ends (the future dropped included).
+    async fn call_in_child(
+        &self,
+        params: Map<String, Value>,
+        cancel: &CancellationToken,
+        broken: &CancellationToken,
+    ) -> Result<Map<String, Value>, CallError> {
+        let Ok(_permit) = self.per_call.clone().try_acquire_owned() else {
+            return Err(CallError::Busy(format!(
+                "{MAX_PER_CALL} per-call children of this upstream are running"
+            )));
+        };
+        let link = match self.spawn_child() {
+            Ok(link) => link,
+            Err(why) => {
+                tracing::warn!(upstream = %self.config.name, error = %why, "cannot start a per-call child");
+                broken.cancel();
+                return Err(CallError::NotSent(why));
+            }
+        };
+        let _kill = KillOnDrop(link.clone());
+        let negotiated = tokio::select! {
+            n = protocol::handshake(&*link, self.config.protocol, self.config.connect_timeout) => {
+                n.map_err(CallError::NotSent)?
+            }
+            () = cancel.cancelled() => return Err(CallError::Cancelled),
+        };
+        let params = negotiated.params(params);
+        let result = link
+            .request(
+                &negotiated,
+                "tools/call",
+                params,
+                cancel,
+                self.config.call_timeout,
+            )
+            .await;
+        link.stop(Duration::ZERO).await;
+        result
+    }
+
+    /// Replaces the tool list (and keeps it in the state directory); the catalog gets a
+    /// new generation when the tools changed.
+    fn set_listing(&self, listed: Vec<Value>, from_cache: bool) {
+        let listing = Arc::new(tool::import(&self.config, &listed, &self.me));
+        let changed = {
+            let current = self.listing.read();
+            current.specs() != listing.specs() || current.refused != listing.refused
+        };
+        self.shown.lock().from_cache = from_cache;
+        if !changed {
+            return;
+        }
+        for (tool, why) in &listing.refused {
+            tracing::warn!(upstream = %self.config.name, tool = %tool, "tool not imported: {why}");
+        }
+        self.context
+            .metrics
+            .upstream_tools(&self.config.name, listing.tools.len());
+        *self.listing.write() = listing;
+        if !from_cache {
+            self.write_known(&listed);
+        }
+        if let Some(catalog) = self.catalog.lock().upgrade() {
+            let snapshot = catalog.rebuild();
+            tracing::info!(upstream = %self.config.name, generation = snapshot.generation(), "catalog rebuilt with the upstream's new tools");
+        }
+    }
+
+    fn known_path(&self) -> Option<PathBuf> {
+        let dir = self.context.state_dir.as_ref()?;
+        Some(
+            dir.join("upstreams")
+                .join(format!("{}.json", self.config.name)),
+        )
+    }
+
+    fn read_known(&self) -> Option<Vec<Value>> {
+        let path = self.known_path()?;
+        let text = std::fs::read(&path).ok()?;
+        match serde_json::from_slice::<Value>(&text) {
+            Ok(Value::Object(mut known)) => match known.remove("tools") {
+                Some(Value::Array(tools)) => Some(tools),
+                _ => None,
+            },
+            _ => {
+                tracing::warn!(path = %path.display(), "the last-known tool list is unreadable; ignored");
+                None
+            }
+        }
+    }
+
+    fn write_known(&self, listed: &[Value]) {
+        if !self.context.persist {
+            return;
+        }
+        let Some(path) = self.known_path() else {
+            return;
+        };
+        let text = serde_json::json!({"tools": listed, "listed_at": unix_secs(SystemTime::now())})
+            .to_string();
+        if let Err(e) = write_atomically(&path, text.as_bytes()) {
+            tracing::warn!(path = %path.display(), error = %e, "cannot keep the upstream's tool list");
+        }
+    }
+
+    fn status(&self) -> UpstreamStatus {
+        let shown = self.shown.lock();
+        let listing = self.listing.read();
+        UpstreamStatus {
+            name: self.config.name.clone(),
+            kind: self.kind().as_str().to_owned(),
+            children: match &self.config.endpoint {
+                UpstreamEndpoint::Command { children, .. } => Some(
+                    match children {
+                        Children::Shared => "shared",
+                        Children::PerCall => "per-call",
+                    }
+                    .to_owned(),
+                ),
+                UpstreamEndpoint::Http { .. } => None,
+            },
+            state: shown.state.as_str().to_owned(),
+            since: unix_secs(shown.since),
+            protocol: shown.protocol.clone(),
+            tools: listing.tools.iter().map(|t| t.spec.name.clone()).collect(),
+            refused: listing
+                .refused
+                .iter()
+                .map(|(tool, reason)| RefusedTool {
+                    tool: tool.clone(),
+                    reason: reason.clone(),
+                })
+                .collect(),
+            excluded: listing.excluded,
+            listed_from_cache: shown.from_cache,
+            restarts: shown.restarts,
+            last_error: shown.last_error.clone(),
+        }
+    }
+}
+
+/// Kills a per-call child's group when its call's future ends, however it ends.
+struct KillOnDrop(Arc<ChildLink>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // Not yet reaped, so its group id cannot belong to anyone else yet.
+        if !self.0.is_reaped() {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(self.0.pid()).unwrap_or(i32::MAX));
+            let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The bearer file's token: at most 4 KiB, trimmed, visible ASCII. Its content never
+/// reaches a log line or an error message.
+fn read_bearer(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("cannot read the bearer file {}: {e}", path.display()))?;
+    let mut text = String::new();
+    file.take(MAX_BEARER_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read the bearer file {}: {e}", path.display()))?;
+    if text.len() as u64 > MAX_BEARER_FILE {
+        return Err(format!("the bearer file {} is over 4 KiB", path.display()));
+    }
+    let token = text.trim();
+    if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "the bearer file {} must hold one token of visible ASCII characters",
+            path.display()
+        ));
+    }
+    Ok(token.to_owned())
+}
+
+/// Temporary file, fsync, rename over `path`, fsync of the directory; mode 0600.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let dir = path.parent().ok_or(std::io::ErrorKind::InvalidInput)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let temp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("tools")
+    ));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&temp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&temp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}

@@ -1,0 +1,459 @@
+//! The client side of MCP toward a downstream server, whatever carries it: the two
+//! revisions (`server/discover` with per-request `_meta` for 2026-07-28, `initialize` for
+//! 2025-11-25), JSON-RPC framing, the handshake, the paged tool listing, and how an
+//! upstream's answers are classified. Results stay JSON values: nothing here parses them
+//! into types that would drop what we do not know.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use rmcp::model::{ClientCapabilities, Implementation, ProtocolVersion, RequestMetaObject};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::UpstreamProtocol;
+
+/// The revision served by `server/discover` and per-request metadata.
+pub const MODERN: &str = "2026-07-28";
+/// The revision of the `initialize` handshake we offer.
+pub const LEGACY: &str = "2025-11-25";
+/// How long `auto` waits for an answer to `server/discover` before it tries `initialize`.
+const DISCOVER_WAIT: Duration = Duration::from_secs(5);
+/// Pages of `tools/list` followed, and tool definitions read, at most.
+const MAX_PAGES: usize = 64;
+pub const MAX_LISTED: usize = 4096;
+
+/// The revision agreed with one upstream connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    /// The protocol version string in force (`MCP-Protocol-Version`).
+    pub version: String,
+    /// 2026-07-28 or later: no session, every request carries its own `_meta`.
+    pub modern: bool,
+}
+
+impl Negotiated {
+    pub fn modern() -> Self {
+        Self {
+            version: MODERN.to_owned(),
+            modern: true,
+        }
+    }
+
+    /// `params` as sent: with the per-request `_meta` of the modern revision.
+    pub fn params(&self, mut params: Map<String, Value>) -> Map<String, Value> {
+        if self.modern {
+            let context = RequestMetaObject::with_client_context(
+                ProtocolVersion::V_2026_07_28,
+                client_info(),
+                ClientCapabilities::default(),
+            );
+            if let Ok(Value::Object(context)) = serde_json::to_value(context) {
+                let meta = params
+                    .entry("_meta")
+                    .or_insert_with(|| Value::Object(Map::new()));
+                if let Value::Object(meta) = meta {
+                    meta.extend(context);
+                }
+            }
+        }
+        params
+    }
+}
+
+pub fn client_info() -> Implementation {
+    Implementation::new("robota-mcpd", env!("CARGO_PKG_VERSION"))
+}
+
+/// Why a request to an upstream did not bring back a result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// Nothing reached the upstream: the call had no effect.
+    #[error("{0}")]
+    NotSent(String),
+    /// Sent, then the link broke before the answer: the effect is unknown.
+    #[error("{0}")]
+    Lost(String),
+    /// The answer is over the response limit.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The upstream answered with a JSON-RPC error.
+    #[error("JSON-RPC error {code}: {message}")]
+    Rpc { code: i64, message: String },
+    /// No answer within the call's time limit (the upstream was told to cancel).
+    #[error("no answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    /// The caller cancelled (the upstream was told to cancel).
+    #[error("cancelled")]
+    Cancelled,
+    /// Too many calls in flight toward this upstream.
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl CallError {
+    /// A description for the operator (status, log), never shown to a caller as is.
+    pub fn describe(&self) -> String {
+        self.to_string()
+    }
+}
+
+pub type RpcFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, CallError>> + Send + 'a>>;
+
+/// One connection to an upstream, however it is carried.
+pub trait Rpc: Send + Sync {
+    /// Sends `method` with `params` (as [`Negotiated::params`] made them) and waits for its
+    /// result, at most `limit`; `cancel` tells the upstream to stop.
+    fn request<'a>(
+        &'a self,
+        negotiated: &'a Negotiated,
+        method: &'a str,
+        params: Map<String, Value>,
+        cancel: &'a CancellationToken,
+        limit: Duration,
+    ) -> RpcFuture<'a, Map<String, Value>>;
+
+    fn notify<'a>(
+        &'a self,
+        negotiated: &'a Negotiated,
+        method: &'a str,
+        params: Map<String, Value>,
+    ) -> RpcFuture<'a, ()>;
+}
+
+/// A JSON-RPC request line (no newline).
+pub fn request_bytes(id: u64, method: &str, params: Map<String, Value>) -> Vec<u8> {
+    json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+        .to_string()
+        .into_bytes()
+}
+
+pub fn notification_bytes(method: &str, params: Map<String, Value>) -> Vec<u8> {
+    json!({"jsonrpc": "2.0", "method": method, "params": params})
+        .to_string()
+        .into_bytes()
+}
+
+/// What one message from an upstream is.
+#[derive(Debug, PartialEq)]
+pub enum Incoming {
+    /// An answer to our request `id` (ours are numbers).
+    Response {
+        id: u64,
+        result: Result<Map<String, Value>, CallError>,
+    },
+    /// A notification (`notifications/tools/list_changed`, progress, log messages).
+    Notification { method: String },
+    /// A request of the server's (`ping`, `roots/list`, …), to be answered.
+    Request { id: Value, method: String },
+    /// An answer to an id we never used, or not JSON-RPC at all.
+    Stray(String),
+}
+
+pub fn classify(message: Value) -> Incoming {
+    let Value::Object(mut message) = message else {
+        return Incoming::Stray("a message that is not a JSON object".into());
+    };
+    let method = message
+        .get("method")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    match (message.remove("id"), method) {
+        (Some(id), Some(method)) if !id.is_null() => Incoming::Request { id, method },
+        (None, Some(method)) => Incoming::Notification { method },
+        (Some(id), None) => {
+            let Some(id) = id.as_u64() else {
+                return Incoming::Stray(format!("an answer to an id we never sent ({id})"));
+            };
+            let result = match (message.remove("result"), message.remove("error")) {
+                (Some(Value::Object(result)), None) => Ok(result),
+                (None, Some(error)) => Err(CallError::Rpc {
+                    code: error.get("code").and_then(Value::as_i64).unwrap_or(0),
+                    message: error
+                        .get("message")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .chars()
+                        .take(1024)
+                        .collect(),
+                }),
+                _ => Err(CallError::Lost(
+                    "the upstream answered with neither a result object nor an error".into(),
+                )),
+            };
+            Incoming::Response { id, result }
+        }
+        _ => Incoming::Stray("a JSON-RPC message without an id or a method".into()),
+    }
+}
+
+/// The answer we give to a server's own request: `ping` is answered, nothing else is
+/// offered (we declare no client capabilities).
+pub fn answer_server_request(id: Value, method: &str) -> Vec<u8> {
+    let answer = if method == "ping" {
+        json!({"jsonrpc": "2.0", "id": id, "result": {}})
+    } else {
+        json!({"jsonrpc": "2.0", "id": id, "error": {
+            "code": -32601,
+            "message": "robota-mcpd offers no client features to its upstreams"
+        }})
+    };
+    answer.to_string().into_bytes()
+}
+
+/// The `id` of a message we could not read whole (over the size limit), from its first
+/// bytes: a top-level `"id"` member with a number. Our own ids are numbers.
+pub fn id_in_prefix(prefix: &[u8]) -> Option<u64> {
+    let mut depth = 0usize;
+    let mut i = 0;
+    let mut key_start: Option<usize> = None;
+    let mut last_key: Option<(usize, usize)> = None;
+    while i < prefix.len() {
+        match prefix[i] {
+            b'"' => {
+                let start = i + 1;
+                i += 1;
+                while i < prefix.len() && prefix[i] != b'"' {
+                    i += if prefix[i] == b'\\' { 2 } else { 1 };
+                }
+                if depth == 1 && key_start.is_none() {
+                    key_start = Some(start);
+                    last_key = Some((start, i.min(prefix.len())));
+                }
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                key_start = None;
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            b',' if depth == 1 => key_start = None,
+            b':' if depth == 1 => {
+                if let Some((s, e)) = last_key
+                    && &prefix[s..e] == b"id"
+                {
+                    let rest = &prefix[i + 1..];
+                    let digits: Vec<u8> = rest
+                        .iter()
+                        .copied()
+                        .skip_while(u8::is_ascii_whitespace)
+                        .take_while(u8::is_ascii_digit)
+                        .collect();
+                    return std::str::from_utf8(&digits).ok()?.parse().ok();
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Agrees on a revision with the upstream behind `rpc`.
+pub async fn handshake(
+    rpc: &dyn Rpc,
+    protocol: UpstreamProtocol,
+    limit: Duration,
+) -> Result<Negotiated, String> {
+    let cancel = CancellationToken::new();
+    match protocol {
+        UpstreamProtocol::V2026_07_28 => discover(rpc, &cancel, limit).await,
+        UpstreamProtocol::V2025_11_25 => initialize(rpc, &cancel, limit).await,
+        UpstreamProtocol::Auto => match discover(rpc, &cancel, limit.min(DISCOVER_WAIT)).await {
+            Ok(negotiated) => Ok(negotiated),
+            Err(modern_failure) => initialize(rpc, &cancel, limit)
+                .await
+                .map_err(|legacy| format!("{modern_failure}; then {legacy}")),
+        },
+    }
+}
+
+async fn discover(
+    rpc: &dyn Rpc,
+    cancel: &CancellationToken,
+    limit: Duration,
+) -> Result<Negotiated, String> {
+    let modern = Negotiated::modern();
+    let result = rpc
+        .request(
+            &modern,
+            "server/discover",
+            modern.params(Map::new()),
+            cancel,
+            limit,
+        )
+        .await
+        .map_err(|e| format!("server/discover failed: {}", e.describe()))?;
+    let supported = result
+        .get("supportedVersions")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if supported.iter().any(|v| v.as_str() == Some(MODERN)) {
+        Ok(modern)
+    } else {
+        Err(format!(
+            "server/discover offers {} but not {MODERN}",
+            Value::Array(supported)
+        ))
+    }
+}
+
+async fn initialize(
+    rpc: &dyn Rpc,
+    cancel: &CancellationToken,
+    limit: Duration,
+) -> Result<Negotiated, String> {
+    let legacy = Negotiated {
+        version: LEGACY.to_owned(),
+        modern: false,
+    };
+    let params = json!({
+        "protocolVersion": LEGACY,
+        "capabilities": {},
+        "clientInfo": client_info(),
+    });
+    let Value::Object(params) = params else {
+        unreachable!("an object literal")
+    };
+    let result = rpc
+        .request(&legacy, "initialize", params, cancel, limit)
+        .await
+        .map_err(|e| format!("initialize failed: {}", e.describe()))?;
+    let version = result
+        .get("protocolVersion")
+        .and_then(Value::as_str)
+        .filter(|v| !v.is_empty() && v.len() <= 32 && v.chars().all(|c| c.is_ascii_graphic()))
+        .ok_or("the initialize answer names no protocol version")?
+        .to_owned();
+    let negotiated = Negotiated {
+        modern: version.as_str() >= MODERN,
+        version,
+    };
+    if !negotiated.modern {
+        rpc.notify(&negotiated, "notifications/initialized", Map::new())
+            .await
+            .map_err(|e| format!("notifications/initialized failed: {}", e.describe()))?;
+    }
+    Ok(negotiated)
+}
+
+/// Every tool definition the upstream lists (following `nextCursor`), as sent.
+pub async fn list_tools(
+    rpc: &dyn Rpc,
+    negotiated: &Negotiated,
+    limit: Duration,
+) -> Result<Vec<Value>, String> {
+    let cancel = CancellationToken::new();
+    let mut tools = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..MAX_PAGES {
+        let mut params = Map::new();
+        if let Some(c) = cursor.take() {
+            params.insert("cursor".into(), Value::String(c));
+        }
+        let mut result = rpc
+            .request(
+                negotiated,
+                "tools/list",
+                negotiated.params(params),
+                &cancel,
+                limit,
+            )
+            .await
+            .map_err(|e| format!("tools/list failed: {}", e.describe()))?;
+        match result.remove("tools") {
+            Some(Value::Array(page)) => tools.extend(page),
+            _ => return Err("the tools/list answer holds no `tools` array".into()),
+        }
+        if tools.len() > MAX_LISTED {
+            return Err(format!("the upstream lists more than {MAX_LISTED} tools"));
+        }
+        match result.remove("nextCursor") {
+            Some(Value::String(next)) if !next.is_empty() => cursor = Some(next),
+            _ => return Ok(tools),
+        }
+    }
+    Err(format!("tools/list gave more than {MAX_PAGES} pages"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modern_params_carry_the_request_metadata() {
+        let p = Negotiated::modern().params(Map::new());
+        let meta = &p["_meta"];
+        assert_eq!(meta["io.modelcontextprotocol/protocolVersion"], MODERN);
+        assert!(meta["io.modelcontextprotocol/clientCapabilities"].is_object());
+        let legacy = Negotiated {
+            version: LEGACY.into(),
+            modern: false,
+        };
+        assert!(legacy.params(Map::new()).is_empty());
+    }
+
+    #[test]
+    fn messages_are_classified() {
+        let c = |v: Value| classify(v);
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","id":3,"result":{"x":1}})),
+            Incoming::Response { id: 3, result: Ok(r) } if r["x"] == 1
+        ));
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","id":4,"error":{"code":-32602,"message":"bad"}})),
+            Incoming::Response {
+                id: 4,
+                result: Err(CallError::Rpc { code: -32602, .. })
+            }
+        ));
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","method":"notifications/tools/list_changed"})),
+            Incoming::Notification { method } if method == "notifications/tools/list_changed"
+        ));
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","id":"s1","method":"ping"})),
+            Incoming::Request { method, .. } if method == "ping"
+        ));
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","id":"x","result":{}})),
+            Incoming::Stray(_)
+        ));
+        assert!(matches!(c(json!([1])), Incoming::Stray(_)));
+        assert!(matches!(
+            c(json!({"jsonrpc":"2.0","id":5,"result":[1]})),
+            Incoming::Response {
+                id: 5,
+                result: Err(CallError::Lost(_))
+            }
+        ));
+    }
+
+    #[test]
+    fn the_id_of_an_oversize_message_is_found_in_its_first_bytes() {
+        assert_eq!(
+            id_in_prefix(br#"{"jsonrpc":"2.0","id":17,"result":{"content":[{"#),
+            Some(17)
+        );
+        assert_eq!(id_in_prefix(br#"{"result":{"id":5,"x":"#), None);
+        assert_eq!(id_in_prefix(br#"{"result":{"id":5},"id": 9,"#), Some(9));
+        assert_eq!(
+            id_in_prefix(br#"{"jsonrpc":"2.0","note":"\"id\":4","id":8"#),
+            Some(8)
+        );
+        assert_eq!(id_in_prefix(br#"{"id":"abc""#), None);
+        assert_eq!(id_in_prefix(b"garbage"), None);
+    }
+
+    #[test]
+    fn server_requests_get_ping_answered_and_nothing_else() {
+        let ping: Value = serde_json::from_slice(&answer_server_request(json!(1), "ping")).unwrap();
+        assert_eq!(ping["result"], json!({}));
+        let other: Value =
+            serde_json::from_slice(&answer_server_request(json!("a"), "sampling/createMessage"))
+                .unwrap();
+        assert_eq!(other["error"]["code"], -32601);
+        assert_eq!(other["id"], "a");
+    }
+}

@@ -1,0 +1,642 @@
+//! A downstream server as a child process speaking MCP on its stdin and stdout.
+//!
+//! The child runs in a process group of its own with an empty environment (its configured
+//! variables and PATH), stdin and stdout piped, stderr read line by line into the
+//! daemon's log under the upstream's name and at a bounded rate. Started through the
+//! daemon's own binary (`robota-mcpd exec-upstream`), it is killed by the kernel if the
+//! daemon dies, even by SIGKILL. Every line it writes is bounded by the response limit; a
+//! line that is not JSON, or too long to belong to any request, ends the child: it is
+//! contained (its calls end `outcome_unknown`) and reported, and the supervisor decides
+//! what next.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use parking_lot::Mutex;
+use serde_json::{Map, Value};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::protocol::{
+    self, CallError, Incoming, Negotiated, Rpc, RpcFuture, answer_server_request, id_in_prefix,
+};
+
+/// How a child is started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Launcher {
+    /// Through the daemon's binary (`/proc/self/exe exec-upstream --parent <pid> -- argv`),
+    /// which asks the kernel to kill the child when the daemon dies, then executes it.
+    Shim(PathBuf),
+    /// Directly (in-process tests): the child outlives a killed daemon.
+    Direct,
+}
+
+/// What runs: the configured argv, environment and directory.
+#[derive(Debug, Clone)]
+pub struct ChildSpec {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: Option<PathBuf>,
+}
+
+/// The PATH a child gets when its environment sets none.
+pub const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+/// How long a child gets between SIGTERM and SIGKILL.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
+/// Lines of stderr logged per second per child; the rest are counted.
+const STDERR_RATE: u32 = 10;
+/// Longest stderr line logged (the rest is cut).
+const STDERR_LINE: usize = 4096;
+/// Requests in flight on one child at once.
+const MAX_PENDING: usize = 256;
+/// Of an oversize line, the bytes kept to find its id.
+const PREFIX: usize = 4096;
+
+type Waiter = oneshot::Sender<Result<Map<String, Value>, CallError>>;
+
+/// A running child and the requests waiting for its answers.
+pub struct ChildLink {
+    upstream: String,
+    pid: u32,
+    out: mpsc::Sender<Vec<u8>>,
+    pending: Mutex<HashMap<u64, Waiter>>,
+    next_id: AtomicU64,
+    /// Fired when the link can carry nothing more (the child closed its stdout, exited,
+    /// wrote something that is not MCP); `why` says which.
+    closed: CancellationToken,
+    why: Mutex<Option<String>>,
+    /// Fired once the child has been reaped.
+    reaped: CancellationToken,
+    list_changed: Arc<Notify>,
+}
+
+impl ChildLink {
+    /// Starts the child. `list_changed` is notified when it announces a new tool list.
+    pub fn spawn(
+        upstream: &str,
+        spec: &ChildSpec,
+        launcher: &Launcher,
+        response_limit: usize,
+        list_changed: Arc<Notify>,
+    ) -> Result<Arc<Self>, String> {
+        let mut command = match launcher {
+            Launcher::Direct => {
+                let mut c = Command::new(&spec.argv[0]);
+                c.args(&spec.argv[1..]);
+                c
+            }
+            Launcher::Shim(exe) => {
+                let mut c = Command::new(exe);
+                c.arg("exec-upstream")
+                    .arg("--parent")
+                    .arg(std::process::id().to_string())
+                    .arg("--")
+                    .args(&spec.argv);
+                c
+            }
+        };
+        command.env_clear();
+        if !spec.env.iter().any(|(k, _)| k == "PATH") {
+            command.env("PATH", DEFAULT_PATH);
+        }
+        command
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        if let Some(dir) = &spec.cwd {
+            command.current_dir(dir);
+        }
+        // Spawned from a runtime worker thread, which lives as long as the runtime: the
+        // parent-death signal is tied to the thread that forked.
+        let mut child = command
+            .spawn()
+            .map_err(|e| format!("cannot start the command: {e}"))?;
+        let pid = child.id().ok_or("the child exited at once")?;
+        let (stdin, stdout, stderr) =
+            match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+                (Some(i), Some(o), Some(e)) => (i, o, e),
+                _ => return Err("the child's pipes were not set up".into()),
+            };
+        let (out, outbound) = mpsc::channel::<Vec<u8>>(64);
+        let link = Arc::new(Self {
+            upstream: upstream.to_owned(),
+            pid,
+            out,
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            closed: CancellationToken::new(),
+            why: Mutex::new(None),
+            reaped: CancellationToken::new(),
+            list_changed,
+        });
+        tokio::spawn(write_stdin(link.clone(), stdin, outbound));
+        tokio::spawn(read_stdout(link.clone(), stdout, response_limit));
+        tokio::spawn(log_stderr(upstream.to_owned(), stderr));
+        tokio::spawn(reap(link.clone(), child));
+        Ok(link)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn is_reaped(&self) -> bool {
+        self.reaped.is_cancelled()
+    }
+
+    /// Fired when the link is closed; [`ChildLink::why`] says why.
+    pub fn closed(&self) -> &CancellationToken {
+        &self.closed
+    }
+
+    pub fn why(&self) -> Option<String> {
+        self.why.lock().clone()
+    }
+
+    /// Closes the link for `why` (the first reason sticks); every waiting call learns that
+    /// its answer will not come.
+    fn close(&self, why: String) {
+        {
+            let mut current = self.why.lock();
+            if current.is_none() {
+                *current = Some(why.clone());
+            }
+        }
+        self.closed.cancel();
+        let waiting: Vec<Waiter> = self.pending.lock().drain().map(|(_, w)| w).collect();
+        for waiter in waiting {
+            let _ = waiter.send(Err(CallError::Lost(format!(
+                "the upstream's process ended the exchange mid-call ({why})"
+            ))));
+        }
+    }
+
+    fn group(&self) -> Pid {
+        Pid::from_raw(i32::try_from(self.pid).unwrap_or(i32::MAX))
+    }
+
+    /// Stops the child: SIGTERM to its group, SIGKILL after `grace` (at once with a zero
+    /// grace); waits until it is reaped (bounded).
+    pub async fn stop(&self, grace: Duration) {
+        self.close("stopped by the daemon".into());
+        if !self.reaped.is_cancelled() {
+            if grace.is_zero() {
+                let _ = killpg(self.group(), Signal::SIGKILL);
+            } else {
+                let _ = killpg(self.group(), Signal::SIGTERM);
+                if tokio::time::timeout(grace, self.reaped.cancelled())
+                    .await
+                    .is_err()
+                {
+                    let _ = killpg(self.group(), Signal::SIGKILL);
+                }
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.reaped.cancelled()).await;
+    }
+
+    fn answer(&self, id: u64, result: Result<Map<String, Value>, CallError>) {
+        if let Some(waiter) = self.pending.lock().remove(&id) {
+            let _ = waiter.send(result);
+        }
+    }
+
+    fn forget(&self, id: u64) -> bool {
+        self.pending.lock().remove(&id).is_some()
+    }
+
+    /// Tells the child to stop working on `id` (best effort, never waits).
+    fn send_cancel(&self, negotiated: &Negotiated, id: u64, reason: &str) {
+        let mut params = Map::new();
+        params.insert("requestId".into(), Value::from(id));
+        params.insert("reason".into(), Value::from(reason));
+        let line =
+            protocol::notification_bytes("notifications/cancelled", negotiated.params(params));
+        let _ = self.out.try_send(line);
+    }
+}
+
+/// Forwards the cancellation of a call whose future is dropped (the caller went away,
+/// or the session raced it against its cancel token).
+struct Outstanding<'a> {
+    link: &'a ChildLink,
+    negotiated: &'a Negotiated,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        if !self.done && self.link.forget(self.id) {
+            self.link
+                .send_cancel(self.negotiated, self.id, "the caller cancelled the request");
+        }
+    }
+}
+
+impl Rpc for ChildLink {
+    fn request<'a>(
+        &'a self,
+        negotiated: &'a Negotiated,
+        method: &'a str,
+        params: Map<String, Value>,
+        cancel: &'a CancellationToken,
+        limit: Duration,
+    ) -> RpcFuture<'a, Map<String, Value>> {
+        Box::pin(async move {
+            if self.closed.is_cancelled() {
+                return Err(CallError::NotSent(self.why().unwrap_or_default()));
+            }
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = oneshot::channel();
+            {
+                let mut pending = self.pending.lock();
+                if pending.len() >= MAX_PENDING {
+                    return Err(CallError::Busy(format!(
+                        "{MAX_PENDING} calls are already waiting for this upstream"
+                    )));
+                }
+                pending.insert(id, tx);
+            }
+            let mut outstanding = Outstanding {
+                link: self,
+                negotiated,
+                id,
+                done: false,
+            };
+            if self
+                .out
+                .send(protocol::request_bytes(id, method, params))
+                .await
+                .is_err()
+            {
+                outstanding.done = true;
+                self.forget(id);
+                return Err(CallError::NotSent("the child's stdin is closed".into()));
+            }
+            let answer = tokio::select! {
+                answer = rx => answer.unwrap_or_else(|_| Err(CallError::Lost("the link closed".into()))),
+                () = cancel.cancelled() => {
+                    outstanding.done = true;
+                    if self.forget(id) {
+                        self.send_cancel(negotiated, id, "the caller cancelled the request");
+                    }
+                    Err(CallError::Cancelled)
+                }
+                () = tokio::time::sleep(limit) => {
+                    outstanding.done = true;
+                    if self.forget(id) {
+                        self.send_cancel(negotiated, id, "the call timed out");
+                    }
+                    Err(CallError::Timeout(limit))
+                }
+            };
+            outstanding.done = true;
+            answer
+        })
+    }
+
+    fn notify<'a>(
+        &'a self,
+        _negotiated: &'a Negotiated,
+        method: &'a str,
+        params: Map<String, Value>,
+    ) -> RpcFuture<'a, ()> {
+        Box::pin(async move {
+            self.out
+                .send(protocol::notification_bytes(method, params))
+                .await
+                .map_err(|_| CallError::NotSent("the child's stdin is closed".into()))
+        })
+    }
+}
+
+async fn write_stdin(
+    link: Arc<ChildLink>,
+    mut stdin: tokio::process::ChildStdin,
+    mut outbound: mpsc::Receiver<Vec<u8>>,
+) {
+    loop {
+        let line = tokio::select! {
+            line = outbound.recv() => line,
+            () = link.closed.cancelled() => None,
+        };
+        let Some(mut line) = line else { break };
+        line.push(b'\n');
+        if stdin.write_all(&line).await.is_err() || stdin.flush().await.is_err() {
+            link.close("its stdin was closed".into());
+            break;
+        }
+    }
+    // Closing stdin is how a stdio server is asked to end.
+    drop(stdin);
+}
+
+/// One line of stdout, bounded: a whole line, or the first bytes of one over the limit.
+enum Line {
+    Whole(BytesMut),
+    TooLong(Vec<u8>),
+    End,
+}
+
+/// Reads lines of at most `limit` bytes; a longer line is skipped to its end, keeping its
+/// first [`PREFIX`] bytes.
+struct Lines<R> {
+    read: R,
+    buf: BytesMut,
+    limit: usize,
+}
+
+impl<R: AsyncRead + Unpin> Lines<R> {
+    async fn next(&mut self) -> Line {
+        let mut skipping: Option<Vec<u8>> = None;
+        let mut scanned = 0;
+        loop {
+            if let Some(at) = self.buf[scanned..].iter().position(|&b| b == b'\n') {
+                let end = scanned + at;
+                let mut line = self.buf.split_to(end + 1);
+                line.truncate(end);
+                if line.last() == Some(&b'\r') {
+                    line.truncate(end - 1);
+                }
+                return match skipping {
+                    Some(prefix) => Line::TooLong(prefix),
+                    None if line.len() > self.limit => {
+                        Line::TooLong(line[..PREFIX.min(line.len())].to_vec())
+                    }
+                    None => Line::Whole(line),
+                };
+            }
+            scanned = self.buf.len();
+            if self.buf.len() > self.limit {
+                if skipping.is_none() {
+                    skipping = Some(self.buf[..PREFIX.min(self.buf.len())].to_vec());
+                }
+                self.buf.clear();
+                scanned = 0;
+            }
+            self.buf.reserve(64 * 1024);
+            match self.read.read_buf(&mut self.buf).await {
+                Ok(0) | Err(_) => return Line::End,
+                Ok(_) => {}
+            }
+        }
+    }
+}
+
+async fn read_stdout(link: Arc<ChildLink>, stdout: tokio::process::ChildStdout, limit: usize) {
+    let mut lines = Lines {
+        read: stdout,
+        buf: BytesMut::with_capacity(64 * 1024),
+        limit,
+    };
+    let why = loop {
+        let line = tokio::select! {
+            line = lines.next() => line,
+            () = link.closed.cancelled() => return,
+        };
+        match line {
+            Line::End => break "it closed its stdout".to_owned(),
+            Line::TooLong(prefix) => match id_in_prefix(&prefix) {
+                Some(id) => link.answer(
+                    id,
+                    Err(CallError::TooLarge(format!(
+                        "the upstream's answer is over its {limit} byte response limit"
+                    ))),
+                ),
+                None => break format!("it wrote a line over the {limit} byte response limit"),
+            },
+            Line::Whole(line) if line.iter().all(u8::is_ascii_whitespace) => {}
+            Line::Whole(line) => {
+                let message: Value = match serde_json::from_slice(&line) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        break format!(
+                            "it wrote a line that is not JSON ({} bytes: {e}); stdout must carry MCP only",
+                            line.len()
+                        );
+                    }
+                };
+                match protocol::classify(message) {
+                    Incoming::Response { id, result } => link.answer(id, result),
+                    Incoming::Notification { method } => {
+                        if method == "notifications/tools/list_changed" {
+                            link.list_changed.notify_one();
+                        }
+                    }
+                    Incoming::Request { id, method } => {
+                        let _ = link.out.try_send(answer_server_request(id, &method));
+                    }
+                    Incoming::Stray(what) => {
+                        tracing::debug!(upstream = %link.upstream, "ignored {what}");
+                    }
+                }
+            }
+        }
+    };
+    link.close(why);
+}
+
+/// stderr into the log, one event per line, cut at [`STDERR_LINE`], at most
+/// [`STDERR_RATE`] lines a second (the rest counted in one line).
+async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
+    let mut reader = BufReader::new(stderr);
+    let mut buf = Vec::new();
+    let mut window = Instant::now();
+    let mut logged = 0u32;
+    let mut suppressed = 0u64;
+    loop {
+        buf.clear();
+        let read = (&mut reader)
+            .take(STDERR_LINE as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .await;
+        match read {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let whole = buf.last() == Some(&b'\n');
+        if !whole {
+            // Cut: drop the rest of this line without holding it.
+            let mut sink = Vec::new();
+            loop {
+                sink.clear();
+                match (&mut reader)
+                    .take(64 * 1024)
+                    .read_until(b'\n', &mut sink)
+                    .await
+                {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) if sink.last() == Some(&b'\n') => break,
+                    Ok(_) => {}
+                }
+            }
+        }
+        if window.elapsed() >= Duration::from_secs(1) {
+            if suppressed > 0 {
+                tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
+            }
+            window = Instant::now();
+            logged = 0;
+            suppressed = 0;
+        }
+        if logged >= STDERR_RATE {
+            suppressed += 1;
+            continue;
+        }
+        logged += 1;
+        let text = String::from_utf8_lossy(&buf);
+        let text = text.trim_end_matches(['\n', '\r']);
+        if whole {
+            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, "{text}");
+        } else {
+            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, "{text} … [line cut]");
+        }
+    }
+    if suppressed > 0 {
+        tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
+    }
+}
+
+/// Waits for the child; once it has exited, kills what it left in its group.
+async fn reap(link: Arc<ChildLink>, mut child: Child) {
+    let status = child.wait().await;
+    let why = match status {
+        Ok(status) => format!("its process exited ({status})"),
+        Err(e) => format!("waiting for its process failed: {e}"),
+    };
+    // Its group may hold children it started; they go with it.
+    let _ = killpg(link.group(), Signal::SIGKILL);
+    link.close(why);
+    link.reaped.cancel();
+}
+
+/// `robota-mcpd exec-upstream --parent <pid> -- argv…`: asks the kernel to kill this
+/// process when its parent dies, checks the parent is still the daemon that started it,
+/// then becomes the upstream's command. Returns only on failure.
+pub fn exec_child(parent: u32, argv: &[OsString]) -> String {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
+        return format!("cannot set the parent-death signal: {e}");
+    }
+    // The daemon may have died before the signal was set: then the parent is another.
+    if nix::unistd::getppid().as_raw() != i32::try_from(parent).unwrap_or(-1) {
+        return "the daemon that started this upstream is gone".into();
+    }
+    let args: Result<Vec<CString>, _> = argv.iter().map(|a| CString::new(a.as_bytes())).collect();
+    let Ok(args) = args else {
+        return "an argument holds a NUL byte".into();
+    };
+    let Some(exe) = args.first() else {
+        return "no command given".into();
+    };
+    match nix::unistd::execv(exe, &args) {
+        Ok(never) => match never {},
+        Err(e) => format!("cannot execute {}: {e}", exe.to_string_lossy()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn lines_are_bounded_and_an_oversize_one_keeps_its_start() {
+        let long = format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":7,\"result\":\"{}\"}}",
+            "x".repeat(100_000)
+        );
+        let input = format!("{{\"a\":1}}\r\n\n{long}\n{{\"b\":2}}\n");
+        let mut lines = Lines {
+            read: input.as_bytes(),
+            buf: BytesMut::new(),
+            limit: 1000,
+        };
+        assert!(matches!(lines.next().await, Line::Whole(l) if &l[..] == b"{\"a\":1}"));
+        assert!(matches!(lines.next().await, Line::Whole(l) if l.is_empty()));
+        match lines.next().await {
+            Line::TooLong(prefix) => {
+                assert!(prefix.len() <= PREFIX);
+                assert_eq!(id_in_prefix(&prefix), Some(7));
+            }
+            _ => panic!("expected the long line to be cut"),
+        }
+        assert!(matches!(lines.next().await, Line::Whole(l) if &l[..] == b"{\"b\":2}"));
+        assert!(matches!(lines.next().await, Line::End));
+    }
+
+    fn sh(script: &str) -> ChildSpec {
+        ChildSpec {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: Vec::new(),
+            cwd: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_child_writing_garbage_is_contained_and_the_reason_kept() {
+        let link = ChildLink::spawn(
+            "t",
+            &sh("read line; echo 'hello, not JSON'; sleep 30"),
+            &Launcher::Direct,
+            1024,
+            Arc::new(Notify::new()),
+        )
+        .unwrap();
+        let negotiated = Negotiated::modern();
+        let err = link
+            .request(
+                &negotiated,
+                "tools/list",
+                Map::new(),
+                &CancellationToken::new(),
+                Duration::from_secs(20),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CallError::Lost(_)), "{err:?}");
+        assert!(link.why().unwrap().contains("not JSON"), "{:?}", link.why());
+        link.stop(Duration::ZERO).await;
+        assert!(link.reaped.is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn the_environment_is_the_configured_one_and_path() {
+        let spec = ChildSpec {
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "read line; printf '{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"env\":\"%s|%s|%s\"}}\\n' \"$PATH\" \"$ONLY\" \"$HOME\"; sleep 30".into(),
+            ],
+            env: vec![("ONLY".into(), "this".into())],
+            cwd: Some("/".into()),
+        };
+        let link =
+            ChildLink::spawn("t", &spec, &Launcher::Direct, 1024, Arc::new(Notify::new())).unwrap();
+        let result = link
+            .request(
+                &Negotiated::modern(),
+                "x",
+                Map::new(),
+                &CancellationToken::new(),
+                Duration::from_secs(20),
+            )
+            .await
+            .unwrap();
+        assert_eq!(result["env"], format!("{DEFAULT_PATH}|this|"));
+        link.stop(Duration::from_secs(1)).await;
+    }
+}
