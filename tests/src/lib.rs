@@ -18,6 +18,7 @@ pub mod procs;
 pub mod remote;
 pub mod secrets;
 pub mod systemd;
+pub mod upstream;
 
 use std::future::Future;
 use std::path::PathBuf;

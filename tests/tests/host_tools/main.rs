@@ -6,3 +6,4 @@ mod grants;
 mod jobs;
 mod services;
 mod turns;
+mod upstreams;

@@ -1,0 +1,364 @@
+//! Downstream MCP servers through the real daemon: the official Python SDK's server over
+//! stdio and over Streamable HTTP, our rmcp server (shared and per-call children, a unix
+//! socket backend), and a misbehaving double (crash mid-call, hang, garbage, flood, an
+//! answer over the limit, a changed tool list that collides, a child left behind). Each
+//! test owns its daemon and its servers.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use robota_e2e::mcp::McpClient;
+use robota_e2e::procs::alive;
+use robota_e2e::upstream::{HttpServer, fixture_command, sdk_stdio_command, toml_array};
+use robota_e2e::{Daemon, metric_sum, poll_until, poll_until_blocking, within};
+use robota_proto::UpstreamStatus;
+use serde_json::{Value, json};
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// Every bearer may call every tool of the upstreams named `names`.
+fn allow(names: &[&str]) -> String {
+    let tools: Vec<String> = names.iter().map(|n| format!("{n}.*")).collect();
+    format!(
+        "[[policy]]\ncallers = [\"bearer:*\"]\ntools = {}\ndecision = \"allow\"\n",
+        toml_array(&tools)
+    )
+}
+
+fn upstream(d: &Daemon, name: &str) -> UpstreamStatus {
+    let out = d.ctl_ok(&["--json", "upstreams"]);
+    let v: Value = serde_json::from_str(&out.stdout).expect("upstreams JSON");
+    let list: Vec<UpstreamStatus> =
+        serde_json::from_value(v["upstreams"].clone()).expect("upstreams list");
+    list.into_iter()
+        .find(|u| u.name == name)
+        .unwrap_or_else(|| panic!("no upstream {name} in {}", out.stdout))
+}
+
+fn wait_state(d: &Daemon, name: &str, state: &str) -> UpstreamStatus {
+    let mut last = None;
+    let reached = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+        let u = upstream(d, name);
+        let ok = u.state == state;
+        last = Some(u);
+        ok
+    });
+    let last = last.expect("polled once");
+    assert!(reached, "{name} never became {state}: {last:?}");
+    last
+}
+
+/// Lists through `client`: canonical name → the tool's `_meta`.
+async fn listed(client: &McpClient) -> serde_json::Map<String, Value> {
+    let tools = within(LIMIT, "tools/list", client.peer().list_all_tools())
+        .await
+        .expect("tools/list");
+    tools
+        .into_iter()
+        .map(|t| {
+            let meta = t.meta.map_or(Value::Null, |m| json!(m.0));
+            (t.name.to_string(), meta)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_over_stdio_is_imported_called_and_denied_by_default() {
+    let d = Daemon::start(&format!(
+        "[upstreams.py]\ncommand = {}\n\n[[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"py.add\"]\ndecision = \"allow\"\n",
+        sdk_stdio_command()
+    ));
+    let u = wait_state(&d, "py", "up");
+    assert_eq!(u.kind, "stdio");
+    assert_eq!(u.tools, ["py.add", "py.echo", "py.nap"], "{u:?}");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let tools = listed(&client).await;
+    assert_eq!(
+        tools["py.add"]["io.robota/upstream"],
+        json!({"name": "py", "tool": "add"}),
+        "{tools:?}"
+    );
+    assert!(tools.contains_key("system.info"), "first-party tools stay");
+    let sum = client.call("py.add", json!({"a": 2, "b": 40})).await;
+    assert!(!sum.is_error, "{sum:?}");
+    assert!(
+        sum.text.contains("42") || sum.structured.to_string().contains("42"),
+        "{sum:?}"
+    );
+    // No rule allows py.echo: imported tools are denied unless a rule allows them,
+    // whatever the upstream's annotations.
+    client
+        .call("py.echo", json!({"text": "hi"}))
+        .await
+        .err("permission_denied", "py.echo without a rule");
+    // The upstream validates the arguments.
+    let bad = client.call("py.add", json!({"a": "two"})).await;
+    assert!(bad.is_error, "{bad:?}");
+    let metrics = d.metrics_text().expect("metrics");
+    assert_eq!(
+        metric_sum(&metrics, &["robota_mcpd_upstream_up{", "upstream=\"py\""]),
+        1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(
+            &metrics,
+            &[
+                "robota_mcpd_tool_calls_total{",
+                "tool=\"py.add\"",
+                "outcome=\"ok\""
+            ]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    client.close().await;
+    d.assert_no_secrets();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_over_streamable_http_with_both_revisions() {
+    let server = HttpServer::sdk();
+    let d = Daemon::start(&format!(
+        "[upstreams.web]\nurl = \"{}\"\n\n{}",
+        server.url(),
+        allow(&["web"])
+    ));
+    let u = wait_state(&d, "web", "up");
+    assert_eq!(u.kind, "http");
+    assert!(u.tools.contains(&"web.echo".to_owned()), "{u:?}");
+    for client in [
+        McpClient::connect(&d, &d.bearer()).await,
+        McpClient::connect_with_tasks(&d, &d.bearer()).await,
+    ] {
+        let echo = client.call("web.echo", json!({"text": "über"})).await;
+        assert!(!echo.is_error, "{echo:?}");
+        assert!(echo.text.contains("über"), "{echo:?}");
+        client.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_call_children_leave_no_process_behind() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rm]\ncommand = {}\nchildren = \"per-call\"\n\n{}",
+        fixture_command(&["rmcp-stdio"]),
+        allow(&["rm"])
+    ));
+    let u = wait_state(&d, "rm", "up");
+    assert_eq!(u.children.as_deref(), Some("per-call"));
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let mut pids = Vec::new();
+    for _ in 0..2 {
+        let r = client.call("rm.pid", json!({})).await.ok("rm.pid");
+        let pid = r["pid"].as_i64().expect("pid") as i32;
+        assert!(
+            poll_until(LIMIT, Duration::from_millis(20), || !alive(pid)).await,
+            "the per-call child {pid} outlived its call"
+        );
+        pids.push(pid);
+    }
+    assert_ne!(pids[0], pids[1], "each call gets its own child");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rmcp_server_on_a_unix_socket_backend() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("rmcp.sock");
+    let _server = HttpServer::rmcp(Some(&sock));
+    let d = Daemon::start(&format!(
+        "[upstreams.sock]\nurl = \"unix:{}\"\n\n{}",
+        sock.display(),
+        allow(&["sock"])
+    ));
+    wait_state(&d, "sock", "up");
+    let client = McpClient::connect_with_tasks(&d, &d.bearer()).await;
+    let r = client.call("sock.add", json!({"a": 1, "b": 2})).await;
+    assert!(!r.is_error, "{r:?}");
+    client.close().await;
+}
+
+/// The rogue double over stdio, with `extra` keys in its table.
+fn rogue(extra: &str) -> Daemon {
+    Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"2s\"\nresponse_limit = \"1MiB\"\nrestart = {{ initial = \"100ms\", max = \"1s\" }}\n{extra}\n\n{}",
+        fixture_command(&["rogue"]),
+        allow(&["rogue"])
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_mid_call_is_outcome_unknown_and_the_child_comes_back() {
+    let d = rogue("");
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let first = client.call("rogue.pid", json!({})).await.ok("pid")["pid"]
+        .as_i64()
+        .expect("pid");
+    let msg = client
+        .call("rogue.crash", json!({}))
+        .await
+        .err("outcome_unknown", "a crash mid-call");
+    assert!(msg.contains("rogue"), "{msg}");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(50), || upstream(&d, "rogue")
+            .restarts
+            >= 1
+            && upstream(&d, "rogue").state == "up")
+        .await,
+        "not restarted: {:?}",
+        upstream(&d, "rogue")
+    );
+    let second = client.call("rogue.pid", json!({})).await.ok("pid again")["pid"]
+        .as_i64()
+        .expect("pid");
+    assert_ne!(first, second, "a new child");
+    let metrics = d.metrics_text().expect("metrics");
+    assert!(
+        metric_sum(
+            &metrics,
+            &["robota_mcpd_upstream_restarts_total{", "upstream=\"rogue\""]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(
+            &metrics,
+            &[
+                "tool_calls_total{",
+                "tool=\"rogue.crash\"",
+                "outcome=\"outcome_unknown\""
+            ]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hang_times_out_and_garbage_floods_and_huge_answers_are_bounded() {
+    let d = rogue("");
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client
+        .call("rogue.hang", json!({}))
+        .await
+        .err("timed_out", "a hanging upstream");
+    // Still serving after the time-out.
+    client.call("rogue.echo", json!({"a": 1})).await.ok("echo");
+    client
+        .call("rogue.huge", json!({}))
+        .await
+        .err("result_too_large", "2 MiB over a 1 MiB limit");
+    let flood = client.call("rogue.flood", json!({})).await;
+    assert!(flood.is_error, "4 MiB without a newline: {flood:?}");
+    let garbage = client.call("rogue.garbage", json!({})).await;
+    assert!(garbage.is_error, "{garbage:?}");
+    // The daemon is still fine, and the double answers again once it is back.
+    assert!(
+        poll_until_async_ok(&client).await,
+        "rogue.echo never answered again: {:?}",
+        upstream(&d, "rogue")
+    );
+    let status = d.status();
+    assert_eq!(status.state, "serving");
+    client.close().await;
+}
+
+async fn poll_until_async_ok(client: &McpClient) -> bool {
+    robota_e2e::poll_until_async(LIMIT, Duration::from_millis(100), || async {
+        !client.call("rogue.echo", json!({})).await.is_error
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_tool_list_that_collides_is_an_error_naming_both() {
+    // `said` is aliased to `echo`: once the list changes, `rogue.echo` is claimed twice.
+    let d = rogue("[upstreams.rogue.aliases]\nsaid = \"echo\"\n");
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    assert!(listed(&client).await.contains_key("rogue.echo"));
+    client.call("rogue.change", json!({})).await.ok("change");
+    let deadline = std::time::Instant::now() + LIMIT;
+    let last = loop {
+        let last = match client.peer().list_all_tools().await {
+            Ok(tools) => format!("{:?}", tools.iter().map(|t| &t.name).collect::<Vec<_>>()),
+            Err(e) => break e.to_string(),
+        };
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tools/list still answers: {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(last.contains("rogue.echo"), "{last}");
+    client
+        .call("rogue.echo", json!({}))
+        .await
+        .err("unavailable", "a name claimed twice");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_daemon_leaves_no_child_behind() {
+    let d = rogue("");
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let pid = client.call("rogue.pid", json!({})).await.ok("pid")["pid"]
+        .as_i64()
+        .expect("pid") as i32;
+    assert!(alive(pid));
+    client.close().await;
+    d.signal(Signal::SIGKILL);
+    assert!(d.wait_exit(LIMIT).is_some(), "the daemon did not die");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(pid)).await,
+        "the upstream child {pid} outlived the daemon"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upstream_does_not_hold_back_ready_and_its_last_known_tools_answer_unavailable() {
+    let state = tempfile::tempdir().expect("state dir");
+    // Its connect bound is past the start bound: it is not ready in time, not failed.
+    let config = |args: &[&str]| {
+        format!(
+            "[upstreams.slow]\ncommand = {}\nconnect_timeout = \"30s\"\n\n{}",
+            fixture_command(args),
+            allow(&["slow"])
+        )
+    };
+    let first = Daemon::builder()
+        .state_dir(state.path())
+        .extra(config(&["rogue"]))
+        .start();
+    wait_state(&first, "slow", "up");
+    first.ctl_ok(&["stop"]);
+    assert!(
+        first.wait_exit(LIMIT).is_some(),
+        "the first daemon did not stop"
+    );
+    assert!(state.path().join("upstreams/slow.json").is_file());
+
+    let started = std::time::Instant::now();
+    let d = Daemon::builder()
+        .state_dir(state.path())
+        .extra(config(&["rogue", "--slow-start", "120"]))
+        .start();
+    assert!(
+        started.elapsed() < Duration::from_secs(19),
+        "READY=1 took {:?}",
+        started.elapsed()
+    );
+    let u = upstream(&d, "slow");
+    assert_eq!(u.state, "down", "{u:?}");
+    assert!(u.listed_from_cache, "{u:?}");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    assert!(listed(&client).await.contains_key("slow.echo"));
+    client
+        .call("slow.echo", json!({}))
+        .await
+        .err("unavailable", "a known tool of an upstream that is down");
+    client.close().await;
+}
