@@ -362,3 +362,233 @@ async fn a_slow_upstream_does_not_hold_back_ready_and_its_last_known_tools_answe
         .err("unavailable", "a known tool of an upstream that is down");
     client.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_carrier_with_compat_names_calls_an_imported_tool() {
+    use robota_e2e::authz::Authz;
+    use robota_e2e::http::{exchange, tool_names, tools_call, tools_list};
+    use robota_e2e::remote::{PUBLIC_URL, RemoteConfig, remote_mcp};
+    let (authz, keys) = Authz::with_standard_keys();
+    let cfg = RemoteConfig::new(&authz).line("wire_names = \"compat\"");
+    let d = cfg
+        .builder()
+        .extra(format!(
+            "[upstreams.rm]\ncommand = {}\n\n[[policy]]\ncallers = [\"oauth:client-a/*\", \"bearer:*\"]\ntools = [\"rm.*\"]\ndecision = \"allow\"\n",
+            fixture_command(&["rmcp-stdio"])
+        ))
+        .start();
+    wait_state(&d, "rm", "up");
+    let addr = d.remote_addr();
+    let token = authz.token(&keys.rsa, PUBLIC_URL).build();
+    let resp = exchange(addr, &remote_mcp(Some(&token), &tools_list(1))).await;
+    assert_eq!(resp.status, 200, "{}", resp.describe());
+    let list = resp.expect_rpc(1);
+    let names = tool_names(&list);
+    assert!(names.contains(&"rm_add".to_owned()), "{names:?}");
+    let add = list["result"]["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .find(|t| t["name"] == "rm_add")
+        .expect("rm_add")
+        .clone();
+    assert_eq!(
+        add["_meta"]["io.robota/upstream"],
+        json!({"name": "rm", "tool": "add"}),
+        "{add}"
+    );
+    let resp = exchange(
+        addr,
+        &remote_mcp(
+            Some(&token),
+            &tools_call(2, "rm_add", json!({"a": 20, "b": 22})),
+        ),
+    )
+    .await;
+    let result = resp.expect_rpc(2);
+    assert_eq!(result["result"]["isError"], json!(false), "{result}");
+    assert!(result["result"].to_string().contains("42"), "{result}");
+    assert_eq!(
+        result["result"]["_meta"]["io.robota/upstream"],
+        json!({"name": "rm", "tool": "add"}),
+        "{result}"
+    );
+    // The loopback carrier keeps canonical names.
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    assert!(listed(&client).await.contains_key("rm.add"));
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
+    let events = tempfile::NamedTempFile::new().expect("events file");
+    let path = events.path().display().to_string();
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"1s\"\n\n{}",
+        fixture_command(&["rogue", "--events", &path]),
+        allow(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    // The raw answer: unknown fields and the upstream's `_meta` kept, ours added.
+    use robota_e2e::http::{Request, tools_call};
+    let bearer = d.bearer();
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let post = |body: &Value| {
+        Request::new("POST", "/mcp")
+            .header("Host", &d.loopback_addr().to_string())
+            .header("Content-Type", "application/json")
+            .header("Accept", "application/json, text/event-stream")
+            .header("MCP-Protocol-Version", robota_e2e::V_2025_11_25)
+            .header("Authorization", &format!("Bearer {bearer}"))
+            .header("Connection", "close")
+            .body(serde_json::to_vec(body).expect("json"))
+    };
+    let _ = robota_e2e::http::exchange(d.loopback_addr(), &post(&init)).await;
+    let resp = robota_e2e::http::exchange(
+        d.loopback_addr(),
+        &post(&tools_call(5, "rogue.echo", json!({"x": [1, 2]}))),
+    )
+    .await;
+    let answer = resp.expect_rpc(5);
+    let result = &answer["result"];
+    assert_eq!(result["x-rogue"], json!({"unknown": "kept"}), "{answer}");
+    assert_eq!(result["_meta"]["rogue/trace"], json!(7), "{answer}");
+    assert_eq!(
+        result["_meta"]["io.robota/upstream"],
+        json!({"name": "rogue", "tool": "echo"}),
+        "{answer}"
+    );
+    assert_eq!(
+        result["structuredContent"]["arguments"],
+        json!({"x": [1, 2]}),
+        "{answer}"
+    );
+    // A time-out is forwarded as `notifications/cancelled`.
+    let client = McpClient::connect(&d, &bearer).await;
+    client
+        .call("rogue.hang", json!({}))
+        .await
+        .err("timed_out", "hang");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(50), || {
+            std::fs::read_to_string(events.path()).is_ok_and(|t| t.contains("cancelled"))
+        })
+        .await,
+        "no cancellation reached the upstream: {:?}",
+        std::fs::read_to_string(events.path())
+    );
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctl_upstreams_lists_and_restarts_and_a_daemon_restart_rebuilds_them() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rm]\ncommand = {}\n\n{}",
+        fixture_command(&["rmcp-stdio"]),
+        allow(&["rm"])
+    ));
+    wait_state(&d, "rm", "up");
+    let human = d.ctl_ok(&["upstreams"]).stdout;
+    for needle in ["UPSTREAM", "rm", "stdio (shared)", "up", "rm.echo"] {
+        assert!(human.contains(needle), "{needle:?} in {human}");
+    }
+    assert!(
+        d.ctl_ok(&["status"]).stdout.contains("1 of 1 up"),
+        "status shows the upstreams"
+    );
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let first = rm_pid(&client).await;
+    let out = d.ctl_ok(&["--json", "upstreams", "restart", "rm"]).stdout;
+    let v: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["kind"], "upstream", "{out}");
+    assert_eq!(v["upstream"]["restarts"], 1, "{out}");
+    assert_eq!(v["upstream"]["state"], "up", "{out}");
+    let second = rm_pid(&client).await;
+    assert_ne!(first, second, "a new child after upstreams restart");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(first)).await,
+        "the old child {first} lives on"
+    );
+    let missing = d.ctl(&["upstreams", "restart", "nope"]);
+    assert_eq!(missing.code(), Some(1), "{missing:?}");
+    assert!(missing.stderr.contains("not-found"), "{missing:?}");
+    client.close().await;
+
+    // A daemon restart starts the upstreams again from its plan.
+    d.ctl_ok(&["restart"]);
+    d.refresh_addrs();
+    wait_state(&d, "rm", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let third = rm_pid(&client).await;
+    assert_ne!(second, third);
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(second)).await,
+        "the child {second} outlived the restart"
+    );
+    client.close().await;
+}
+
+#[test]
+fn upstream_config_errors_are_config_errors_naming_their_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (toml, key) in [
+        (
+            "[upstreams.Bad]\ncommand = [\"/bin/true\"]\n",
+            "upstreams.Bad",
+        ),
+        (
+            "[upstreams.far]\nurl = \"http://192.0.2.1:80/mcp\"\n",
+            "upstreams.far.url",
+        ),
+        (
+            "[upstreams.system]\ncommand = [\"/bin/true\"]\n",
+            "upstreams.system",
+        ),
+        (
+            "[upstreams.x]\ncommand = [\"/bin/true\"]\nwhat = 1\n",
+            "upstreams.x",
+        ),
+    ] {
+        let text = Daemon::builder().extra(toml).config_text(dir.path());
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, text).expect("write config");
+        let out = robota_e2e::daemon::check_config(&path);
+        assert_eq!(out.code(), Some(robota_e2e::EXIT_CONFIG), "{toml}: {out:?}");
+        assert!(
+            out.stderr.contains(key) || out.stdout.contains(key),
+            "{toml}: {key} not named: {out:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bearer_file_of_an_http_backend_never_reaches_any_output() {
+    let server = HttpServer::sdk();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = "upstream-bearer-5e3c1d0b9a";
+    let file = dir.path().join("web.token");
+    std::fs::write(&file, format!("{token}\n")).expect("token file");
+    let d = Daemon::start(&format!(
+        "[upstreams.web]\nurl = \"{}\"\nbearer_file = \"{}\"\n\n{}",
+        server.url(),
+        file.display(),
+        allow(&["web"])
+    ));
+    d.register_secret(token);
+    wait_state(&d, "web", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client
+        .call("web.echo", json!({"text": "x"}))
+        .await
+        .ok("web.echo");
+    client.close().await;
+    d.ctl_ok(&["--json", "upstreams"]);
+    d.assert_no_secrets();
+}
+
+async fn rm_pid(client: &McpClient) -> i32 {
+    client.call("rm.pid", json!({})).await.ok("rm.pid")["pid"]
+        .as_i64()
+        .expect("pid") as i32
+}
