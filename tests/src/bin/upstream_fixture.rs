@@ -2,7 +2,7 @@
 //!
 //! - `rmcp-stdio` and `rmcp-http [--unix PATH]`: an rmcp server (rmcp's own server code,
 //!   stdio and stateless Streamable HTTP) with a few plain tools;
-//! - `rogue [--slow-start SECS] [--events FILE]`: a misbehaving double speaking
+//! - `rogue [--slow-start SECS] [--events FILE] [--linger]`: a misbehaving double speaking
 //!   newline-delimited JSON-RPC by hand — it crashes mid-call, hangs, writes garbage,
 //!   floods stdout, answers too much, changes its tool list, leaves a grandchild behind.
 //!
@@ -48,11 +48,15 @@ fn main() {
         Some("rmcp-http") => rmcp_http(events, flag("--unix").map(PathBuf::from)),
         Some("rogue") => {
             rogue(events, flag("--slow-start").and_then(|s| s.parse().ok()));
+            if args.iter().any(|a| a == "--linger") {
+                // Stays after its stdin closed: only a signal ends it.
+                std::thread::sleep(Duration::from_secs(300));
+            }
             Ok(())
         }
         _ => {
             eprintln!(
-                "usage: robota-e2e-upstream rmcp-stdio | rmcp-http [--unix PATH] | rogue [--slow-start SECS] [--events FILE]"
+                "usage: robota-e2e-upstream rmcp-stdio | rmcp-http [--unix PATH] | rogue [--slow-start SECS] [--events FILE] [--linger]"
             );
             std::process::exit(2);
         }

@@ -302,7 +302,12 @@ async fn a_changed_tool_list_that_collides_is_an_error_naming_both() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_daemon_leaves_no_child_behind() {
-    let d = rogue("");
+    // The child stays after its stdin closes: only the parent-death signal ends it.
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\n\n{}",
+        fixture_command(&["rogue", "--linger"]),
+        allow(&["rogue"])
+    ));
     wait_state(&d, "rogue", "up");
     let client = McpClient::connect(&d, &d.bearer()).await;
     let pid = client.call("rogue.pid", json!({})).await.ok("pid")["pid"]
@@ -591,4 +596,38 @@ async fn rm_pid(client: &McpClient) -> i32 {
     client.call("rm.pid", json!({})).await.ok("rm.pid")["pid"]
         .as_i64()
         .expect("pid") as i32
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_kills_the_childs_whole_group_and_a_stop_ends_a_lingering_child() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\n\n{}",
+        fixture_command(&["rogue", "--linger"]),
+        allow(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let forked = client.call("rogue.fork", json!({})).await.ok("fork");
+    let (child, grandchild) = (
+        forked["pid"].as_i64().expect("pid") as i32,
+        forked["grandchild"].as_i64().expect("grandchild") as i32,
+    );
+    assert!(alive(grandchild));
+    d.ctl_ok(&["upstreams", "restart", "rogue"]);
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(child)
+            && !alive(grandchild))
+        .await,
+        "child {child} or grandchild {grandchild} outlived the upstream's restart"
+    );
+    let next = client.call("rogue.pid", json!({})).await.ok("pid")["pid"]
+        .as_i64()
+        .expect("pid") as i32;
+    client.close().await;
+    d.ctl_ok(&["stop"]);
+    assert!(d.wait_exit(LIMIT).is_some(), "the daemon did not stop");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(next)).await,
+        "the lingering child {next} outlived the daemon's stop"
+    );
 }
