@@ -169,6 +169,7 @@ impl ServerHandler for Fixture {
             }
             "sleep" => {
                 let ms = args.get("ms").and_then(Value::as_u64).unwrap_or(0);
+                record(&self.events, "sleeping");
                 tokio::select! {
                     () = tokio::time::sleep(Duration::from_millis(ms)) => {}
                     () = context.ct.cancelled() => {
@@ -280,7 +281,15 @@ fn announce(addr: &str) -> std::io::Result<()> {
 // ----- the rogue double -----
 
 fn rogue_tools(changed: bool) -> Value {
-    let t = |name: &str| json!({"name": name, "description": format!("rogue {name}"), "inputSchema": {"type": "object"}});
+    // Every tool claims to be harmless: the daemon must not believe it.
+    let t = |name: &str| {
+        json!({
+            "name": name,
+            "description": format!("rogue {name}"),
+            "inputSchema": {"type": "object"},
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true}
+        })
+    };
     let mut tools: Vec<Value> = [
         "echo",
         "crash",
@@ -360,7 +369,11 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                     }
                     "hang" => record(
                         &events,
-                        &format!("hanging {}", id.clone().unwrap_or_default()),
+                        &format!(
+                            "hanging {} pid {}",
+                            id.clone().unwrap_or_default(),
+                            std::process::id()
+                        ),
                     ),
                     "garbage" => {
                         let _ = writeln!(out, "this is not JSON-RPC");

@@ -631,3 +631,131 @@ async fn a_restart_kills_the_childs_whole_group_and_a_stop_ends_a_lingering_chil
         "the lingering child {next} outlived the daemon's stop"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_read_only_claim_does_not_let_a_call_past_policy() {
+    // No [[policy]] rule: the double marks every tool readOnlyHint, which is shown and
+    // never believed.
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\n",
+        fixture_command(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let tools = within(LIMIT, "tools/list", client.peer().list_all_tools())
+        .await
+        .expect("tools/list");
+    let echo = tools
+        .iter()
+        .find(|t| t.name == "rogue.echo")
+        .expect("rogue.echo listed");
+    assert_eq!(
+        echo.annotations.as_ref().and_then(|a| a.read_only_hint),
+        Some(true),
+        "the upstream's annotations are shown"
+    );
+    client
+        .call("rogue.echo", json!({}))
+        .await
+        .err("permission_denied", "an imported tool without a rule");
+    let metrics = d.metrics_text().expect("metrics");
+    assert!(
+        metric_sum(&metrics, &["policy_denials_total{", "tool=\"rogue.echo\""]) >= 1.0,
+        "{metrics}"
+    );
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_call_child_is_killed_when_its_call_times_out() {
+    let events = tempfile::NamedTempFile::new().expect("events file");
+    let path = events.path().display().to_string();
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\nchildren = \"per-call\"\ncall_timeout = \"1s\"\n\n{}",
+        fixture_command(&["rogue", "--linger", "--events", &path]),
+        allow(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client
+        .call("rogue.hang", json!({}))
+        .await
+        .err("timed_out", "a hanging per-call child");
+    let text = std::fs::read_to_string(events.path()).expect("events");
+    let pid: i32 = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("hanging ")
+                .and_then(|r| r.split(" pid ").nth(1))
+        })
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no hanging pid in {text:?}"));
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(20), || !alive(pid)).await,
+        "the per-call child {pid} outlived its timed-out call"
+    );
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable() {
+    let events = tempfile::NamedTempFile::new().expect("events file");
+    let mut cmd = std::process::Command::new(robota_e2e::upstream::fixture_bin());
+    cmd.arg("rmcp-http").arg("--events").arg(events.path());
+    let server = HttpServer::spawn(cmd);
+    let d = Daemon::start(&format!(
+        "[upstreams.web]\nurl = \"{}\"\nconnect_timeout = \"1s\"\n\n{}",
+        server.url(),
+        allow(&["web"])
+    ));
+    wait_state(&d, "web", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let call = client.call("web.sleep", json!({"ms": 60000}));
+    let kill = async {
+        assert!(
+            poll_until(LIMIT, Duration::from_millis(20), || {
+                std::fs::read_to_string(events.path()).is_ok_and(|t| t.contains("sleeping"))
+            })
+            .await,
+            "the call never reached the backend"
+        );
+        drop(server);
+    };
+    let (result, ()) = tokio::join!(call, kill);
+    result.err("outcome_unknown", "a backend killed mid-call");
+    // Down now: a call answers unavailable at once, nothing sent.
+    assert!(
+        robota_e2e::poll_until_async(LIMIT, Duration::from_millis(100), || async {
+            client.call("web.ping", json!({})).await.error_code() == Some("unavailable")
+        })
+        .await,
+        "never unavailable: {:?}",
+        upstream(&d, "web")
+    );
+    client.close().await;
+}
+
+#[test]
+fn a_collision_seen_at_start_refuses_the_start() {
+    // `run_query` aliased to `echo`: two tools of the double claim `rogue.echo`.
+    let d = Daemon::builder()
+        .extra(format!(
+            "[upstreams.rogue]\ncommand = {}\n[upstreams.rogue.aliases]\nrun_query = \"echo\"\n",
+            fixture_command(&["rogue"])
+        ))
+        .spawn();
+    let status = d.wait_exit(LIMIT).expect("the daemon refuses to start");
+    assert_eq!(
+        status.code(),
+        Some(robota_e2e::EXIT_CONFIG),
+        "{}",
+        d.stderr_text()
+    );
+    let stderr = d.stderr_text();
+    assert!(
+        stderr.contains("rogue.echo")
+            && stderr.contains("run_query")
+            && stderr.contains("\"echo\""),
+        "{stderr}"
+    );
+}
