@@ -18,6 +18,7 @@ mod mcpd;
 mod procfs;
 mod report;
 mod servers;
+mod upstream;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -34,7 +35,7 @@ use crate::report::{Figures, MatrixRun, Report};
 
 /// Benchmarks robota-mcpd against a plain hyper server and a stock rmcp server.
 ///
-/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl`.
+/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`.
 #[derive(Debug, Parser)]
 #[command(name = "robota-bench")]
 struct Args {
@@ -60,7 +61,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values_t = [1, 32])]
     clients: Vec<usize>,
     /// Parts to run.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Part::Matrix, Part::Flood, Part::Figures])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Part::Matrix, Part::Flood, Part::Figures, Part::Upstream])]
     parts: Vec<Part>,
     /// Valid-client rates (requests/s) of the flood scenario; the flood is ten times each.
     #[arg(long, value_delimiter = ',', default_values_t = [100.0, 500.0])]
@@ -88,6 +89,8 @@ enum Part {
     Matrix,
     Flood,
     Figures,
+    /// A trivial tool of an rmcp server, directly and through the daemon.
+    Upstream,
 }
 
 impl Args {
@@ -97,7 +100,7 @@ impl Args {
             && self.calls.len() == 2
             && self.clients.contains(&1)
             && self.clients.contains(&32)
-            && self.parts.len() == 3
+            && self.parts.len() == 4
             && self.server_env.is_empty()
     }
 }
@@ -186,6 +189,15 @@ fn main() -> ExitCode {
         .contains(&Part::Figures)
         .then(|| process_figures(&rt, &keys));
 
+    let upstream = args.parts.contains(&Part::Upstream).then(|| {
+        let timing = Timing {
+            warmup: Duration::from_secs_f64(args.warmup),
+            duration: Duration::from_secs_f64(args.duration),
+            rounds: args.rounds.max(1),
+        };
+        upstream::run(&rt, timing, &args.clients)
+    });
+
     let report = Report {
         machine,
         foreign_before,
@@ -193,6 +205,7 @@ fn main() -> ExitCode {
         flood,
         flood_duration,
         figures,
+        upstream,
         elapsed: started.elapsed(),
     };
     let text = report.markdown();

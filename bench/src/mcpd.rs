@@ -25,10 +25,10 @@ pub const ISSUER: &str = "https://auth.example.com";
 /// Fails early, with the command to run, when the daemon binaries are missing.
 pub fn check_binaries() -> Result<(), String> {
     let dir = robota_e2e::bin_dir();
-    for name in ["robota-mcpd", "robota-mcpctl"] {
+    for name in ["robota-mcpd", "robota-mcpctl", "robota-e2e-upstream"] {
         if !dir.join(name).is_file() {
             return Err(format!(
-                "{} is missing: build it first with `cargo build --release -p robota-mcpd -p robota-mcpctl`",
+                "{} is missing: build it first with `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`",
                 dir.join(name).display()
             ));
         }

@@ -11,7 +11,7 @@ use crate::matrix::{Call, NOISY, Row, Server, Timing, ms};
 use crate::procfs::Machine;
 
 /// The command that produces this page.
-pub const COMMAND: &str = "cargo build --release -p robota-mcpd -p robota-mcpctl\n\
+pub const COMMAND: &str = "cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e\n\
 cargo run --release -p robota-bench -- --write-docs";
 
 /// Hand-written analysis of the last profiled run (perf evidence for missed targets).
@@ -27,6 +27,7 @@ pub struct Report {
     pub flood: Vec<FloodLevel>,
     pub flood_duration: Duration,
     pub figures: Option<Figures>,
+    pub upstream: Option<crate::upstream::UpstreamRun>,
     pub elapsed: Duration,
 }
 
@@ -199,7 +200,13 @@ impl Report {
             s.push_str("## Throughput and latency\n\n");
             s.push_str(&self.table(matrix));
         }
-        let verdicts = self.verdicts();
+        if let Some(upstream) = &self.upstream {
+            s.push_str(&upstream.markdown());
+        }
+        let mut verdicts = self.verdicts();
+        if let Some(upstream) = &self.upstream {
+            verdicts.extend(upstream.verdicts());
+        }
         if !verdicts.is_empty() {
             s.push_str("\n## Targets\n\n| target | measured | met |\n|---|---|---|\n");
             for v in verdicts {
