@@ -123,12 +123,51 @@ where
 
 /// The passthrough slots of the `tools/call` requests being answered, by request id.
 #[derive(Clone, Default)]
-struct Passthrough(Arc<Mutex<HashMap<RequestId, PassthroughSlot>>>);
+struct Passthrough(Arc<Mutex<Slots>>);
+
+/// Slots of cancelled calls kept, newest last: the SDK usually sends no answer to a
+/// cancelled request, but one that finished as the cancellation came may still go out.
+const CANCELLED_KEPT: usize = 64;
+
+#[derive(Default)]
+struct Slots {
+    live: HashMap<RequestId, PassthroughSlot>,
+    cancelled: std::collections::VecDeque<(RequestId, PassthroughSlot)>,
+}
+
+impl Slots {
+    fn insert(&mut self, id: RequestId, slot: PassthroughSlot) {
+        self.live.insert(id, slot);
+    }
+
+    /// A cancelled call's slot leaves the table (which would otherwise grow with every
+    /// cancelled call of a long-lived connection) for the short list of recent ones.
+    fn cancel(&mut self, id: &RequestId) {
+        if let Some(slot) = self.live.remove(id) {
+            if self.cancelled.len() == CANCELLED_KEPT {
+                self.cancelled.pop_front();
+            }
+            self.cancelled.push_back((id.clone(), slot));
+        }
+    }
+
+    fn remove(&mut self, id: &RequestId) -> Option<PassthroughSlot> {
+        self.live.remove(id).or_else(|| {
+            let at = self.cancelled.iter().position(|(c, _)| c == id)?;
+            self.cancelled.remove(at).map(|(_, slot)| slot)
+        })
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.live.len() + self.cancelled.len()
+    }
+}
 
 /// Hands the admitted caller to the handler, the way the HTTP carriers do; a `tools/call`
 /// also gets a passthrough slot.
 fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthrough: &Passthrough) {
-    use rmcp::model::{ClientRequest, GetExtensions, JsonRpcMessage};
+    use rmcp::model::{ClientNotification, ClientRequest, GetExtensions, JsonRpcMessage};
     let mut parts = crate::mcp::admitted(caller.clone());
     match message {
         JsonRpcMessage::Request(req) => {
@@ -140,6 +179,11 @@ fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthroug
             req.request.extensions_mut().insert(parts);
         }
         JsonRpcMessage::Notification(not) => {
+            if let ClientNotification::CancelledNotification(cancelled) = &not.notification
+                && let Some(id) = &cancelled.params.request_id
+            {
+                passthrough.0.lock().cancel(id);
+            }
             not.notification.extensions_mut().insert(parts);
         }
         JsonRpcMessage::Response(_) | JsonRpcMessage::Error(_) => {}
@@ -262,5 +306,42 @@ mod tests {
         // The line after them all reaches the server intact.
         let ping = transport.receive().await.expect("the ping");
         assert!(serde_json::to_string(&ping).unwrap().contains("\"id\":4"));
+    }
+
+    #[test]
+    fn cancelled_calls_keep_a_bounded_number_of_slots() {
+        let passthrough = Passthrough::default();
+        let caller = Caller::Local(0);
+        let call = |id: usize| {
+            let mut m = accept(
+                format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"pg.query","arguments":{{}}}}}}"#)
+                    .as_bytes(),
+            )
+            .expect("a tools/call");
+            admit(&mut m, &caller, &passthrough);
+        };
+        let cancel = |id: usize| {
+            let mut m = accept(
+                format!(r#"{{"jsonrpc":"2.0","method":"notifications/cancelled","params":{{"requestId":{id}}}}}"#)
+                    .as_bytes(),
+            )
+            .expect("a cancellation");
+            admit(&mut m, &caller, &passthrough);
+        };
+        call(7);
+        cancel(8);
+        assert_eq!(
+            passthrough.0.lock().live.len(),
+            1,
+            "another request's cancellation"
+        );
+        cancel(7);
+        // A call that finished as it was cancelled still finds its slot.
+        assert!(passthrough.0.lock().remove(&RequestId::Number(7)).is_some());
+        for id in 100..100 + 3 * CANCELLED_KEPT {
+            call(id);
+            cancel(id);
+        }
+        assert_eq!(passthrough.0.lock().len(), CANCELLED_KEPT);
     }
 }
