@@ -298,7 +298,7 @@ pub fn upstreams(upstreams: &[UpstreamStatus]) -> String {
         }
         for refused in &u.refused {
             out.push_str(&format!(
-                "{} refused {:?}: {}\n",
+                "{} refused \"{}\": {}\n",
                 clean(&u.name),
                 clean(&refused.tool),
                 clean(&refused.reason)
@@ -645,6 +645,45 @@ mod tests {
             grant_decided(&grant),
             "grant 7 for oauth:client-a/alice (file.write,service.*) is approved until 2023-11-14T22:13:20Z\n"
         );
+    }
+
+    #[test]
+    fn upstream_table_shows_state_tools_refusals_and_neutralises_upstream_text() {
+        let u = UpstreamStatus {
+            name: "pg".into(),
+            kind: "stdio".into(),
+            children: Some("shared".into()),
+            state: "backoff".into(),
+            since: 0,
+            protocol: Some("2025-11-25".into()),
+            tools: vec!["pg.query".into()],
+            refused: vec![robota_proto::RefusedTool {
+                tool: "evil\u{202e}name\nFAKE".into(),
+                reason: "bad\rname".into(),
+            }],
+            excluded: 2,
+            listed_from_cache: true,
+            restarts: 3,
+            last_error: Some("it closed its stdout\n\u{1b}[31m".into()),
+        };
+        let text = upstreams(std::slice::from_ref(&u));
+        for needle in [
+            "UPSTREAM",
+            "stdio (shared)",
+            "backoff",
+            "1 (last known)",
+            "pg tools: pg.query",
+            "evil\\u{202e}name\\nFAKE",
+            "bad\\rname",
+            "last error: it closed its stdout\\n\\u{1b}[31m",
+        ] {
+            assert!(text.contains(needle), "{needle:?} in {text}");
+        }
+        assert!(
+            !text.contains('\u{202e}') && !text.contains('\u{1b}'),
+            "{text}"
+        );
+        assert_eq!(upstreams(&[]), "no upstreams configured\n");
     }
 
     #[test]
