@@ -46,8 +46,9 @@ const MAX_BEARER_FILE: u64 = 4096;
 pub struct Context {
     pub launcher: Launcher,
     /// Where the last-known tool lists live (`<state_dir>/upstreams/`); none: kept nowhere
-    /// (`check-config`, `--stdio` processes read them but never write them).
+    /// (`check-config`).
     pub state_dir: Option<PathBuf>,
+    /// Whether a list read from the upstream is written back there.
     pub persist: bool,
     pub metrics: Metrics,
 }
@@ -736,9 +737,11 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    // Named by process: a `--stdio` process and the daemon may keep the same list.
     let temp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("tools")
+        ".{}.{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("tools"),
+        std::process::id()
     ));
     let mut file = std::fs::OpenOptions::new()
         .write(true)
