@@ -163,10 +163,12 @@ impl HttpLink {
         }
     }
 
+    /// A pooled connection that is not closed. It may not be ready yet: a connection
+    /// whose last answer was just read becomes ready once its task has seen the end.
     fn idle(&self) -> Option<Conn> {
         let mut pool = self.pool.lock();
         while let Some(conn) = pool.pop() {
-            if conn.sender.is_ready() {
+            if !conn.sender.is_closed() {
                 return Some(conn);
             }
         }
@@ -237,6 +239,12 @@ impl HttpLink {
                 Some(conn) => (conn, false),
                 None => (self.connect().await?, true),
             };
+            if !fresh {
+                let ready = tokio::time::timeout(self.bounds.connect_timeout, conn.sender.ready());
+                if !matches!(ready.await, Ok(Ok(()))) {
+                    continue;
+                }
+            }
             match conn.sender.try_send_request(request).await {
                 Ok(response) => break (response, conn),
                 Err(mut e) => match e.take_message() {
