@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use robota_proto::{BearerInfo, GrantRecord, JobRecord, KeySetStatus, Status};
+use robota_proto::{BearerInfo, GrantKind, GrantRecord, JobRecord, KeySetStatus, Status};
 
 /// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
 /// `char::is_control` covers: Unicode's format characters (bidi embeddings, overrides and
@@ -279,8 +279,13 @@ pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
                 notes.push(format!("×{count} in that second (past the rate)"));
             }
             if let Some(g) = &r.grant {
+                let tool = g
+                    .tool
+                    .as_deref()
+                    .map(|t| format!(" for {}", clean(t)))
+                    .unwrap_or_default();
                 notes.push(format!(
-                    "grant {} of {} by {}",
+                    "grant {} of {}{tool} by {}",
                     g.grant_id,
                     clean(&g.caller),
                     clean(&g.by)
@@ -377,15 +382,20 @@ pub fn grants(grants: &[GrantRecord]) -> String {
     let rows: Vec<Vec<String>> = grants
         .iter()
         .map(|g| {
+            // An approval of one call shows its tool and (the start of) its arguments.
+            let (scope, reason) = match (g.kind, &g.tool) {
+                (GrantKind::Call, Some(tool)) => (tool.clone(), arguments_preview(g)),
+                _ => (g.scope.join(","), g.reason.clone()),
+            };
             vec![
                 g.grant_id.to_string(),
                 g.state.as_str().to_owned(),
                 clean(&g.caller).into_owned(),
                 g.kind.as_str().to_owned(),
-                clean(&g.scope.join(",")).into_owned(),
+                clean(&scope).into_owned(),
                 humantime::format_duration(Duration::from_secs(g.duration_secs)).to_string(),
                 time_i64(g.expires_at),
-                clean(&g.reason).into_owned(),
+                clean(&reason).into_owned(),
             ]
         })
         .collect();
@@ -404,6 +414,83 @@ pub fn grants(grants: &[GrantRecord]) -> String {
     )
 }
 
+/// Longest arguments text the `grants list` table shows of an approval of one call.
+const ARGUMENTS_PREVIEW: usize = 60;
+
+/// `args {…}`, cut at [`ARGUMENTS_PREVIEW`] characters, or a pointer to `grants show`.
+fn arguments_preview(g: &GrantRecord) -> String {
+    match &g.arguments {
+        Some(arguments) => {
+            let text = arguments.to_string();
+            match text.char_indices().nth(ARGUMENTS_PREVIEW) {
+                Some((end, _)) => format!("args {}… (grants show {})", &text[..end], g.grant_id),
+                None => format!("args {text}"),
+            }
+        }
+        None => format!("args: see grants show {}", g.grant_id),
+    }
+}
+
+/// `grants show`: every field of one grant, one per line; an approval of one call with
+/// its arguments as indented JSON. Every caller-given string is escaped for the terminal.
+pub fn grant_details(g: &GrantRecord) -> String {
+    let mut rows: Vec<(&str, String)> = vec![
+        ("grant", g.grant_id.to_string()),
+        ("state", g.state.as_str().to_owned()),
+        ("caller", clean(&g.caller).into_owned()),
+        ("kind", g.kind.as_str().to_owned()),
+    ];
+    match (g.kind, &g.tool) {
+        (GrantKind::Call, Some(tool)) => {
+            rows.push(("tool", clean(tool).into_owned()));
+            rows.push((
+                "args sha256",
+                clean(g.args_sha256.as_deref().unwrap_or("-")).into_owned(),
+            ));
+        }
+        _ => {
+            rows.push(("scope", clean(&g.scope.join(", ")).into_owned()));
+            rows.push(("reason", clean(&g.reason).into_owned()));
+        }
+    }
+    rows.push((
+        "duration",
+        humantime::format_duration(Duration::from_secs(g.duration_secs)).to_string(),
+    ));
+    rows.push(("requested", time_i64(Some(g.requested_at))));
+    if g.decided_at.is_some() {
+        rows.push(("decided", time_i64(g.decided_at)));
+        rows.push((
+            "decided by",
+            clean(g.decided_by.as_deref().unwrap_or("-")).into_owned(),
+        ));
+    }
+    if g.expires_at.is_some() {
+        rows.push(("expires", time_i64(g.expires_at)));
+    }
+    if g.used_at.is_some() {
+        rows.push(("used", time_i64(g.used_at)));
+    }
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    let mut out = String::new();
+    for (key, value) in rows {
+        out.push_str(&format!("{:<width$} {value}\n", format!("{key}:")));
+    }
+    if g.kind == GrantKind::Call {
+        out.push_str("arguments:\n");
+        match &g.arguments {
+            Some(arguments) => {
+                let pretty = serde_json::to_string_pretty(arguments).unwrap_or_default();
+                for line in pretty.lines() {
+                    out.push_str(&format!("  {}\n", clean(line)));
+                }
+            }
+            None => out.push_str("  (not stored)\n"),
+        }
+    }
+    out
+}
+
 /// One line confirming a grant decision.
 pub fn grant_decided(g: &GrantRecord) -> String {
     let until = g
@@ -411,11 +498,15 @@ pub fn grant_decided(g: &GrantRecord) -> String {
         .filter(|_| g.state == robota_proto::GrantState::Approved)
         .map(|t| format!(" until {}", time_i64(Some(t))))
         .unwrap_or_default();
+    let what = match (g.kind, &g.tool) {
+        (GrantKind::Call, Some(tool)) => format!("one call of {tool}"),
+        _ => g.scope.join(","),
+    };
     format!(
         "grant {} for {} ({}) is {}{until}\n",
         g.grant_id,
         clean(&g.caller),
-        clean(&g.scope.join(",")),
+        clean(&what),
         g.state.as_str()
     )
 }
@@ -548,6 +639,10 @@ mod tests {
             decided_at: Some(1),
             decided_by: Some("local:0".into()),
             expires_at: Some(1_700_000_000),
+            tool: None,
+            arguments: None,
+            args_sha256: None,
+            used_at: None,
         };
         let text = grants(std::slice::from_ref(&grant));
         for needle in [

@@ -512,13 +512,21 @@ impl Audit {
 
     /// Record a grant request or decision. `by` is the caller itself or `local:<uid>` of the
     /// operator (whose events carry `carrier = "control"`).
-    pub fn grant(&self, event: GrantEvent, grant_id: i64, caller: &str, by: &str) {
+    pub fn grant(
+        &self,
+        event: GrantEvent,
+        grant_id: i64,
+        caller: &str,
+        by: &str,
+        tool: Option<&str>,
+    ) {
         tracing::info!(
             target: "robota_mcpd::audit",
             event = event.as_str(),
             grant_id,
             caller,
             by,
+            tool,
             "grant {}",
             event.as_str().trim_start_matches("grant-")
         );
@@ -539,6 +547,7 @@ impl Audit {
                     grant_id,
                     caller: caller.to_owned(),
                     by: by.to_owned(),
+                    tool: tool.map(str::to_owned),
                 }),
                 count: None,
             };
@@ -772,7 +781,7 @@ mod tests {
         audit.record(rec(at(now - 3540), Reason::BadBearer));
         audit.record(rec(at(now - 10), Reason::BadBearer));
         audit.record(rec(at(now), Reason::WrongHost));
-        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1", None);
         let counts = audit.last_hour(at(now));
         assert_eq!(
             counts,
@@ -941,8 +950,8 @@ mod tests {
     fn refusals_never_evict_grant_events_and_status_counts_survive_eviction() {
         let audit = Audit::new();
         let t = base();
-        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
-        audit.grant(GrantEvent::Approved, 7, "bearer:ci", "local:0");
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci", None);
+        audit.grant(GrantEvent::Approved, 7, "bearer:ci", "local:0", None);
         let n = flood(&audit, t, 3 * KEEP as u64 / u64::from(PER_INTERVAL));
         let records = all(&audit, t + 3600);
         assert_eq!(records.len(), KEEP + 2, "each ring holds its own KEEP");
@@ -957,7 +966,7 @@ mod tests {
         assert_eq!(audit.last_hour(at(now)).values().sum::<u64>(), n);
         // And events have their own bound.
         for i in 0..KEEP + 5 {
-            audit.grant(GrantEvent::Denied, i as i64, "local:1", "local:0");
+            audit.grant(GrantEvent::Denied, i as i64, "local:1", "local:0", None);
         }
         let records = all(&audit, now);
         assert_eq!(records.iter().filter(|r| is_refusal(r)).count(), KEEP);
@@ -972,7 +981,7 @@ mod tests {
             audit.record(rec(at(now - 100 + i), Reason::BadBearer));
         }
         audit.record(rec(at(now), Reason::WrongHost));
-        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1", None);
         let q = |q: Query| audit.query_at(&Query { limit: 1000, ..q }, at(now));
         let (records, last) = q(Query::default());
         assert_eq!((records.len(), last), (7, 7));
@@ -1127,7 +1136,7 @@ mod tests {
         let t = base();
         let dir = tempfile::tempdir().unwrap();
         let audit = Audit::open(dir.path()).unwrap();
-        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci", None);
         for s in 0..3 {
             for _ in 0..7_000 {
                 audit.record(rec(at(t + s), Reason::WrongHost));

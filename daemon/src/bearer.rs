@@ -40,6 +40,11 @@ impl Secret {
         secret
     }
 
+    /// A secret read from elsewhere (a client secret file); held like a bearer.
+    pub fn new(text: String) -> Self {
+        Secret(text)
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }

@@ -21,8 +21,8 @@ pub use tools::{
     ToolsConfig, check_template_name,
 };
 pub use values::{
-    KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, check_caller_pattern, check_name, holds_public,
-    parse_net,
+    KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, caller_matches, check_caller_pattern,
+    check_name, holds_public, parse_net,
 };
 
 /// The configuration used when neither `--config` nor the system file exists.
@@ -197,6 +197,53 @@ pub struct RemoteConfig {
     pub wire_names: WireNameProfile,
     pub aliases: BTreeMap<String, String>,
     pub bounds: HttpLimits,
+    /// `[remote.introspection]`: opaque (non-JWT) access tokens are checked at the
+    /// issuer's RFC 7662 endpoint; without it they are `malformed`.
+    pub introspection: Option<IntrospectionConfig>,
+    /// `[remote.tool_scopes]`: canonical tool-name pattern → scopes a `tools/call` of a
+    /// matching tool needs beyond `scopes` (every matching pattern adds its own).
+    pub tool_scopes: Vec<(String, Vec<String>)>,
+    /// Every scope the configuration names — `scopes`, `tool_scopes`, and the `scopes` of
+    /// `[[policy]]` rules — each once: the metadata's `scopes_supported`.
+    pub scopes_supported: Vec<String>,
+}
+
+impl RemoteConfig {
+    /// The scopes a call of canonical tool `tool` needs: `scopes`, then those of every
+    /// `[remote.tool_scopes]` pattern that matches, each once, in that order.
+    pub fn scopes_for(&self, tool: &str) -> Vec<String> {
+        let mut needed = self.scopes.clone();
+        for (pattern, scopes) in &self.tool_scopes {
+            if glob_match::glob_match(pattern, tool) {
+                for scope in scopes {
+                    if !needed.contains(scope) {
+                        needed.push(scope.clone());
+                    }
+                }
+            }
+        }
+        needed
+    }
+}
+
+/// `[remote.introspection]` (RFC 7662).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntrospectionConfig {
+    /// The https endpoint; `None`: the issuer metadata's `introspection_endpoint`.
+    pub endpoint: Option<String>,
+    pub client_id: String,
+    /// A file of mode 0600 (or stricter) holding the client secret; read when the
+    /// verifier is built.
+    pub client_secret_file: PathBuf,
+    pub auth: crate::vocab::ClientAuth,
+    /// Longest an answer is reused (never past the token's `exp`); zero: never.
+    pub cache: Duration,
+}
+
+impl IntrospectionConfig {
+    /// Default and ceiling of `cache`.
+    pub const CACHE_DEFAULT: Duration = Duration::from_secs(60);
+    pub const CACHE_CEILING: Duration = Duration::from_secs(3600);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,17 +284,23 @@ pub struct Limits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyRule {
     pub callers: Vec<String>,
+    /// Scopes the caller's access token must all carry for the rule to match; empty: no
+    /// requirement. A caller without a token never matches a rule that lists some.
+    pub scopes: Vec<String>,
     pub tools: Vec<String>,
     pub decision: Decision,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Decision {
     Allow,
     Deny,
     /// Needs an operator-approved grant (`interactive_permission_required` until then).
     Grant,
+    /// Every call needs an operator's approval of that exact call (caller, tool,
+    /// arguments), used once.
+    ApproveEach,
 }
 
 /// One problem in a configuration, with the key path it concerns.
@@ -545,6 +598,19 @@ struct RawRemote {
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
     idle_timeout: Option<DurationText>,
+    introspection: Option<RawIntrospection>,
+    #[serde(default)]
+    tool_scopes: BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIntrospection {
+    endpoint: Option<String>,
+    client_id: Option<String>,
+    client_secret_file: Option<PathBuf>,
+    auth_method: Option<String>,
+    cache: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -604,6 +670,8 @@ struct RawLimits {
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
     callers: Vec<String>,
+    #[serde(default)]
+    scopes: Vec<String>,
     tools: Vec<String>,
     decision: Decision,
 }
@@ -862,25 +930,49 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             );
         }
         for (j, tool) in rule.tools.iter().enumerate() {
-            if tool.is_empty()
-                || !tool
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
-            {
-                issues.add(
-                    format!("policy[{i}].tools[{j}]"),
-                    format!("not a tool name pattern: {tool:?}"),
-                );
+            if let Err(problem) = check_tool_pattern(tool) {
+                issues.add(format!("policy[{i}].tools[{j}]"), problem);
             }
+        }
+        for (j, scope) in rule.scopes.iter().enumerate() {
+            if let Err(problem) = check_scope(scope) {
+                issues.add(format!("policy[{i}].scopes[{j}]"), problem);
+            }
+        }
+        if !rule.scopes.is_empty()
+            && !rule
+                .callers
+                .iter()
+                .any(|c| c == "*" || c.starts_with("oauth:"))
+        {
+            issues.warn(
+                format!("policy[{i}].scopes"),
+                "only remote callers (oauth:…) hold a token with scopes: this rule never matches",
+            );
         }
         policy.push(PolicyRule {
             callers: rule.callers,
+            scopes: rule.scopes,
             tools: rule.tools,
             decision: rule.decision,
         });
     }
 
     let tools = tools::validate(raw.tools, raw.jobs, &mut issues);
+
+    let mut remote = remote;
+    if let Some(r) = &mut remote {
+        let named = r
+            .scopes
+            .iter()
+            .chain(r.tool_scopes.iter().flat_map(|(_, scopes)| scopes))
+            .chain(policy.iter().flat_map(|rule| &rule.scopes));
+        for scope in named {
+            if !r.scopes_supported.contains(scope) {
+                r.scopes_supported.push(scope.clone());
+            }
+        }
+    }
 
     if !issues.0.is_empty() {
         return Err(issues.0);
@@ -1087,17 +1179,29 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         trusted_proxies.push(net);
     }
     for (i, scope) in r.scopes.iter().enumerate() {
-        let ok = !scope.is_empty()
-            && scope
-                .chars()
-                .all(|c| c.is_ascii_graphic() && c != '"' && c != '\\');
-        if !ok {
-            issues.add(
-                format!("remote.scopes[{i}]"),
-                format!("not a scope token: {scope:?}"),
-            );
+        if let Err(problem) = check_scope(scope) {
+            issues.add(format!("remote.scopes[{i}]"), problem);
         }
     }
+    let mut tool_scopes = Vec::with_capacity(r.tool_scopes.len());
+    for (pattern, scopes) in r.tool_scopes {
+        let key = format!("remote.tool_scopes.{}", toml_key(&pattern));
+        if let Err(problem) = check_tool_pattern(&pattern) {
+            issues.add(key.clone(), problem);
+        }
+        if scopes.is_empty() {
+            issues.add(key.clone(), "must list at least one scope");
+        }
+        for (j, scope) in scopes.iter().enumerate() {
+            if let Err(problem) = check_scope(scope) {
+                issues.add(format!("{key}[{j}]"), problem);
+            }
+        }
+        tool_scopes.push((pattern, scopes));
+    }
+    let introspection = r
+        .introspection
+        .and_then(|raw| validate_introspection(raw, issues));
     for (canonical, wire) in &r.aliases {
         if let Err(problem) = check_name(wire) {
             issues.add(format!("remote.aliases.{canonical}"), problem);
@@ -1171,7 +1275,121 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         aliases: r.aliases,
         bounds,
         public_url,
+        scopes_supported: Vec::new(),
+        introspection,
+        tool_scopes,
     })
+}
+
+/// `[remote.introspection]`: an https endpoint (or none: discovered), a client id, an
+/// absolute secret file, an authentication method, a cache lifetime of 0s to 1h.
+fn validate_introspection(
+    raw: RawIntrospection,
+    issues: &mut Issues,
+) -> Option<IntrospectionConfig> {
+    const AT: &str = "remote.introspection";
+    if let Some(endpoint) = &raw.endpoint {
+        let ok = endpoint.parse::<http::Uri>().is_ok_and(|u| {
+            u.scheme_str() == Some("https")
+                && u.host().is_some()
+                && !u.authority().is_some_and(|a| a.as_str().contains('@'))
+        });
+        if !ok {
+            issues.add(
+                format!("{AT}.endpoint"),
+                format!("must be an https URL without user-info, got {endpoint:?}"),
+            );
+        }
+    }
+    let client_id = raw.client_id.unwrap_or_default();
+    if client_id.is_empty() || client_id.chars().any(char::is_control) {
+        issues.add(
+            format!("{AT}.client_id"),
+            "required: the daemon's client id at the authorization server",
+        );
+    }
+    let secret = match raw.client_secret_file {
+        Some(path) if path.is_absolute() => Some(path),
+        Some(path) => {
+            issues.add(
+                format!("{AT}.client_secret_file"),
+                format!("must be an absolute path, got {}", path.display()),
+            );
+            None
+        }
+        None => {
+            issues.add(
+                format!("{AT}.client_secret_file"),
+                "required: a file of mode 0600 holding the client secret",
+            );
+            None
+        }
+    };
+    let auth = match raw.auth_method.as_deref() {
+        None => crate::vocab::ClientAuth::ClientSecretBasic,
+        Some(text) => match crate::vocab::ClientAuth::parse(text) {
+            Some(auth) => auth,
+            None => {
+                issues.add(
+                    format!("{AT}.auth_method"),
+                    format!("{text:?} is not client_secret_basic or client_secret_post"),
+                );
+                crate::vocab::ClientAuth::ClientSecretBasic
+            }
+        },
+    };
+    let cache = raw
+        .cache
+        .map_or(IntrospectionConfig::CACHE_DEFAULT, |d| d.0);
+    if cache > IntrospectionConfig::CACHE_CEILING {
+        issues.add(format!("{AT}.cache"), "must be between 0s and 1h");
+    }
+    Some(IntrospectionConfig {
+        endpoint: raw.endpoint,
+        client_id,
+        client_secret_file: secret?,
+        auth,
+        cache,
+    })
+}
+
+/// A scope token as RFC 6749 §3.3 allows (printable ASCII without space, `"` or `\`).
+pub fn check_scope(scope: &str) -> Result<(), String> {
+    let ok = !scope.is_empty()
+        && scope
+            .chars()
+            .all(|c| c.is_ascii_graphic() && c != '"' && c != '\\');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("not a scope token: {scope:?}"))
+    }
+}
+
+/// A canonical tool-name pattern: letters, digits and `_ . - *`.
+pub fn check_tool_pattern(pattern: &str) -> Result<(), String> {
+    if pattern.is_empty()
+        || pattern.len() > MAX_NAME_LEN
+        || !pattern
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
+    {
+        return Err(format!("not a tool name pattern: {pattern:?}"));
+    }
+    Ok(())
+}
+
+/// A key as a TOML path segment: bare when it can be, else quoted.
+fn toml_key(key: &str) -> String {
+    if !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+    {
+        key.to_owned()
+    } else {
+        format!("{key:?}")
+    }
 }
 
 /// `[remote.key_refresh]`: each bound 1s to 7d, `min <= default <= max`.
@@ -1392,6 +1610,70 @@ mod tests {
         let found = issues("[remote]\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n");
         assert_eq!(found[0].path, "remote.public_url");
         assert!(found[0].problem.contains("required"));
+    }
+
+    #[test]
+    fn authorization_depth_keys() {
+        let text = format!(
+            "{REMOTE}scopes = [\"mcp\"]\n\
+             [remote.introspection]\nclient_id = \"robota-mcpd\"\nclient_secret_file = \"/etc/robota-mcpd/i.secret\"\n\
+             [remote.tool_scopes]\n\"file.write\" = [\"mcp:write\"]\n\"pg.*\" = [\"db:read\", \"mcp\"]\n\
+             [tools.permissions]\napproval_expiry = \"5m\"\n\
+             [[policy]]\ncallers = [\"oauth:*\"]\nscopes = [\"mcp:admin\"]\ntools = [\"service.*\"]\ndecision = \"approve-each\"\n"
+        );
+        let config = parse(&text, &env()).unwrap();
+        let r = config.remote.as_ref().unwrap();
+        let i = r.introspection.as_ref().unwrap();
+        assert_eq!(i.endpoint, None);
+        assert_eq!(i.auth, crate::vocab::ClientAuth::ClientSecretBasic);
+        assert_eq!(i.cache, IntrospectionConfig::CACHE_DEFAULT);
+        assert_eq!(r.scopes_for("file.write"), ["mcp", "mcp:write"]);
+        assert_eq!(r.scopes_for("pg.query"), ["mcp", "db:read"]);
+        assert_eq!(r.scopes_for("system.info"), ["mcp"]);
+        assert_eq!(
+            r.scopes_supported,
+            ["mcp", "mcp:write", "db:read", "mcp:admin"],
+            "every configured scope, once"
+        );
+        assert_eq!(config.policy[0].decision, Decision::ApproveEach);
+        assert_eq!(config.policy[0].scopes, ["mcp:admin"]);
+        assert_eq!(
+            config.tools.permissions.approval_expiry,
+            Duration::from_secs(300)
+        );
+        assert!(config.warnings.is_empty(), "{:?}", config.warnings);
+
+        let found: Vec<String> = issues(&format!(
+            "{REMOTE}[remote.introspection]\nendpoint = \"http://auth/i\"\nclient_secret_file = \"rel\"\n\
+             auth_method = \"private_key_jwt\"\ncache = \"2h\"\n\
+             [remote.tool_scopes]\n\"bad name\" = [\"ok\"]\n\"file.write\" = []\n\"x\" = [\"a b\"]\n\
+             [tools.permissions]\napproval_expiry = \"2d\"\n\
+             [[policy]]\ncallers = [\"*\"]\nscopes = [\"\\\"\"]\ntools = [\"*\"]\ndecision = \"approve-each\"\n"
+        ))
+        .into_iter()
+        .map(|i| i.path)
+        .collect();
+        for path in [
+            "remote.introspection.endpoint",
+            "remote.introspection.client_id",
+            "remote.introspection.client_secret_file",
+            "remote.introspection.auth_method",
+            "remote.introspection.cache",
+            "remote.tool_scopes.\"bad name\"",
+            "remote.tool_scopes.\"file.write\"",
+            "remote.tool_scopes.x[0]",
+            "tools.permissions.approval_expiry",
+            "policy[0].scopes[0]",
+        ] {
+            assert!(found.iter().any(|p| p == path), "{path} not in {found:?}");
+        }
+        // A scope rule no token-holding caller can match is a warning.
+        let config = parse(
+            "[[policy]]\ncallers = [\"local:*\"]\nscopes = [\"x\"]\ntools = [\"*\"]\ndecision = \"deny\"\n",
+            &env(),
+        )
+        .unwrap();
+        assert_eq!(config.warnings[0].path, "policy[0].scopes");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod audit;
 pub mod bearer;
+pub mod canonical;
 pub mod carrier;
 pub mod catalog;
 pub mod config;

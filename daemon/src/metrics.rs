@@ -11,7 +11,7 @@ use prometheus::{
 use crate::vocab::ToolErrorCode;
 use crate::vocab::{Carrier, GrantEvent, Reason};
 use crate::vocab::{ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection};
-use crate::vocab::{JobKind, JobState};
+use crate::vocab::{IntrospectionOutcome, JobKind, JobState};
 
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
@@ -27,6 +27,7 @@ struct Inner {
     active_turns: IntGauge,
     throttled: IntCounterVec,
     jwks_fetches: IntCounterVec,
+    introspections: IntCounterVec,
     jwks_refresh_failures: IntCounterVec,
     jwks_last_success: IntGauge,
     jobs_started: IntCounterVec,
@@ -104,6 +105,11 @@ impl Metrics {
         let jwks_fetches = counter(
             "jwks_fetches_total",
             "Key-set and discovery fetches by outcome (ok, error, rejected).",
+            &["outcome"],
+        );
+        let introspections = counter(
+            "introspection_requests_total",
+            "Token introspection requests to the issuer by outcome (active, inactive, error).",
             &["outcome"],
         );
         let jwks_refresh_failures = counter(
@@ -220,6 +226,7 @@ impl Metrics {
             active_turns,
             throttled,
             jwks_fetches,
+            introspections,
             jwks_refresh_failures,
             jwks_last_success,
             jobs_started,
@@ -320,6 +327,13 @@ impl Metrics {
     pub fn jwks_fetch(&self, outcome: FetchOutcome) {
         self.0
             .jwks_fetches
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+    }
+
+    pub fn introspection(&self, outcome: IntrospectionOutcome) {
+        self.0
+            .introspections
             .with_label_values(&[outcome.as_str()])
             .inc();
     }
@@ -436,6 +450,7 @@ mod tests {
         m.tool_call("system.info", None, Duration::from_millis(1));
         m.policy_denial("system.info", ToolErrorCode::PermissionDenied);
         m.jwks_fetch(FetchOutcome::Ok);
+        m.introspection(IntrospectionOutcome::Active);
         m.jwks_refresh_failed(RefreshTrigger::Schedule);
         m.job_started(JobKind::Template);
         m.job_finished(JobKind::Template, JobState::Succeeded);
@@ -506,6 +521,13 @@ mod tests {
                 doc.contains(&format!("`{}`", event.as_str())),
                 "grant event {}",
                 event.as_str()
+            );
+        }
+        for outcome in IntrospectionOutcome::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", outcome.as_str())),
+                "introspection outcome {}",
+                outcome.as_str()
             );
         }
         for decision in Duplicate::ALL {

@@ -72,6 +72,13 @@ const MIGRATIONS: &[&str] = &[
         expires_at INTEGER
     );
     CREATE INDEX grants_by_caller ON grants (caller, state);",
+    // 2: approvals of one exact call (`approve-each`) are grants of kind `call`: the tool,
+    // the canonical arguments and their SHA-256, and when the call used the approval.
+    "ALTER TABLE grants ADD COLUMN tool TEXT;
+    ALTER TABLE grants ADD COLUMN arguments TEXT;
+    ALTER TABLE grants ADD COLUMN args_sha256 TEXT;
+    ALTER TABLE grants ADD COLUMN used_at INTEGER;
+    CREATE INDEX grants_by_call ON grants (caller, tool, args_sha256, state);",
 ];
 
 /// Finished jobs, idempotency records and ended grants older than this are pruned.
@@ -251,11 +258,11 @@ impl Store {
                 "DELETE FROM idempotency WHERE created_at < ?1 AND state != 'pending'",
                 [cutoff],
             )?;
-            // Decided grants and grants expired before the cutoff; pending ones stay for
-            // the operator.
+            // Decided grants, approvals used and grants expired before the cutoff; pending
+            // ones stay for the operator.
             c.execute(
                 "DELETE FROM grants WHERE (state IN ('denied', 'revoked') AND decided_at < ?1) \
-                 OR (state = 'approved' AND expires_at < ?1)",
+                 OR (state = 'approved' AND expires_at < ?1) OR (state = 'used' AND used_at < ?1)",
                 [cutoff],
             )?;
             Ok(())

@@ -1056,6 +1056,7 @@ fn jwt_pre_checks() {
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
             refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
+            introspection: None,
         },
         Metrics::new(),
     )

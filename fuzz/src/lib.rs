@@ -230,6 +230,7 @@ fn verifier() -> &'static (tokio::runtime::Runtime, JwtVerifier) {
                 cache_path: dir.join("jwks-cache.json"),
                 start_without_keys: false,
                 refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
+                introspection: None,
             },
             Metrics::new(),
         )

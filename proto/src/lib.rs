@@ -141,6 +141,10 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         duration_secs: Option<u64>,
     },
+    /// One grant with everything it holds (for a call approval: the arguments).
+    GrantShow {
+        grant_id: i64,
+    },
     GrantDeny {
         grant_id: i64,
     },
@@ -170,7 +174,9 @@ impl Command {
             Command::JobCancel { .. } => &["job_id"],
             Command::GrantsList { .. } => &["all"],
             Command::GrantApprove { .. } => &["grant_id", "duration_secs"],
-            Command::GrantDeny { .. } | Command::GrantRevoke { .. } => &["grant_id"],
+            Command::GrantShow { .. } | Command::GrantDeny { .. } | Command::GrantRevoke { .. } => {
+                &["grant_id"]
+            }
             Command::Status
             | Command::BearerList
             | Command::BearerRotate
@@ -249,9 +255,9 @@ pub enum Reply {
     Grants {
         grants: Vec<GrantRecord>,
     },
-    /// The grant as it is after the decision.
+    /// The grant as it is after the decision (or as `grant-show` finds it).
     Grant {
-        grant: GrantRecord,
+        grant: Box<GrantRecord>,
     },
     /// The connection now carries MCP (see [`Command::Mcp`]).
     Mcp,
@@ -360,13 +366,19 @@ pub struct JobRecord {
 pub enum GrantKind {
     RootAccess,
     Elevation,
+    /// An approval of one exact call (`decision = "approve-each"`): its tool and
+    /// arguments, used once.
+    Call,
 }
 
 impl GrantKind {
+    pub const ALL: [GrantKind; 3] = [GrantKind::RootAccess, GrantKind::Elevation, GrantKind::Call];
+
     pub fn as_str(self) -> &'static str {
         match self {
             GrantKind::RootAccess => "root-access",
             GrantKind::Elevation => "elevation",
+            GrantKind::Call => "call",
         }
     }
 }
@@ -380,9 +392,20 @@ pub enum GrantState {
     Denied,
     Revoked,
     Expired,
+    /// An approval of one call that the call has used.
+    Used,
 }
 
 impl GrantState {
+    pub const ALL: [GrantState; 6] = [
+        GrantState::Pending,
+        GrantState::Approved,
+        GrantState::Denied,
+        GrantState::Revoked,
+        GrantState::Expired,
+        GrantState::Used,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             GrantState::Pending => "pending",
@@ -390,6 +413,7 @@ impl GrantState {
             GrantState::Denied => "denied",
             GrantState::Revoked => "revoked",
             GrantState::Expired => "expired",
+            GrantState::Used => "used",
         }
     }
 }
@@ -415,6 +439,18 @@ pub struct GrantRecord {
     pub decided_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<i64>,
+    /// Kind `call`: the canonical tool name the approval is for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// Kind `call`: the call's arguments, exactly as they are bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<serde_json::Value>,
+    /// Kind `call`: SHA-256 (hex) of the canonical JSON text of `arguments`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_sha256: Option<String>,
+    /// Kind `call`: when the call used the approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_at: Option<i64>,
 }
 
 /// One audit record: a refusal, or a grant request or decision. Never token text, never
@@ -462,6 +498,9 @@ pub struct GrantRef {
     pub caller: String,
     /// Who acted: the caller itself, or the operator as `local:<uid>`.
     pub by: String,
+    /// An approval of one call: the tool it is for (never the arguments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

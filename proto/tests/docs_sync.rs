@@ -43,7 +43,8 @@ fn all_commands() -> Vec<Command> {
                 grant_id: 7,
                 duration_secs: Some(900),
             }),
-            Command::GrantApprove { .. } => Some(Command::GrantDeny { grant_id: 7 }),
+            Command::GrantApprove { .. } => Some(Command::GrantShow { grant_id: 7 }),
+            Command::GrantShow { .. } => Some(Command::GrantDeny { grant_id: 7 }),
             Command::GrantDeny { .. } => Some(Command::GrantRevoke { grant_id: 7 }),
             Command::GrantRevoke { .. } => Some(Command::Mcp),
             Command::Mcp => Some(Command::Stop),
@@ -82,7 +83,9 @@ fn all_replies() -> Vec<Reply> {
             Reply::Job { .. } => Some(Reply::Grants {
                 grants: vec![grant()],
             }),
-            Reply::Grants { .. } => Some(Reply::Grant { grant: grant() }),
+            Reply::Grants { .. } => Some(Reply::Grant {
+                grant: Box::new(grant()),
+            }),
             Reply::Grant { .. } => Some(Reply::Mcp),
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
@@ -132,6 +135,10 @@ fn grant() -> GrantRecord {
         decided_at: None,
         decided_by: None,
         expires_at: None,
+        tool: None,
+        arguments: None,
+        args_sha256: None,
+        used_at: None,
     }
 }
 

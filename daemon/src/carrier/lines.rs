@@ -115,7 +115,8 @@ where
 /// Hands the admitted caller to the handler, the way the HTTP carriers do.
 fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller) {
     use rmcp::model::{GetExtensions, JsonRpcMessage};
-    let parts = crate::mcp::admitted(caller.clone());
+    // A line carrier's caller holds no token.
+    let parts = crate::mcp::admitted(caller.clone().into());
     match message {
         JsonRpcMessage::Request(req) => {
             req.request.extensions_mut().insert(parts);

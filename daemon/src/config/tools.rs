@@ -93,6 +93,9 @@ pub struct PermissionsTool {
     pub max_duration: Duration,
     /// Pending requests a caller may have at once.
     pub max_pending: usize,
+    /// How long an approval of one exact call (`approve-each`) stays usable once
+    /// approved, unless the operator gives another duration.
+    pub approval_expiry: Duration,
 }
 
 impl Default for PermissionsTool {
@@ -100,6 +103,7 @@ impl Default for PermissionsTool {
         Self {
             max_duration: Duration::from_secs(24 * 3600),
             max_pending: 8,
+            approval_expiry: Duration::from_secs(15 * 60),
         }
     }
 }
@@ -165,6 +169,7 @@ struct RawDocker {
 struct RawPermissions {
     max_duration: Option<DurationText>,
     max_pending: Option<usize>,
+    approval_expiry: Option<DurationText>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -320,14 +325,32 @@ pub(super) fn validate(
             format!("must be between 1 and 1024, got {max_pending}"),
         );
     }
+    let max_duration = positive(
+        "tools.permissions.max_duration".into(),
+        raw.permissions.max_duration,
+        PermissionsTool::default().max_duration,
+        issues,
+    );
+    let approval_expiry = raw
+        .permissions
+        .approval_expiry
+        .map_or(PermissionsTool::default().approval_expiry, |d| d.0);
+    if approval_expiry.as_secs() == 0
+        || approval_expiry.subsec_nanos() != 0
+        || approval_expiry > max_duration
+    {
+        issues.add(
+            "tools.permissions.approval_expiry",
+            format!(
+                "must be whole seconds between 1s and max_duration ({})",
+                humantime::format_duration(max_duration)
+            ),
+        );
+    }
     let permissions = PermissionsTool {
-        max_duration: positive(
-            "tools.permissions.max_duration".into(),
-            raw.permissions.max_duration,
-            PermissionsTool::default().max_duration,
-            issues,
-        ),
+        max_duration,
         max_pending,
+        approval_expiry,
     };
     let max_running_jobs = raw.max_running_jobs.unwrap_or(16);
     if max_running_jobs == 0 || max_running_jobs > 1024 {

@@ -50,6 +50,7 @@ impl ControlApi for Api {
                 grant_id,
                 duration_secs,
             } => grants::approve(core, grant_id, duration_secs, peer),
+            Command::GrantShow { grant_id } => grants::show(core, grant_id),
             Command::GrantDeny { grant_id } => grants::deny(core, grant_id, peer),
             Command::GrantRevoke { grant_id } => grants::revoke(core, grant_id, peer),
             Command::KeysRefresh => keys::refresh(core).await,
@@ -299,14 +300,20 @@ mod jobs {
     }
 }
 
-/// `grants list|approve|deny|revoke`, as the operator.
+/// `grants list|show|approve|deny|revoke`, as the operator.
 mod grants {
     use super::*;
+
+    /// Arguments of a call approval larger than this (as canonical JSON) are left out of
+    /// `grants-list` (`grant-show` has them), so a list of many stays small.
+    pub(super) const LIST_ARGUMENTS_BYTES: usize = 1024;
 
     /// The control-protocol edge of operator decisions.
     fn decided(result: Result<Grant, DecideError>) -> Response {
         match result {
-            Ok(grant) => Response::ok(Reply::Grant { grant }),
+            Ok(grant) => Response::ok(Reply::Grant {
+                grant: Box::new(grant),
+            }),
             Err(DecideError::NotFound(id)) => {
                 Response::error(ErrorCode::NotFound, format!("there is no grant {id}"))
             }
@@ -322,7 +329,28 @@ mod grants {
 
     pub(super) fn list(core: &Core, all: bool) -> Response {
         match core.host.grants.list(None, !all) {
-            Ok(grants) => Response::ok(Reply::Grants { grants }),
+            Ok(mut grants) => {
+                for grant in &mut grants {
+                    if grant.arguments.as_ref().is_some_and(|a| {
+                        crate::canonical::canonical_json(a).len() > LIST_ARGUMENTS_BYTES
+                    }) {
+                        grant.arguments = None;
+                    }
+                }
+                Response::ok(Reply::Grants { grants })
+            }
+            Err(e) => store_failed(e),
+        }
+    }
+
+    pub(super) fn show(core: &Core, grant_id: i64) -> Response {
+        match core.host.grants.get(grant_id) {
+            Ok(Some(grant)) => Response::ok(Reply::Grant {
+                grant: Box::new(grant),
+            }),
+            Ok(None) => {
+                Response::error(ErrorCode::NotFound, format!("there is no grant {grant_id}"))
+            }
             Err(e) => store_failed(e),
         }
     }

@@ -131,6 +131,15 @@ fn jwt_config(remote: &crate::config::RemoteConfig, state_dir: &std::path::Path)
         cache_path: state_dir.join("jwks-cache.json"),
         start_without_keys: remote.start_without_keys,
         refresh: remote.key_refresh,
+        introspection: remote.introspection.as_ref().map(|i| {
+            crate::oauth::introspect::IntrospectionSettings {
+                endpoint: i.endpoint.clone(),
+                client_id: i.client_id.clone(),
+                client_secret_file: i.client_secret_file.clone(),
+                auth: i.auth,
+                cache: i.cache,
+            }
+        }),
     }
 }
 

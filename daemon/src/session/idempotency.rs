@@ -54,13 +54,9 @@ fn decode_outcome(text: &str) -> Result<ToolOutput, ToolError> {
     ))
 }
 
-/// SHA-256 of the arguments without the key (serde_json maps are sorted, so the text is
-/// canonical for equal arguments).
+/// SHA-256 of the canonical text of the arguments without the key.
 fn args_digest(args: &Args) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(
-        Value::Object(args.clone()).to_string(),
-    ))
+    crate::canonical::canonical_sha256(&Value::Object(args.clone()))
 }
 
 /// Idempotency for replay-safe tools: keys recorded in the store, by caller and tool.

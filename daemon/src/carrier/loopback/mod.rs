@@ -167,7 +167,9 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
         match admitted {
             Ok(label) => {
                 s.metrics.admitted(CarrierName::Loopback);
-                s.endpoint.serve(req, Caller::Bearer(label)).await
+                s.endpoint
+                    .serve(req, Caller::Bearer(label).into(), None)
+                    .await
             }
             Err(refusal) => {
                 let response = self.refuse(refusal, peer, req.version(), now);

@@ -36,8 +36,8 @@ use crate::metrics::Metrics;
 use crate::oauth::Verifier;
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
-use crate::vocab::Caller;
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
+use crate::vocab::{Admitted, Caller};
 use crate::vocab::{Listener, Rejection};
 
 /// The remote carrier. The verifier and throttle outlive restarts; the TLS files are
@@ -134,7 +134,8 @@ impl Carrier for RemoteCarrier {
             &drained,
         );
         let metadata =
-            admission::metadata_document(url, &self.config.issuer, &self.config.scopes).to_string();
+            admission::metadata_document(url, &self.config.issuer, &self.config.scopes_supported)
+                .to_string();
         let handler = Remote {
             shared: Arc::new(Shared {
                 challenges: Challenges {
@@ -220,7 +221,19 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                     client_id: principal.client_id,
                     subject: principal.subject,
                 };
-                s.endpoint.serve(req, caller).await
+                // Step-up: a call whose tool needs scopes this token lacks is answered
+                // 403 with every scope it needs, before it reaches the session.
+                let gate = |tool: &str, admitted: &Admitted| {
+                    let needed = c.config.scopes_for(tool);
+                    let held = admitted.scopes.as_deref().unwrap_or_default();
+                    if admission::lacking(&needed, held).is_empty() {
+                        return None;
+                    }
+                    let refusal = admission::step_up(&needed, &s.challenges);
+                    Some(self.refuse(refusal, client, version))
+                };
+                let admitted = Admitted::with_token(caller, principal.scopes);
+                s.endpoint.serve(req, admitted, Some(&gate)).await
             }
             Err(refusal) => {
                 let response = self.refuse(refusal, client, version);
