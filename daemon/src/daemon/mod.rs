@@ -60,6 +60,9 @@ pub enum DaemonError {
     },
     #[error("the remote carrier's verifier has no keys")]
     VerifierKeys(#[source] crate::oauth::jwt::LoadError),
+    /// A file of a secret the configuration names is unusable: the configuration's to fix.
+    #[error("remote.introspection.client_secret_file")]
+    VerifierSecret(#[source] crate::oauth::introspect::SecretFileError),
     #[error("the audit store")]
     Audit(#[source] crate::audit::OpenError),
     #[error("the job, grant and idempotency store")]
@@ -94,7 +97,8 @@ impl DaemonError {
             }
             | DaemonError::Stdio {
                 source: LifecycleError::WireNames(_),
-            } => crate::exit::CONFIG,
+            }
+            | DaemonError::VerifierSecret(_) => crate::exit::CONFIG,
 
             _ => crate::exit::RUNTIME,
         }
@@ -204,6 +208,9 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
     });
     let remote = match (&config.remote, verifier) {
         (Some(r), Some(verifier)) => {
+            verifier
+                .read_secrets()
+                .map_err(DaemonError::VerifierSecret)?;
             verifier.load().await.map_err(DaemonError::VerifierKeys)?;
             // The schedule ends with the verifier.
             drop(verifier.spawn_schedule());

@@ -101,8 +101,6 @@ pub enum SecretFileError {
 pub enum SettingsError {
     #[error("introspection endpoint {0:?} is not an https URL without user-info or fragment")]
     Endpoint(String),
-    #[error(transparent)]
-    Secret(#[from] SecretFileError),
 }
 
 /// Read a client secret: a regular file owned by root or `euid`, readable by nobody else
@@ -196,7 +194,9 @@ pub(crate) struct Introspector {
     /// One discovery at a time.
     discovering: tokio::sync::Mutex<()>,
     client_id: String,
-    secret: Secret,
+    secret_file: PathBuf,
+    /// Read at start (like a TLS key, never by `check-config`).
+    secret: parking_lot::RwLock<Option<Secret>>,
     auth: ClientAuth,
     ttl: Duration,
     slots: Semaphore,
@@ -205,7 +205,7 @@ pub(crate) struct Introspector {
 }
 
 impl Introspector {
-    /// Check the settings and read the client secret; no network.
+    /// Check the settings; no file, no network.
     pub fn build(
         settings: IntrospectionSettings,
         issuer: &str,
@@ -217,8 +217,6 @@ impl Introspector {
             }
             None => None,
         };
-        let euid = nix::unistd::geteuid().as_raw();
-        let secret = read_secret_file(&settings.client_secret_file, euid)?;
         Ok(Self {
             issuer: issuer.to_owned(),
             configured,
@@ -228,13 +226,21 @@ impl Introspector {
             }),
             discovering: tokio::sync::Mutex::new(()),
             client_id: settings.client_id,
-            secret,
+            secret_file: settings.client_secret_file,
+            secret: parking_lot::RwLock::new(None),
             auth: settings.auth,
             ttl: settings.cache,
             slots: Semaphore::new(MAX_IN_FLIGHT),
             cache: Mutex::new(AnswerCache::default()),
             clock,
         })
+    }
+
+    /// Read the client secret file (at start).
+    pub fn read_secret(&self) -> Result<(), SecretFileError> {
+        let euid = nix::unistd::geteuid().as_raw();
+        *self.secret.write() = Some(read_secret_file(&self.secret_file, euid)?);
+        Ok(())
     }
 
     #[cfg(test)]
@@ -366,6 +372,10 @@ impl Introspector {
         &self,
         token: &str,
     ) -> Result<(String, Option<reqwest::header::HeaderValue>), String> {
+        let secret = self.secret.read();
+        let Some(secret) = secret.as_ref() else {
+            return Err("the client secret has not been read".to_owned());
+        };
         let mut form = form_urlencoded::Serializer::new(String::new());
         form.append_pair("token", token)
             .append_pair("token_type_hint", "access_token");
@@ -377,7 +387,7 @@ impl Introspector {
                 let pair = Secret::new(format!(
                     "{}:{}",
                     encode(&self.client_id),
-                    encode(self.secret.expose())
+                    encode(secret.expose())
                 ));
                 let header = Secret::new(format!(
                     "Basic {}",
@@ -390,7 +400,7 @@ impl Introspector {
             }
             ClientAuth::ClientSecretPost => {
                 form.append_pair("client_id", &self.client_id)
-                    .append_pair("client_secret", self.secret.expose());
+                    .append_pair("client_secret", secret.expose());
                 None
             }
         };
@@ -553,6 +563,7 @@ mod tests {
             let verifier = JwtVerifier::build(c, metrics.clone())
                 .expect("builds")
                 .with_clock(clock.clock());
+            verifier.read_secrets().expect("the secret file reads");
             Setup {
                 _dir: dir,
                 server,
@@ -640,7 +651,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_wide_secret_file_refuses_the_verifier() {
+    async fn a_wide_secret_file_is_refused_at_start() {
         let dir = tempfile::tempdir().unwrap();
         let mut c = config(ISSUER, KeySource::Discovery, dir.path());
         c.introspection = Some(IntrospectionSettings {
@@ -650,8 +661,9 @@ mod tests {
             auth: ClientAuth::ClientSecretBasic,
             cache: Duration::from_secs(60),
         });
-        let e = JwtVerifier::build(c.clone(), Metrics::new()).err().unwrap();
-        let text = crate::error_chain(&e);
+        // Built (check-config reads no secret), then refused when the file is read.
+        let v = JwtVerifier::build(c.clone(), Metrics::new()).unwrap();
+        let text = crate::error_chain(&v.read_secrets().unwrap_err());
         assert!(text.contains("mode 0644"), "{text}");
         c.introspection.as_mut().unwrap().endpoint = Some("http://issuer.example/i".into());
         c.introspection.as_mut().unwrap().client_secret_file =

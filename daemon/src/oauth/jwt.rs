@@ -34,7 +34,9 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Notify, watch};
 
-use super::introspect::{self, IntrospectionSettings, Introspector, SettingsError};
+use super::introspect::{
+    self, IntrospectionSettings, Introspector, SecretFileError, SettingsError,
+};
 use super::jwks::{self, CacheDoc, ClientError, FetchError, Fetcher, ParsedKeys, VerifyKey};
 use super::{MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture, b64};
 use crate::config::{KeyRefresh, KeySource};
@@ -441,6 +443,15 @@ impl JwtVerifier {
                 }
             }
         })
+    }
+
+    /// Read the files holding secrets (the introspection client secret), at start and
+    /// never by `check-config`.
+    pub fn read_secrets(&self) -> Result<(), SecretFileError> {
+        match &self.0.introspector {
+            Some(introspector) => introspector.read_secret(),
+            None => Ok(()),
+        }
     }
 
     /// The key set for `status`.
