@@ -178,9 +178,13 @@ impl Oidc {
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
             let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = reader.read_line(&mut line);
             let _ = tx.send(line);
+            // The provider prints notices on stdout too: keep reading (a closed pipe would
+            // kill it with EPIPE) until it exits.
+            let _ = std::io::copy(&mut reader, &mut std::io::sink());
         });
         let line = rx.recv_timeout(START_LIMIT).unwrap_or_default();
         let ready: Value = serde_json::from_str(&line).unwrap_or_else(|_| {
@@ -247,7 +251,12 @@ impl Oidc {
             ]))
             .send()
             .await
-            .expect("token request");
+            .unwrap_or_else(|e| {
+                panic!(
+                    "token request: {e:?}; the provider's stderr:\n{}",
+                    self.stderr()
+                )
+            });
         json_of(response).await
     }
 

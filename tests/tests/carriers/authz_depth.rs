@@ -155,7 +155,7 @@ async fn jwt_and_opaque_tokens_of_a_real_provider() {
 async fn the_issuer_going_away_is_503_uncounted_then_recovery() {
     let mut oidc = Oidc::start(300);
     let extra = format!(
-        "{}\n[remote.throttle]\nfailures = 1\nwindow = \"60s\"\n",
+        "{}\n[remote.throttle]\nfailures = 2\nwindow = \"60s\"\n",
         oidc.introspection_section("60s")
     );
     let d = daemon(&oidc, &[], &extra, None);
@@ -182,8 +182,9 @@ async fn the_issuer_going_away_is_503_uncounted_then_recovery() {
     assert!(introspections(&d, "error") >= 3.0);
     // JWTs need no issuer round trip: the held keys verify them.
     assert_eq!(call(&d, &jwt, &list).await.status, 200);
-    // The first counted failure is a plain 401 (one is allowed per window; a second would
-    // be 429), so the 503s were not counted. (A JWT-shaped token: no introspection.)
+    // The first counted failure is a plain 401 (two are allowed per window; after three
+    // counted 503s it would be 429), so the 503s were not counted. (A JWT-shaped token:
+    // no introspection.)
     let resp = call(&d, "bad.bad.bad", &list).await;
     assert_eq!(resp.status, 401, "{}", resp.describe());
 
