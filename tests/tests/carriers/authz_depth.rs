@@ -8,12 +8,22 @@
 //! exact call — shown to the operator, used once even by two racing identical calls,
 //! durable across a daemon restart, audited.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::Path;
+use std::time::{Duration, SystemTime};
 
+use rmcp::RoleClient;
+use rmcp::model::{ClientConfig, ProtocolVersion};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RunningService};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use robota_e2e::http::{Response, exchange, tool_error_code, tools_call, tools_list};
 use robota_e2e::oidc::{Client, INTROSPECTOR, JWT_CLIENT, OPAQUE_CLIENT, Oidc, STRANGER};
-use robota_e2e::remote::{Challenge, PUBLIC_URL, RemoteConfig, metadata_url, remote_mcp};
-use robota_e2e::{Daemon, metric_sum};
+use robota_e2e::remote::{
+    Challenge, PUBLIC_HOST, PUBLIC_URL, RemoteConfig, metadata_url, remote_mcp,
+};
+use robota_e2e::{Daemon, metric_sum, within};
 use serde_json::{Value, json};
 
 /// The `[remote]` section against `oidc`: scope `mcp` for every request, the JWT and the
@@ -76,6 +86,33 @@ fn challenge(resp: &Response) -> Challenge {
     )
 }
 
+/// An rmcp client session on the remote listener (as behind a proxy: the `Host` header
+/// names the public authority) with `token`.
+async fn rmcp_session(addr: SocketAddr, token: &str) -> RunningService<RoleClient, ClientConfig> {
+    let headers = HashMap::from([(
+        http::header::HOST,
+        http::HeaderValue::from_static(PUBLIC_HOST),
+    )]);
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .auth_header(token)
+        .custom_headers(headers);
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("reqwest client");
+    let transport = StreamableHttpClientTransport::with_client(http, config);
+    within(
+        Duration::from_secs(20),
+        "rmcp session over the remote carrier",
+        ClientConfig::default()
+            .with_protocol_version(ProtocolVersion::V_2025_11_25)
+            .serve_with_lifecycle(transport, ClientLifecycleMode::Initialize),
+    )
+    .await
+    .expect("rmcp session")
+}
+
 /// The audit records with `reason` (JSON, oldest first).
 fn audited(d: &Daemon, reason: &str) -> Vec<Value> {
     d.ctl_ok(&["--json", "audit", "--reason", reason])
@@ -120,6 +157,21 @@ async fn jwt_and_opaque_tokens_of_a_real_provider() {
         let resp = call(&d, &opaque, &list).await;
         assert_eq!(resp.status, 200, "{}", resp.describe());
     }
+    assert_eq!(introspections(&d, "active"), 1.0);
+    // An rmcp client with the same opaque token: its whole session (initialize, the
+    // initialized notification, tools/list) is admitted from the one cached answer.
+    let client = rmcp_session(d.remote_addr(), &opaque).await;
+    let tools = within(
+        Duration::from_secs(20),
+        "tools/list",
+        client.list_all_tools(),
+    )
+    .await
+    .expect("tools/list");
+    assert!(!tools.is_empty(), "tools listed");
+    within(Duration::from_secs(20), "close", client.cancel())
+        .await
+        .expect("close");
     assert_eq!(introspections(&d, "active"), 1.0);
 
     // Revoked at the provider (RFC 7009): `active: false`, a 401, audited `expired`.
@@ -442,4 +494,72 @@ async fn approve_each_runs_one_exact_call_once() {
         ) >= 1.0,
         "grant-used counted"
     );
+}
+
+#[tokio::test]
+async fn an_introspection_answer_is_never_cached_past_exp() {
+    const TTL: u64 = 5;
+    let oidc = Oidc::start(TTL);
+    // Answers may be cached a minute, far past the tokens' five seconds.
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let list = tools_list(1);
+    let answer = oidc.token_response(OPAQUE_CLIENT, "mcp").await;
+    let opaque = answer["access_token"].as_str().expect("token").to_owned();
+    d.register_secret(&opaque);
+    assert_eq!(answer["expires_in"], TTL, "{answer}");
+    // The provider's own `exp` for it (whole seconds since the epoch).
+    let exp = oidc.introspect(&opaque).await["exp"].as_u64().expect("exp");
+    let exp = SystemTime::UNIX_EPOCH + Duration::from_secs(exp);
+    assert_eq!(call(&d, &opaque, &list).await.status, 200);
+
+    // Revoked at the provider: the daemon does not know yet and answers from its cache
+    // (revocation is seen once the cached answer lapses).
+    oidc.revoke(OPAQUE_CLIENT, &opaque).await;
+    if SystemTime::now() + Duration::from_secs(1) < exp {
+        assert_eq!(call(&d, &opaque, &list).await.status, 200, "cached");
+        assert_eq!(introspections(&d, "active"), 1.0);
+    }
+    // At `exp` the cached answer lapses: asked again, refused.
+    let deadline = exp + Duration::from_secs(15);
+    let refused_at = loop {
+        let status = call(&d, &opaque, &list).await.status;
+        if status == 401 {
+            break SystemTime::now();
+        }
+        assert_eq!(status, 200);
+        assert!(
+            SystemTime::now() < deadline,
+            "still admitted 15 s after exp"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let late = refused_at
+        .duration_since(exp)
+        .expect("admitted up to its exp");
+    println!("opaque token refused {late:?} after its exp (answers cacheable 60 s)");
+    assert!(late < Duration::from_secs(3), "refused {late:?} after exp");
+    assert_eq!(introspections(&d, "inactive"), 1.0);
+}
+
+#[tokio::test]
+async fn a_client_secret_file_others_can_read_stops_the_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let oidc = Oidc::start(300);
+    let section = oidc.introspection_section("60s");
+    let file = oidc.secret_file();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let d = Daemon::builder()
+        .extra(remote(&oidc, &[]))
+        .extra(section)
+        .spawn();
+    d.register_secret(INTROSPECTOR.secret);
+    let status = d
+        .wait_exit(Duration::from_secs(20))
+        .expect("robota-mcpd exits");
+    assert_eq!(status.code(), Some(78), "a configuration error");
+    let stderr = d.stderr_text();
+    for needle in ["remote.introspection.client_secret_file", "0644"] {
+        assert!(stderr.contains(needle), "{needle:?} not in:\n{stderr}");
+    }
+    assert!(!stderr.contains(INTROSPECTOR.secret));
 }
