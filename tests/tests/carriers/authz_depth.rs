@@ -536,7 +536,7 @@ async fn an_introspection_answer_is_never_cached_past_exp() {
     let late = refused_at
         .duration_since(exp)
         .expect("admitted up to its exp");
-    println!("opaque token refused {late:?} after its exp (answers cacheable 60 s)");
+    eprintln!("opaque token refused {late:?} after its exp (answers cacheable 60 s)");
     assert!(late < Duration::from_secs(3), "refused {late:?} after exp");
     assert_eq!(introspections(&d, "inactive"), 1.0);
 }
