@@ -449,10 +449,16 @@ async fn approve_each_runs_one_exact_call_once() {
     drop(d);
     let d = daemon(&oidc, &[], &extra, Some(state.path()));
     let strong = token(&oidc, &d, JWT_CLIENT, "mcp mcp:write").await;
-    let resp = call(
-        &d,
-        &strong,
-        &tools_call(6, "file.write", args("after restart")),
+    // The client's text of the arguments is its own (member order, whitespace): the
+    // approval binds their canonical JSON.
+    let reordered = format!(
+        "{{\"jsonrpc\":\"2.0\", \"id\":6, \"method\":\"tools/call\", \"params\":{{\"name\":\"file.write\", \
+         \"arguments\":{{ \"mode\": \"overwrite\",\n \"path\": {path}, \"content\": \"after restart\" }}}}}}",
+        path = serde_json::to_string(&path.display().to_string()).expect("path"),
+    );
+    let resp = exchange(
+        d.remote_addr(),
+        &remote_mcp(Some(&strong), &json!({})).body(reordered.into_bytes()),
     )
     .await;
     assert_eq!(
