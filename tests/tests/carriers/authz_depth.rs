@@ -1,7 +1,9 @@
 //! Authorization depth on the remote carrier, against a real authorization server nobody
 //! here wrote (`oidc-provider`, see `robota_e2e::oidc`): discovery, JWKS and RFC 9068 JWT
 //! access tokens; opaque tokens checked by RFC 7662 introspection with the daemon's own
-//! client credentials, cached, `active: false` after RFC 7009 revocation; the issuer going
+//! client credentials, cached (never past the token's `exp`), `active: false` after RFC
+//! 7009 revocation, an rmcp session on one cached answer, the client secret file refused
+//! when others can read it, opaque tokens `malformed` without introspection; the issuer going
 //! away (503 `introspection-unavailable`, never counted) and coming back; a client that
 //! steps up after the 403 `insufficient_scope` challenge of a tool that needs more, with
 //! nothing run before; a principal no token can cure; and `approve-each` approvals of one
@@ -153,11 +155,19 @@ async fn jwt_and_opaque_tokens_of_a_real_provider() {
     // An opaque token: introspected once, then answered from the cache.
     let opaque = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
     assert!(!opaque.contains('.'), "opaque");
-    for _ in 0..3 {
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
         let resp = call(&d, &opaque, &list).await;
+        took.push(started.elapsed());
         assert_eq!(resp.status, 200, "{}", resp.describe());
     }
     assert_eq!(introspections(&d, "active"), 1.0);
+    eprintln!(
+        "opaque tools/list: {:?} with introspection, then {:?} from the cache",
+        took[0],
+        &took[1..]
+    );
     // An rmcp client with the same opaque token: its whole session (initialize, the
     // initialized notification, tools/list) is admitted from the one cached answer.
     let client = rmcp_session(d.remote_addr(), &opaque).await;
@@ -357,6 +367,19 @@ async fn approve_each_runs_one_exact_call_once() {
     let path = root.path().join("motd");
     let args = |content: &str| json!({"path": path.display().to_string(), "content": content, "mode": "overwrite"});
     let strong = token(&oidc, &d, JWT_CLIENT, "mcp mcp:write").await;
+
+    // This daemon has no `[remote.introspection]`: the provider's opaque tokens are not
+    // tokens it can read (`malformed`), and nothing is asked of the provider.
+    let opaque = token(&oidc, &d, OPAQUE_CLIENT, "mcp mcp:write").await;
+    let before = audited(&d, "malformed").len();
+    let resp = call(&d, &opaque, &tools_list(1)).await;
+    resp.assert_empty_refusal(401, "opaque without introspection");
+    assert_eq!(challenge(&resp).get("error"), Some("invalid_token"));
+    assert_eq!(audited(&d, "malformed").len(), before + 1);
+    assert_eq!(
+        introspections(&d, "active") + introspections(&d, "inactive"),
+        0.0
+    );
 
     // A token without the rule's scope does not match it: the default denies a write.
     let weak = token(&oidc, &d, JWT_CLIENT, "mcp").await;
