@@ -686,8 +686,9 @@ fn human_output_escapes_every_caller_controlled_string() {
             Response::ok(Reply::Grant {
                 grant: Box::new(hostile_call()),
             }),
+            // Eight fields, `arguments:` and the arguments' six lines of indented JSON.
             vec!["grants", "show", "7"],
-            11,
+            15,
         ),
         (
             Response::ok(Reply::Jobs {
