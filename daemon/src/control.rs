@@ -188,7 +188,7 @@ pub fn user_groups(uid: u32) -> Vec<u32> {
 /// Serve control connections until `shutdown` fires.
 pub async fn serve<A: ControlApi>(
     socket: ControlSocket,
-    config: ControlConfig,
+    config: Arc<parking_lot::RwLock<ControlConfig>>,
     api: Arc<A>,
     audit: Arc<Audit>,
     metrics: Metrics,
@@ -197,7 +197,6 @@ pub async fn serve<A: ControlApi>(
     let own_uid = nix::unistd::geteuid().as_raw();
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let tracker = TaskTracker::new();
-    let config = Arc::new(config);
     loop {
         let stream = tokio::select! {
             biased;
@@ -220,8 +219,9 @@ pub async fn serve<A: ControlApi>(
             .await;
             continue;
         };
-        let (api, audit, metrics, config) =
-            (api.clone(), audit.clone(), metrics.clone(), config.clone());
+        // Who may connect is read per connection: a reload changes it for the next one.
+        let config = config.read().clone();
+        let (api, audit, metrics) = (api.clone(), audit.clone(), metrics.clone());
         tracker.spawn(async move {
             let _permit = permit;
             connection(stream, own_uid, &config, api.as_ref(), &audit, &metrics).await;
@@ -405,7 +405,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let server = tokio::spawn(serve(
             socket,
-            c.clone(),
+            Arc::new(parking_lot::RwLock::new(c.clone())),
             Arc::new(Echo),
             Arc::new(Audit::new()),
             Metrics::new(),

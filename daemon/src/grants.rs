@@ -97,7 +97,7 @@ pub struct Grants {
     store: Arc<Store>,
     audit: Arc<Audit>,
     metrics: Metrics,
-    limits: PermissionsTool,
+    limits: parking_lot::RwLock<PermissionsTool>,
 }
 
 /// Why a caller's own grant request or revocation was refused.
@@ -132,19 +132,24 @@ impl Grants {
             store,
             audit,
             metrics,
-            limits,
+            limits: parking_lot::RwLock::new(limits),
         }
     }
 
+    /// The bounds from now on (a reload); grants already decided keep theirs.
+    pub fn set_limits(&self, limits: PermissionsTool) {
+        *self.limits.write() = limits;
+    }
+
     pub fn max_duration(&self) -> Duration {
-        self.limits.max_duration
+        self.limits.read().max_duration
     }
 
     /// When a grant of `duration` starting at `now` ends: `None` unless the duration is
     /// whole seconds from 1s to the configured maximum and the end is representable.
     fn expiry(&self, now: i64, duration: Duration) -> Option<i64> {
         let secs = duration.as_secs();
-        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.limits.max_duration {
+        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.max_duration() {
             return None;
         }
         now.checked_add(i64::try_from(secs).ok()?)
@@ -153,7 +158,7 @@ impl Grants {
     fn duration_bounds(&self) -> String {
         format!(
             "duration must be whole seconds between 1s and {}",
-            humantime::format_duration(self.limits.max_duration)
+            humantime::format_duration(self.max_duration())
         )
     }
 
@@ -199,7 +204,7 @@ impl Grants {
         }
         let caller_text = caller.to_string();
         let scope_json = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
-        let max_pending = self.limits.max_pending;
+        let max_pending = self.limits.read().max_pending;
         let id = self
             .store
             .with(|c| {

@@ -182,7 +182,7 @@ pub struct Jobs {
     store: Arc<Store>,
     metrics: Metrics,
     running: Mutex<HashMap<i64, CancellationToken>>,
-    max_running: usize,
+    max_running: std::sync::atomic::AtomicUsize,
     tracker: TaskTracker,
 }
 
@@ -276,7 +276,7 @@ impl Jobs {
                 store,
                 metrics,
                 running: Mutex::new(HashMap::new()),
-                max_running,
+                max_running: max_running.into(),
                 tracker: TaskTracker::new(),
             }),
             recovered,
@@ -285,6 +285,12 @@ impl Jobs {
 
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// How many jobs may run at once from now on (a reload); running ones carry on.
+    pub fn set_max_running(&self, max: usize) {
+        self.max_running
+            .store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Jobs running in this process.
@@ -304,7 +310,7 @@ impl Jobs {
         let cancel = CancellationToken::new();
         let id = {
             let mut running = self.running.lock();
-            if running.len() >= self.max_running {
+            if running.len() >= self.max_running.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(JobError::Busy(running.len()));
             }
             let id = self.store.with(|c| {

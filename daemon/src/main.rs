@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use robota_mcpd::config::{self, Environment};
 use robota_mcpd::daemon::{self, Plan};
+use robota_mcpd::metrics::Metrics;
 use robota_mcpd::{error_chain, exit, logging};
 use tokio_util::sync::CancellationToken;
 
@@ -29,31 +30,34 @@ fn main() -> ExitCode {
             Err(_) => code(exit::RUNTIME),
         };
     }
-    let (config, source) = match config::load(args.config.as_deref(), &env) {
-        Ok(loaded) => loaded,
-        Err(e) => {
-            eprintln!("robota-mcpd: {}", error_chain(&e));
-            return code(exit::CONFIG);
-        }
+    let loader = config::Loader {
+        explicit: args.config.clone(),
+        env,
     };
     let checking = matches!(args.command, Some(Sub::CheckConfig));
-    for warning in &config.warnings {
+    let plan = match Plan::load(&loader, Metrics::new()) {
+        Ok(plan) => plan,
+        Err(e) => {
+            eprintln!("robota-mcpd: {}", error_chain(&e));
+            // For `check-config` anything that stops a start is the configuration's fault.
+            return code(if checking {
+                exit::CONFIG
+            } else {
+                e.exit_code()
+            });
+        }
+    };
+    let source = plan
+        .origin
+        .as_ref()
+        .map_or_else(String::new, |o| o.source.to_string());
+    for warning in &plan.config.warnings {
         if checking {
             eprintln!("robota-mcpd: warning ({source}): {warning}");
         } else {
             tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
         }
     }
-    let plan = match Plan::build(config) {
-        Ok(plan) => plan,
-        Err(e) => {
-            eprintln!(
-                "robota-mcpd: invalid configuration ({source}): {}",
-                error_chain(&e)
-            );
-            return code(exit::CONFIG);
-        }
-    };
     if checking {
         eprintln!("robota-mcpd: configuration OK ({source})");
         return ExitCode::SUCCESS;

@@ -11,7 +11,7 @@ use prometheus::{
 use crate::vocab::ToolErrorCode;
 use crate::vocab::{Carrier, GrantEvent, Reason};
 use crate::vocab::{ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection};
-use crate::vocab::{JobKind, JobState};
+use crate::vocab::{JobKind, JobState, StatePart};
 
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
@@ -34,6 +34,7 @@ struct Inner {
     jobs_running: IntGauge,
     grant_events: IntCounterVec,
     audit_unpersisted: IntGauge,
+    state_write_failures: IntCounterVec,
     connections: IntCounterVec,
     connections_open: IntGaugeVec,
     rejections: IntCounterVec,
@@ -141,6 +142,11 @@ impl Metrics {
             "Calls with an idempotency key seen before, by canonical tool and decision.",
             &["tool", "decision"],
         );
+        let state_write_failures = counter(
+            "state_write_failures_total",
+            "Writes to the state directory that failed (a full disk, an I/O error), by part (audit, store).",
+            &["part"],
+        );
         let jobs_recovered = IntGauge::new(
             "jobs_recovered_at_start",
             "Jobs found running from a process that had died, marked outcome-unknown at this start.",
@@ -189,7 +195,7 @@ impl Metrics {
             .expect("unique gauge");
         let audit_unpersisted = IntGauge::new(
             "audit_unpersisted_records",
-            "Audit records kept in memory only because the audit file writer fell behind.",
+            "Audit records not in the audit file: waiting because it cannot be written now, or kept in memory only because the writer fell behind or its backlog bound was reached.",
         )
         .expect("valid gauge");
         registry
@@ -227,6 +233,7 @@ impl Metrics {
             jobs_running,
             grant_events,
             audit_unpersisted,
+            state_write_failures,
             connections,
             connections_open,
             rejections,
@@ -278,6 +285,15 @@ impl Metrics {
         self.0
             .audit_unpersisted
             .set(i64::try_from(records).unwrap_or(i64::MAX));
+    }
+
+    /// Failed writes of `part` since the process started (read at every scrape).
+    pub fn state_write_failures(&self, part: StatePart, total: u64) {
+        let counter = self
+            .0
+            .state_write_failures
+            .with_label_values(&[part.as_str()]);
+        counter.inc_by(total.saturating_sub(counter.get()));
     }
 
     pub fn job_started(&self, kind: JobKind) {

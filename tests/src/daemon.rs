@@ -572,6 +572,11 @@ impl Daemon {
         self.take_bearer(&["bearer", "issue", "--label", label])
     }
 
+    /// An extra bearer with a lifetime (`--ttl`): kept across reloads and restarts.
+    pub fn bearer_with_ttl(&self, label: &str, ttl: &str) -> String {
+        self.take_bearer(&["bearer", "issue", "--label", label, "--ttl", ttl])
+    }
+
     /// Scans every output the harness captured, the daemon's command line, its notify
     /// messages, its metrics and the readable files under its directories (audit file,
     /// store, key cache) for any registered secret. Every daemon is also scanned when it

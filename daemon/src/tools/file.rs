@@ -127,6 +127,7 @@ impl Files {
                                 issues.push(ConfigIssue {
                                     path: format!("{key}[{i}]"),
                                     problem: format!("{}: {problem}", path.display()),
+                                    at: None,
                                 });
                                 None
                             }

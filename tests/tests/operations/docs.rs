@@ -651,6 +651,22 @@ fn every_json_block_parses() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The docs name the TLS files where an operator keeps them; check-config reads them, so
+/// the snippet is checked with a real certificate and key put in their place.
+fn with_tls_files(text: &str, dir: &std::path::Path) -> String {
+    const CERT: &str = "/etc/robota-mcpd/tls/fullchain.pem";
+    const KEY: &str = "/etc/robota-mcpd/tls/privkey.pem";
+    if !text.contains(CERT) {
+        return text.to_owned();
+    }
+    let (cert, key) = robota_e2e::authz::TestCa::new().leaf(&["mcp.example.com"]);
+    let (cert_file, key_file) = (dir.join("fullchain.pem"), dir.join("privkey.pem"));
+    std::fs::write(&cert_file, cert).expect("cert");
+    std::fs::write(&key_file, key).expect("key");
+    text.replace(CERT, &cert_file.display().to_string())
+        .replace(KEY, &key_file.display().to_string())
+}
+
 #[test]
 fn every_toml_block_passes_check_config() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -659,7 +675,7 @@ fn every_toml_block_passes_check_config() {
     for (file, block) in all_blocks().into_iter().filter(|(_, b)| b.lang == "toml") {
         count += 1;
         let path = dir.path().join(format!("snippet-{count}.toml"));
-        std::fs::write(&path, block.text()).expect("write snippet");
+        std::fs::write(&path, with_tls_files(&block.text(), dir.path())).expect("write snippet");
         let out = check_config(&path);
         if out.code() != Some(0) {
             failures.push(format!(

@@ -5,3 +5,4 @@ mod concurrency;
 mod control;
 mod docs;
 mod lifecycle;
+mod reload;
