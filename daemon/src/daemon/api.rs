@@ -86,10 +86,17 @@ fn operator(peer: Peer) -> String {
 
 fn store_failed(e: StoreError) -> Response {
     tracing::error!(error = %e, "store failure");
-    Response::error(
-        ErrorCode::Internal,
-        "the store failed; see the daemon's log",
-    )
+    if crate::store::is_write_failure(&e) {
+        Response::error(
+            ErrorCode::Unavailable,
+            "the daemon cannot write its store now (is the state directory's disk full?); see `robota-mcpctl status`",
+        )
+    } else {
+        Response::error(
+            ErrorCode::Internal,
+            "the store failed; see the daemon's log",
+        )
+    }
 }
 
 /// `audit`: the newest matching records.
@@ -189,7 +196,11 @@ mod bearers {
             ) => ErrorCode::BadRequest,
             BearerOpError::Store(store) => {
                 tracing::error!(error = %store, "cannot keep a bearer in the store");
-                ErrorCode::Internal
+                if crate::store::is_write_failure(store) {
+                    ErrorCode::Unavailable
+                } else {
+                    ErrorCode::Internal
+                }
             }
         };
         Response::error(code, e.to_string())

@@ -138,13 +138,7 @@ impl Session {
                         Ok(())
                     }
                     Ok(None) => Err(e),
-                    Err(store) => {
-                        tracing::error!(error = %store, "cannot read grants");
-                        Err(ToolError::new(
-                            ToolErrorCode::Internal,
-                            "the grant store failed",
-                        ))
-                    }
+                    Err(store) => Err(ToolError::store(&store, "grant store")),
                 }
             }
             other => other,

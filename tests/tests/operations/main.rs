@@ -6,3 +6,4 @@ mod control;
 mod docs;
 mod lifecycle;
 mod reload;
+mod state_disk;
