@@ -10,8 +10,12 @@ use std::time::Duration;
 use robota_e2e::http::{Request, exchange, tools_list};
 use robota_e2e::{Daemon, metric_sum, poll_until_async};
 
-/// A small tmpfs mounted on a fresh directory, unmounted when dropped.
-struct Tmpfs(PathBuf, tempfile::TempDir);
+/// A small tmpfs mounted on a fresh directory, unmounted when dropped (before the
+/// directory is removed).
+struct Tmpfs {
+    at: PathBuf,
+    _dir: tempfile::TempDir,
+}
 
 impl Tmpfs {
     fn mount(size: &str) -> Tmpfs {
@@ -34,16 +38,16 @@ impl Tmpfs {
             "this test mounts a tmpfs to fill a real filesystem, which needs root (CI runs as root): {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        Tmpfs(at, dir)
+        Tmpfs { at, _dir: dir }
     }
 
     fn path(&self) -> &Path {
-        &self.0
+        &self.at
     }
 
     /// Fill every free block with `filler`.
     fn fill(&self) -> PathBuf {
-        let filler = self.0.join("filler");
+        let filler = self.at.join("filler");
         let _ = Command::new("dd")
             .args(["if=/dev/zero", "bs=64k"])
             .arg(format!("of={}", filler.display()))
@@ -55,7 +59,7 @@ impl Tmpfs {
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
     }
 }
 
