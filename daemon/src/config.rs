@@ -330,6 +330,8 @@ pub struct Loaded {
     pub config: Config,
     pub source: Source,
     pub sha256: [u8; 32],
+    /// The text read, so later checks can say on which line a key is.
+    pub text: String,
 }
 
 impl Loader {
@@ -355,6 +357,7 @@ impl Loader {
             config,
             source,
             sha256: sha256(&text),
+            text,
         })
     }
 
@@ -424,6 +427,16 @@ pub fn parse(text: &str, env: &Environment) -> Result<Config, Vec<ConfigIssue>> 
             Ok(config)
         }
         Err(issues) => Err(issues.into_iter().map(located).collect()),
+    }
+}
+
+/// Give each of `issues` that has no place yet the line and column of its key in `text`.
+pub fn locate_all(text: &str, issues: &mut [ConfigIssue]) {
+    let (table, _) = toml::de::DeTable::parse_recoverable(text);
+    for issue in issues {
+        issue.at = issue
+            .at
+            .or_else(|| locate(text, table.get_ref(), &issue.path));
     }
 }
 

@@ -216,6 +216,31 @@ impl Metrics {
             // The process collector adds its own `process_` names without our prefix.
             let _ = prometheus::default_registry().register(Box::new(process));
         }
+        // Every series of a closed label set exists from the start, at 0: a rule's
+        // `increase()` then sees the first event too (a series born at 1 shows none).
+        for carrier in Carrier::ALL {
+            throttled.with_label_values(&[carrier.as_str()]);
+            for reason in Reason::ALL {
+                refusals.with_label_values(&[carrier.as_str(), reason.as_str()]);
+            }
+        }
+        for outcome in FetchOutcome::ALL {
+            jwks_fetches.with_label_values(&[outcome.as_str()]);
+        }
+        for kind in JobKind::ALL {
+            for state in JobState::ALL
+                .into_iter()
+                .filter(|s| *s != JobState::Running)
+            {
+                jobs_finished.with_label_values(&[kind.as_str(), state.as_str()]);
+            }
+        }
+        for event in GrantEvent::ALL {
+            grant_events.with_label_values(&[event.as_str()]);
+        }
+        for part in StatePart::ALL {
+            state_write_failures.with_label_values(&[part.as_str()]);
+        }
         Self(Arc::new(Inner {
             registry,
             refusals,
@@ -382,6 +407,16 @@ impl Metrics {
         self.0.tool_calls.with_label_values(&[tool, outcome]).inc();
         let h: Histogram = self.0.tool_duration.with_label_values(&[tool]);
         h.observe(took.as_secs_f64());
+    }
+
+    /// Export the `ok` and `internal` tool-call series of `tools` at 0, so a rule's
+    /// `increase()` sees their first call too.
+    pub fn prime_tools<'a>(&self, tools: impl IntoIterator<Item = &'a str>) {
+        for tool in tools {
+            for outcome in ["ok", ToolErrorCode::Internal.as_str()] {
+                self.0.tool_calls.with_label_values(&[tool, outcome]);
+            }
+        }
     }
 
     pub fn policy_denial(&self, tool: &str, code: ToolErrorCode) {

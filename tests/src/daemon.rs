@@ -97,10 +97,16 @@ pub fn run_bounded(mut cmd: Command, limit: Duration) -> CtlOutput {
 
 /// `robota-mcpd check-config --config <path>`.
 pub fn check_config(path: &Path) -> CtlOutput {
+    check_config_with(path, &[])
+}
+
+/// `robota-mcpd check-config --config <path> <args…>`.
+pub fn check_config_with(path: &Path, args: &[&str]) -> CtlOutput {
     let mut cmd = Command::new(crate::mcpd_bin());
     cmd.arg("check-config")
         .arg("--config")
         .arg(path)
+        .args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default());
     run_bounded(cmd, CTL_LIMIT)

@@ -5,6 +5,7 @@
 //! the same plan served on stdin/stdout.
 
 mod api;
+pub mod checks;
 mod core;
 mod plan;
 mod status;

@@ -39,6 +39,29 @@ pub enum PlanError {
     /// a failed check for `check-config` and a failed reload.
     #[error("remote.tls")]
     Tls(#[source] crate::carrier::http::TlsError),
+    /// What the checks past the configuration's text found (policy patterns, job
+    /// executables, write roots); every problem names its key.
+    #[error("{}", list(.0, .1))]
+    Checks(
+        Vec<crate::config::ConfigIssue>,
+        Vec<crate::config::ConfigIssue>,
+    ),
+}
+
+/// One problem on the line, several each on a line of their own; then the warnings.
+fn list(errors: &[crate::config::ConfigIssue], warnings: &[crate::config::ConfigIssue]) -> String {
+    let mut out = match errors {
+        [one] => one.to_string(),
+        many => format!(
+            "{} problems:{}",
+            many.len(),
+            many.iter().map(|i| format!("\n  {i}")).collect::<String>()
+        ),
+    };
+    for warning in warnings {
+        out.push_str(&format!("\n  warning: {warning}"));
+    }
+    out
 }
 
 /// Where the configuration of a plan came from, so a reload reads it the same way.
@@ -48,6 +71,7 @@ pub struct Origin {
     pub source: Source,
     pub sha256: [u8; 32],
     pub loaded_at: SystemTime,
+    pub text: String,
 }
 
 /// What the remote verifier is built from: a reload whose settings are equal keeps the
@@ -118,6 +142,14 @@ impl Plan {
         for (carrier, profile, aliases) in carriers {
             check_wire_names(&snapshot, carrier, profile, aliases)?;
         }
+        let mut config = config;
+        let found = super::checks::run(&config, &snapshot, None, None);
+        if !found.errors.is_empty() {
+            let mut warnings = std::mem::take(&mut config.warnings);
+            warnings.extend(found.warnings);
+            return Err(PlanError::Checks(found.errors, warnings));
+        }
+        config.warnings.extend(found.warnings);
         let (verifier, verifier_settings) = match &config.remote {
             Some(remote) => {
                 let jwt = jwt_config(remote, &config.state_dir);
@@ -156,17 +188,46 @@ impl Plan {
     /// The plan of what `origin` names, as it reads now.
     pub fn load(loader: &Loader, metrics: Metrics) -> Result<Plan, LoadError> {
         let loaded = loader.load()?;
-        let mut plan = Plan::build(loaded.config, metrics).map_err(|error| LoadError::Plan {
-            origin: loaded.source.clone(),
-            error,
+        let mut plan = Plan::build(loaded.config, metrics).map_err(|mut error| {
+            if let PlanError::Checks(errors, warnings) = &mut error {
+                crate::config::locate_all(&loaded.text, errors);
+                crate::config::locate_all(&loaded.text, warnings);
+            }
+            LoadError::Plan {
+                origin: loaded.source.clone(),
+                error,
+            }
         })?;
+        crate::config::locate_all(&loaded.text, &mut plan.config.warnings);
         plan.origin = Some(Origin {
             loader: loader.clone(),
             source: loaded.source,
             sha256: loaded.sha256,
             loaded_at: SystemTime::now(),
+            text: loaded.text,
         });
         Ok(plan)
+    }
+
+    /// The checks that need to know who the daemon runs as and in which sandbox
+    /// (`check-config --as-user`, the installed unit): problems and warnings.
+    pub fn deep_check(
+        &self,
+        subject: Option<&super::checks::Subject>,
+        sandbox: Option<&super::checks::Sandbox>,
+    ) -> Result<super::checks::Findings, PlanError> {
+        let host = Host::detached(&self.config)?;
+        let snapshot = self.catalog(&host)?.snapshot();
+        let mut found = super::checks::run(&self.config, &snapshot, subject, sandbox);
+        // Those of the build are in the plan already.
+        let built = super::checks::run(&self.config, &snapshot, None, None);
+        found.errors.retain(|e| !built.errors.contains(e));
+        found.warnings.retain(|w| !built.warnings.contains(w));
+        if let Some(origin) = &self.origin {
+            crate::config::locate_all(&origin.text, &mut found.errors);
+            crate::config::locate_all(&origin.text, &mut found.warnings);
+        }
+        Ok(found)
     }
 
     /// The catalog over the daemon's own services.
@@ -177,8 +238,16 @@ impl Plan {
     /// A fresh session over `host`: a new catalog, policy and turn backend.
     pub fn session(&self, host: &Arc<Host>, view: Arc<dyn HostView>) -> Result<Session, PlanError> {
         let config = &self.config;
+        let catalog = self.catalog(host)?;
+        let snapshot = catalog.snapshot();
+        self.metrics.prime_tools(
+            snapshot
+                .specs()
+                .map(|s| s.name.as_str())
+                .chain([snapshot.submission().name.as_str()]),
+        );
         Ok(Session::new(Parts {
-            catalog: self.catalog(host)?,
+            catalog,
             policy: Policy::new(config.policy.clone()),
             turns: TurnBackend::new(config.session.turn.clone(), config.limits.tool_result),
             grants: host.grants.clone(),

@@ -1,6 +1,7 @@
 //! End-to-end tests of one area, in one test binary (one link instead of one per file).
 
 mod audit;
+mod check_config;
 mod concurrency;
 mod control;
 mod docs;
