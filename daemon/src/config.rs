@@ -17,7 +17,7 @@ use serde::Deserialize;
 mod tools;
 mod values;
 pub use tools::{
-    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
+    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, NewFiles, PermissionsTool, ServiceTool,
     ToolsConfig, check_template_name,
 };
 pub use values::{

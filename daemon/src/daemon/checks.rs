@@ -272,6 +272,7 @@ pub fn run(
     }
     if let Some(subject) = subject {
         access(config, subject, &mut found);
+        new_file_groups(config, subject, &mut found);
     }
     found
 }
@@ -492,6 +493,24 @@ fn access(config: &Config, subject: &Subject, found: &mut Findings) {
         .filter(|p| p.starts_with('/'))
     {
         need("session.turn.argv[0]".into(), Path::new(program), x);
+    }
+}
+
+/// The groups new files are given must be the daemon's user's.
+fn new_file_groups(config: &Config, subject: &Subject, found: &mut Findings) {
+    for (root, made) in &config.tools.file.new_files {
+        if let Some(gid) = made.gid
+            && subject.uid != 0
+            && !subject.gids.contains(&gid)
+        {
+            found.error(
+                format!("tools.file.new_files.\"{}\".group", root.display()),
+                format!(
+                    "{} is not a member of group {gid}, so new files cannot be given it",
+                    subject.name
+                ),
+            );
+        }
     }
 }
 
