@@ -886,7 +886,7 @@ impl Files {
                     nix::sys::stat::fstat(&dir).map_err(|e| host_error(&t, e, "write"))?;
                 let gid = temp
                     .new_identity(&made, &dir_stat)
-                    .map_err(|m| unavailable(&format!("{}: {m}", t.shown)))?;
+                    .map_err(|m| unavailable(format!("{}: {m}", t.shown)))?;
                 json!({"created": {"mode": format!("{:04o}", made.mode), "gid": gid}})
             }
         };
