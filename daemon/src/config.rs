@@ -1406,6 +1406,44 @@ mod tests {
     }
 
     #[test]
+    fn every_section_the_embedded_default_shows_in_comments_is_valid() {
+        // Uncomment every `# [section]` and `# key = value` line.
+        let text: String = EMBEDDED_DEFAULT
+            .lines()
+            .map(|line| match line.strip_prefix("# ") {
+                Some(rest)
+                    if rest.starts_with('[')
+                        || rest.split_once(" = ").is_some_and(|(k, _)| {
+                            !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                        }) =>
+                {
+                    rest.replace("group = \"app\"", "group = \"0\"")
+                }
+                _ => line.to_owned(),
+            })
+            .map(|line| line + "\n")
+            .collect();
+        for section in [
+            "[tools.file]",
+            "[tools.service]",
+            "[tools.docker]",
+            "[tools.permissions]",
+            "[jobs.backup]",
+            "[remote]",
+            "[session.turn]",
+        ] {
+            assert!(
+                text.contains(&format!("\n{section}")),
+                "{section} is not shown"
+            );
+        }
+        let config = parse(&text, &env()).unwrap_or_else(|issues| panic!("{issues:?}\n{text}"));
+        assert_eq!(config.tools.jobs["backup"].argv[0], "/usr/local/bin/backup");
+        assert_eq!(config.tools.file.write_roots, [PathBuf::from("/srv/app")]);
+        assert!(config.remote.is_some());
+    }
+
+    #[test]
     fn embedded_default_is_valid() {
         let config = parse(EMBEDDED_DEFAULT, &env()).unwrap();
         let loopback = config.loopback.unwrap();

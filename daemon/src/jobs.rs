@@ -373,7 +373,12 @@ impl Jobs {
     fn finish(&self, id: i64, kind: JobKind, finish: &Finish) {
         self.running.lock().remove(&id);
         self.metrics.job_finished(kind, finish.state);
-        tracing::info!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished");
+        if finish.state == JobState::Succeeded {
+            tracing::info!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished");
+        } else {
+            // Failed, timed out, cancelled or of unknown outcome: what an operator looks for.
+            tracing::warn!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished without success");
+        }
         if let Err(e) = self.store.with(|c| {
             c.execute(
                 "UPDATE jobs SET state = ?2, finished_at = ?3, exit_code = ?4, detail = ?5 \

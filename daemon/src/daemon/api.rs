@@ -320,6 +320,15 @@ mod jobs {
 
     pub(super) fn cancel(core: &Core, job_id: JobId, peer: Peer) -> Response {
         match core.host.jobs.cancel(None, job_id) {
+            // The state read before the cancel: it had ended already, nothing was done.
+            Ok(job) if job.state.finished() => Response::error(
+                ErrorCode::Conflict,
+                format!(
+                    "job {} already ended ({}); nothing to cancel",
+                    job_id.0,
+                    job.state.as_str()
+                ),
+            ),
             Ok(job) => {
                 tracing::info!(job_id = job_id.0, by = %operator(peer), "job cancel requested by the operator");
                 Response::ok(Reply::Job { job })
