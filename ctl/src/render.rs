@@ -152,6 +152,22 @@ pub fn table(columns: &[(&str, Align)], rows: &[Vec<String>]) -> String {
 }
 
 /// The `status` block: key/values, the carriers table, refusals by reason.
+/// Where the served configuration came from, and whether the file now reads otherwise.
+fn config_line(config: &robota_proto::ConfigStatus) -> String {
+    let mut line = format!(
+        "{} (sha256 {}, read {})",
+        clean(&config.source),
+        config.sha256.get(..12).unwrap_or(&config.sha256),
+        rfc3339(config.loaded_at)
+    );
+    match (config.changed_on_disk, &config.read_error) {
+        (Some(true), _) => line.push_str("; CHANGED on disk since: reload to apply"),
+        (_, Some(e)) => line.push_str(&format!("; cannot read it now: {}", clean(e))),
+        _ => {}
+    }
+    line
+}
+
 pub fn status(status: &Status) -> String {
     let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
     let facts = [
@@ -177,11 +193,41 @@ pub fn status(status: &Status) -> String {
     if let Some(keys) = &status.key_set {
         facts.push(("key set", key_set(keys)));
     }
+    facts.push(("health", clean(&status.health).into_owned()));
+    if let Some(config) = &status.config {
+        facts.push(("config", config_line(config)));
+    }
+    if !status.state_dir.is_empty() {
+        facts.push(("state dir", clean(&status.state_dir).into_owned()));
+    }
+    if let Some(reload) = &status.last_reload {
+        let outcome = if reload.ok { "ok" } else { "FAILED" };
+        facts.push((
+            "last reload",
+            format!("{outcome} at {}", rfc3339(reload.at)),
+        ));
+    }
     let rows: Vec<Vec<String>> = facts
         .into_iter()
         .map(|(key, value)| vec![format!("{key}:"), value])
         .collect();
     let mut out = table(&[("", Align::Left), ("", Align::Left)], &rows);
+
+    for problem in &status.problems {
+        out.push_str(&format!(
+            "DEGRADED: {}: {} ({} failed writes since {})\n",
+            clean(&problem.part),
+            clean(&problem.error),
+            problem.failures,
+            rfc3339(problem.since)
+        ));
+    }
+    if let Some(reload) = status.last_reload.as_ref().filter(|r| !r.ok) {
+        out.push_str("the last reload was refused; the running configuration stays:\n");
+        for problem in &reload.problems {
+            out.push_str(&format!("  {}\n", clean(problem)));
+        }
+    }
 
     out.push('\n');
     if status.carriers.is_empty() {
@@ -579,6 +625,11 @@ mod tests {
             bearer_count: 2,
             refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
             key_set: None,
+            config: None,
+            state_dir: String::new(),
+            last_reload: None,
+            health: "ok".into(),
+            problems: Vec::new(),
         };
         let text = super::status(&status);
         for needle in [

@@ -176,6 +176,11 @@ fn sample_status() -> Status {
         bearer_count: 2,
         refusals_last_hour: BTreeMap::from([("bad-token".into(), 4), ("no-token".into(), 1)]),
         key_set: None,
+        config: None,
+        state_dir: String::new(),
+        last_reload: None,
+        health: "ok".into(),
+        problems: Vec::new(),
     }
 }
 

@@ -17,7 +17,7 @@ use serde::Deserialize;
 mod tools;
 mod values;
 pub use tools::{
-    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
+    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, NewFiles, PermissionsTool, ServiceTool,
     ToolsConfig, check_template_name,
 };
 pub use values::{
@@ -308,11 +308,20 @@ pub enum Decision {
 pub struct ConfigIssue {
     pub path: String,
     pub problem: String,
+    /// Where in the text (line, column, from 1), when the key or the fault is found there.
+    pub at: Option<(usize, usize)>,
 }
 
 impl fmt::Display for ConfigIssue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.problem)
+        match self.at {
+            Some((line, column)) => write!(
+                f,
+                "{} (line {line}, column {column}): {}",
+                self.path, self.problem
+            ),
+            None => write!(f, "{}: {}", self.path, self.problem),
+        }
     }
 }
 
@@ -361,21 +370,59 @@ impl fmt::Display for Source {
     }
 }
 
-/// Load from `--config PATH`, else the system file if it exists, else the embedded default.
-pub fn load(explicit: Option<&Path>, env: &Environment) -> Result<(Config, Source), ConfigError> {
-    let (text, source) = match explicit {
-        Some(path) => (read(path)?, Source::File(path.to_owned())),
-        None if Path::new(SYSTEM_CONFIG_PATH).exists() => {
-            let path = PathBuf::from(SYSTEM_CONFIG_PATH);
-            (read(&path)?, Source::File(path))
-        }
-        None => (EMBEDDED_DEFAULT.to_owned(), Source::Embedded),
-    };
-    let config = parse(&text, env).map_err(|issues| ConfigError::Invalid {
-        origin: source.to_string(),
-        issues,
-    })?;
-    Ok((config, source))
+/// How the configuration is found: `--config PATH`, else the system file if it exists,
+/// else the embedded default. A reload finds it the same way start did.
+#[derive(Debug, Clone)]
+pub struct Loader {
+    pub explicit: Option<PathBuf>,
+    pub env: Environment,
+}
+
+/// A configuration as loaded, with where it came from and the SHA-256 of its text.
+pub struct Loaded {
+    pub config: Config,
+    pub source: Source,
+    pub sha256: [u8; 32],
+    /// The text read, so later checks can say on which line a key is.
+    pub text: String,
+}
+
+impl Loader {
+    /// The text `load` would read now, and where from.
+    fn text(&self) -> Result<(String, Source), ConfigError> {
+        Ok(match &self.explicit {
+            Some(path) => (read(path)?, Source::File(path.to_owned())),
+            None if Path::new(SYSTEM_CONFIG_PATH).exists() => {
+                let path = PathBuf::from(SYSTEM_CONFIG_PATH);
+                (read(&path)?, Source::File(path))
+            }
+            None => (EMBEDDED_DEFAULT.to_owned(), Source::Embedded),
+        })
+    }
+
+    pub fn load(&self) -> Result<Loaded, ConfigError> {
+        let (text, source) = self.text()?;
+        let config = parse(&text, &self.env).map_err(|issues| ConfigError::Invalid {
+            origin: source.to_string(),
+            issues,
+        })?;
+        Ok(Loaded {
+            config,
+            source,
+            sha256: sha256(&text),
+            text,
+        })
+    }
+
+    /// The SHA-256 of what `load` would read now, or why it cannot be read.
+    pub fn sha256_now(&self) -> Result<[u8; 32], ConfigError> {
+        self.text().map(|(text, _)| sha256(&text))
+    }
+}
+
+fn sha256(text: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes()).into()
 }
 
 fn read(path: &Path) -> Result<String, ConfigError> {
@@ -385,31 +432,114 @@ fn read(path: &Path) -> Result<String, ConfigError> {
     })
 }
 
-/// Parse and validate configuration text.
+/// Parse and validate configuration text. Every syntax error is reported (the parser
+/// recovers and goes on); of the errors in the document's shape (an unknown key, a value
+/// of the wrong type) the first; of the validation problems every one. Each names its key
+/// and, where the text shows it, its line and column.
 pub fn parse(text: &str, env: &Environment) -> Result<Config, Vec<ConfigIssue>> {
-    let raw = parse_raw(text)?;
-    validate(raw, env)
+    let (table, syntax) = toml::de::DeTable::parse_recoverable(text);
+    if !syntax.is_empty() {
+        let mut issues: Vec<ConfigIssue> = syntax
+            .iter()
+            .map(|e| ConfigIssue {
+                path: "syntax".into(),
+                problem: one_line(e.message()),
+                at: e.span().map(|span| line_column(text, span.start)),
+            })
+            .collect();
+        issues.sort_by_key(|i| i.at);
+        return Err(issues);
+    }
+    let raw: RawConfig = serde_path_to_error::deserialize(toml::Deserializer::from(table.clone()))
+        .map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." {
+                "<document>".to_owned()
+            } else {
+                path
+            };
+            vec![ConfigIssue {
+                at: e
+                    .inner()
+                    .span()
+                    .map(|span| line_column(text, span.start))
+                    .or_else(|| locate(text, table.get_ref(), &path)),
+                path,
+                problem: one_line(e.inner().message()),
+            }]
+        })?;
+    let located = |mut issue: ConfigIssue| {
+        issue.at = issue
+            .at
+            .or_else(|| locate(text, table.get_ref(), &issue.path));
+        issue
+    };
+    match validate(raw, env) {
+        Ok(mut config) => {
+            config.warnings = config.warnings.into_iter().map(located).collect();
+            Ok(config)
+        }
+        Err(issues) => Err(issues.into_iter().map(located).collect()),
+    }
 }
 
-fn parse_raw(text: &str) -> Result<RawConfig, Vec<ConfigIssue>> {
-    let deserializer = toml::Deserializer::parse(text).map_err(|e| {
-        vec![ConfigIssue {
-            path: "<document>".into(),
-            problem: one_line(e.message()),
-        }]
-    })?;
-    serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let path = if path == "." {
-            "<document>".to_owned()
-        } else {
-            path
+/// Give each of `issues` that has no place yet the line and column of its key in `text`.
+pub fn locate_all(text: &str, issues: &mut [ConfigIssue]) {
+    let (table, _) = toml::de::DeTable::parse_recoverable(text);
+    for issue in issues {
+        issue.at = issue
+            .at
+            .or_else(|| locate(text, table.get_ref(), &issue.path));
+    }
+}
+
+/// Line and column (from 1, the column in characters) of byte `offset` of `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (
+        before.matches('\n').count() + 1,
+        before[line_start..].chars().count() + 1,
+    )
+}
+
+/// Where the key `path` (`a.b`, `policy[0].tools[1]`) is written: the deepest part of it
+/// the document has.
+fn locate(text: &str, table: &toml::de::DeTable<'_>, path: &str) -> Option<(usize, usize)> {
+    use toml::de::DeValue;
+    let mut parts = Vec::new();
+    for segment in path.split('.') {
+        let (key, indexes) = segment.split_once('[').unwrap_or((segment, ""));
+        parts.push((key, None));
+        for index in indexes.split('[') {
+            if let Some(i) = index
+                .strip_suffix(']')
+                .and_then(|i| i.parse::<usize>().ok())
+            {
+                parts.push(("", Some(i)));
+            }
+        }
+    }
+    let mut found = None;
+    let mut value: Option<&DeValue<'_>> = None;
+    for (key, index) in parts {
+        let next = match (value, index) {
+            (None, None) => table
+                .iter()
+                .find(|(k, _)| k.get_ref() == key)
+                .map(|(k, v)| (k.span(), v)),
+            (Some(DeValue::Table(t)), None) => t
+                .iter()
+                .find(|(k, _)| k.get_ref() == key)
+                .map(|(k, v)| (k.span(), v)),
+            (Some(DeValue::Array(items)), Some(i)) => items.get(i).map(|v| (v.span(), v)),
+            _ => None,
         };
-        vec![ConfigIssue {
-            path,
-            problem: one_line(e.inner().message()),
-        }]
-    })
+        let Some((span, next)) = next else { break };
+        found = Some(span.start);
+        value = Some(next.get_ref());
+    }
+    found.map(|offset| line_column(text, offset))
 }
 
 fn one_line(s: &str) -> String {
@@ -685,6 +815,7 @@ impl Issues {
         self.0.push(ConfigIssue {
             path: path.into(),
             problem: problem.into(),
+            at: None,
         });
     }
 
@@ -692,6 +823,7 @@ impl Issues {
         self.1.push(ConfigIssue {
             path: path.into(),
             problem: problem.into(),
+            at: None,
         });
     }
 }
@@ -1458,6 +1590,75 @@ mod tests {
 
     fn issues(text: &str) -> Vec<ConfigIssue> {
         parse(text, &env()).expect_err("config should be refused")
+    }
+
+    #[test]
+    fn every_syntax_error_is_reported_with_its_line_and_column() {
+        let found = issues("[loopback]\nlisten = 127.0.0.1\n\n[remote\nx = 1\n");
+        assert!(found.len() >= 2, "{found:?}");
+        assert_eq!(found[0].at, Some((2, 15)), "{found:?}");
+        assert_eq!(found[1].at.map(|(line, _)| line), Some(4), "{found:?}");
+        assert!(
+            found[0]
+                .to_string()
+                .starts_with("syntax (line 2, column 15): "),
+            "{}",
+            found[0]
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_and_a_bad_value_name_their_line() {
+        let found = issues("[loopback]\nlisten = \"127.0.0.1:1\"\n\nbogus = 1\n");
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].path, "loopback.bogus");
+        assert_eq!(found[0].at.map(|(line, _)| line), Some(4), "{found:?}");
+        let found = issues(
+            "[[policy]]\ncallers = [\"*\"]\ntools = [\"x\"]\ndecision = \"allow\"\n\n[[policy]]\ncallers = [\"*\"]\ntools = [\"\"]\ndecision = \"allow\"\n",
+        );
+        let issue = found
+            .iter()
+            .find(|i| i.path == "policy[1].tools[0]")
+            .unwrap_or_else(|| panic!("{found:?}"));
+        assert_eq!(issue.at.map(|(line, _)| line), Some(8), "{found:?}");
+    }
+
+    #[test]
+    fn every_section_the_embedded_default_shows_in_comments_is_valid() {
+        // Uncomment every `# [section]` and `# key = value` line.
+        let text: String = EMBEDDED_DEFAULT
+            .lines()
+            .map(|line| match line.strip_prefix("# ") {
+                Some(rest)
+                    if rest.starts_with('[')
+                        || rest.split_once(" = ").is_some_and(|(k, _)| {
+                            !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                        }) =>
+                {
+                    rest.replace("group = \"app\"", "group = \"0\"")
+                }
+                _ => line.to_owned(),
+            })
+            .map(|line| line + "\n")
+            .collect();
+        for section in [
+            "[tools.file]",
+            "[tools.service]",
+            "[tools.docker]",
+            "[tools.permissions]",
+            "[jobs.backup]",
+            "[remote]",
+            "[session.turn]",
+        ] {
+            assert!(
+                text.contains(&format!("\n{section}")),
+                "{section} is not shown"
+            );
+        }
+        let config = parse(&text, &env()).unwrap_or_else(|issues| panic!("{issues:?}\n{text}"));
+        assert_eq!(config.tools.jobs["backup"].argv[0], "/usr/local/bin/backup");
+        assert_eq!(config.tools.file.write_roots, [PathBuf::from("/srv/app")]);
+        assert!(config.remote.is_some());
     }
 
     #[test]

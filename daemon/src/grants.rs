@@ -130,7 +130,7 @@ pub struct Grants {
     store: Arc<Store>,
     audit: Arc<Audit>,
     metrics: Metrics,
-    limits: PermissionsTool,
+    limits: parking_lot::RwLock<PermissionsTool>,
 }
 
 /// Why a caller's own grant request or revocation was refused.
@@ -165,19 +165,24 @@ impl Grants {
             store,
             audit,
             metrics,
-            limits,
+            limits: parking_lot::RwLock::new(limits),
         }
     }
 
+    /// The bounds from now on (a reload); grants already decided keep theirs.
+    pub fn set_limits(&self, limits: PermissionsTool) {
+        *self.limits.write() = limits;
+    }
+
     pub fn max_duration(&self) -> Duration {
-        self.limits.max_duration
+        self.limits.read().max_duration
     }
 
     /// When a grant of `duration` starting at `now` ends: `None` unless the duration is
     /// whole seconds from 1s to the configured maximum and the end is representable.
     fn expiry(&self, now: i64, duration: Duration) -> Option<i64> {
         let secs = duration.as_secs();
-        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.limits.max_duration {
+        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.max_duration() {
             return None;
         }
         now.checked_add(i64::try_from(secs).ok()?)
@@ -186,7 +191,7 @@ impl Grants {
     fn duration_bounds(&self) -> String {
         format!(
             "duration must be whole seconds between 1s and {}",
-            humantime::format_duration(self.limits.max_duration)
+            humantime::format_duration(self.max_duration())
         )
     }
 
@@ -238,7 +243,7 @@ impl Grants {
         }
         let caller_text = caller.to_string();
         let scope_json = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
-        let max_pending = self.limits.max_pending;
+        let max_pending = self.limits.read().max_pending;
         let id = self
             .store
             .with(|c| {
@@ -301,8 +306,10 @@ impl Grants {
         let digest = crate::canonical::canonical_sha256(arguments);
         let caller_text = caller.to_string();
         let now = now();
-        let expiry = self.limits.approval_expiry.as_secs();
-        let max_pending = self.limits.max_pending;
+        let (expiry, max_pending) = {
+            let limits = self.limits.read();
+            (limits.approval_expiry.as_secs(), limits.max_pending)
+        };
         let scope_json = serde_json::to_string(&[tool]).unwrap_or_else(|_| "[]".into());
         let found = self.store.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;

@@ -11,6 +11,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod grants;
+pub mod health;
 pub mod host;
 pub mod jobs;
 pub mod logging;

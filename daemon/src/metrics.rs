@@ -11,7 +11,7 @@ use prometheus::{
 use crate::vocab::ToolErrorCode;
 use crate::vocab::{Carrier, GrantEvent, Reason};
 use crate::vocab::{ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection};
-use crate::vocab::{IntrospectionOutcome, JobKind, JobState};
+use crate::vocab::{IntrospectionOutcome, JobKind, JobState, StatePart};
 
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
@@ -35,6 +35,7 @@ struct Inner {
     jobs_running: IntGauge,
     grant_events: IntCounterVec,
     audit_unpersisted: IntGauge,
+    state_write_failures: IntCounterVec,
     connections: IntCounterVec,
     connections_open: IntGaugeVec,
     rejections: IntCounterVec,
@@ -147,6 +148,11 @@ impl Metrics {
             "Calls with an idempotency key seen before, by canonical tool and decision.",
             &["tool", "decision"],
         );
+        let state_write_failures = counter(
+            "state_write_failures_total",
+            "Writes to the state directory that failed (a full disk, an I/O error), by part (audit, store).",
+            &["part"],
+        );
         let jobs_recovered = IntGauge::new(
             "jobs_recovered_at_start",
             "Jobs found running from a process that had died, marked outcome-unknown at this start.",
@@ -195,7 +201,7 @@ impl Metrics {
             .expect("unique gauge");
         let audit_unpersisted = IntGauge::new(
             "audit_unpersisted_records",
-            "Audit records kept in memory only because the audit file writer fell behind.",
+            "Audit records not in the audit file: waiting because it cannot be written now, or kept in memory only because the writer fell behind or its backlog bound was reached.",
         )
         .expect("valid gauge");
         registry
@@ -216,6 +222,31 @@ impl Metrics {
             // The process collector adds its own `process_` names without our prefix.
             let _ = prometheus::default_registry().register(Box::new(process));
         }
+        // Every series of a closed label set exists from the start, at 0: a rule's
+        // `increase()` then sees the first event too (a series born at 1 shows none).
+        for carrier in Carrier::ALL {
+            throttled.with_label_values(&[carrier.as_str()]);
+            for reason in Reason::ALL {
+                refusals.with_label_values(&[carrier.as_str(), reason.as_str()]);
+            }
+        }
+        for outcome in FetchOutcome::ALL {
+            jwks_fetches.with_label_values(&[outcome.as_str()]);
+        }
+        for kind in JobKind::ALL {
+            for state in JobState::ALL
+                .into_iter()
+                .filter(|s| *s != JobState::Running)
+            {
+                jobs_finished.with_label_values(&[kind.as_str(), state.as_str()]);
+            }
+        }
+        for event in GrantEvent::ALL {
+            grant_events.with_label_values(&[event.as_str()]);
+        }
+        for part in StatePart::ALL {
+            state_write_failures.with_label_values(&[part.as_str()]);
+        }
         Self(Arc::new(Inner {
             registry,
             refusals,
@@ -234,6 +265,7 @@ impl Metrics {
             jobs_running,
             grant_events,
             audit_unpersisted,
+            state_write_failures,
             connections,
             connections_open,
             rejections,
@@ -285,6 +317,15 @@ impl Metrics {
         self.0
             .audit_unpersisted
             .set(i64::try_from(records).unwrap_or(i64::MAX));
+    }
+
+    /// Failed writes of `part` since the process started (read at every scrape).
+    pub fn state_write_failures(&self, part: StatePart, total: u64) {
+        let counter = self
+            .0
+            .state_write_failures
+            .with_label_values(&[part.as_str()]);
+        counter.inc_by(total.saturating_sub(counter.get()));
     }
 
     pub fn job_started(&self, kind: JobKind) {
@@ -380,6 +421,16 @@ impl Metrics {
         self.0.tool_calls.with_label_values(&[tool, outcome]).inc();
         let h: Histogram = self.0.tool_duration.with_label_values(&[tool]);
         h.observe(took.as_secs_f64());
+    }
+
+    /// Export the `ok` and `internal` tool-call series of `tools` at 0, so a rule's
+    /// `increase()` sees their first call too.
+    pub fn prime_tools<'a>(&self, tools: impl IntoIterator<Item = &'a str>) {
+        for tool in tools {
+            for outcome in ["ok", ToolErrorCode::Internal.as_str()] {
+                self.0.tool_calls.with_label_values(&[tool, outcome]);
+            }
+        }
     }
 
     pub fn policy_denial(&self, tool: &str, code: ToolErrorCode) {

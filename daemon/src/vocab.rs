@@ -252,6 +252,15 @@ closed_set! {
 }
 
 closed_set! {
+    /// A part of the daemon that writes to the state directory (the `part` label, and
+    /// `status.problems[].part`).
+    pub enum StatePart {
+        Audit = "audit",
+        Store = "store",
+    }
+}
+
+closed_set! {
     /// An HTTP listener (the `listener` label).
     pub enum Listener {
         Loopback = "loopback",

@@ -19,6 +19,7 @@ const LEVELS: &[&[&str]] = &[
         "canonical",
         "notify",
         "logging",
+        "health",
     ],
     // Durable state and the audit trail; the remote verifier.
     &["store", "audit", "oauth"],

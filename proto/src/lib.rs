@@ -200,7 +200,7 @@ impl Response {
     pub fn ok(reply: Reply) -> Self {
         Self {
             v: PROTOCOL_VERSION,
-            outcome: Outcome::Ok(reply),
+            outcome: Outcome::Ok(Box::new(reply)),
         }
     }
 
@@ -218,7 +218,8 @@ impl Response {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
-    Ok(Reply),
+    /// Boxed: a status is large beside an error.
+    Ok(Box<Reply>),
     Error(ErrorReply),
 }
 
@@ -527,11 +528,13 @@ pub enum ErrorCode {
     Conflict,
     /// The daemon cannot do this now (e.g. it is stopping).
     Unavailable,
+    /// A reload found the configuration invalid; the running one stays.
+    InvalidConfig,
     Internal,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 9] = [
         ErrorCode::PermissionDenied,
         ErrorCode::BadRequest,
         ErrorCode::UnsupportedVersion,
@@ -539,6 +542,7 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::Conflict,
         ErrorCode::Unavailable,
+        ErrorCode::InvalidConfig,
         ErrorCode::Internal,
     ];
 
@@ -551,6 +555,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not-found",
             ErrorCode::Conflict => "conflict",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::InvalidConfig => "invalid-config",
             ErrorCode::Internal => "internal",
         }
     }
@@ -615,6 +620,66 @@ pub struct Status {
     /// The remote carrier's key set, when it is enabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_set: Option<Box<KeySetStatus>>,
+    /// The configuration served now, and whether its file reads differently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigStatus>,
+    /// The state directory (store, audit, key cache).
+    #[serde(default)]
+    pub state_dir: String,
+    /// How the last reload went; none since the process started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reload: Option<ReloadStatus>,
+    /// `ok`, or `degraded` while a part fails (see `problems`).
+    #[serde(default = "ok")]
+    pub health: String,
+    /// What is failing now, when `health` is `degraded`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<Problem>,
+}
+
+fn ok() -> String {
+    "ok".into()
+}
+
+/// The configuration the daemon serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigStatus {
+    /// The file's path, or `embedded default`.
+    pub source: String,
+    /// SHA-256 (hex) of the text served.
+    pub sha256: String,
+    /// When it was read (Unix seconds).
+    pub loaded_at: u64,
+    /// Whether what would be read now differs from what is served (a reload would change
+    /// something); absent when that cannot be read (`read_error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed_on_disk: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_error: Option<String>,
+}
+
+/// The last reload (SIGHUP or `restart`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadStatus {
+    /// When it ended (Unix seconds).
+    pub at: u64,
+    pub ok: bool,
+    /// Why it was refused: every problem, each naming its key.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+}
+
+/// A part of the daemon that is failing now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    /// `audit` (the audit file) or `store` (the job, grant and idempotency store).
+    pub part: String,
+    /// The last error.
+    pub error: String,
+    /// Since when it fails (Unix seconds).
+    pub since: u64,
+    /// Failed writes since then.
+    pub failures: u64,
 }
 
 /// Where the remote verifier's keys come from (`[remote]` `jwks_uri`, `jwks_file`, or
@@ -702,6 +767,9 @@ pub mod exit {
     pub const PERMISSION_DENIED: i32 = 4;
     /// The daemon spoke something we do not understand.
     pub const PROTOCOL: i32 = 5;
+    /// `restart`: the daemon found its configuration invalid and kept the running one
+    /// (the code `robota-mcpd check-config` uses for an invalid configuration).
+    pub const INVALID_CONFIG: i32 = 78;
 }
 
 #[cfg(test)]

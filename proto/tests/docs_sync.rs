@@ -172,6 +172,11 @@ fn status() -> Status {
         bearer_count: 1,
         refusals_last_hour: Default::default(),
         key_set: None,
+        config: None,
+        state_dir: "/var/lib/robota-mcpd".into(),
+        last_reload: None,
+        health: "ok".into(),
+        problems: Vec::new(),
     }
 }
 
@@ -241,6 +246,7 @@ fn classify(values: &[Value]) -> Examples {
             assert_eq!(response.v, PROTOCOL_VERSION, "{value}");
             match response.outcome {
                 robota_proto::Outcome::Ok(reply) => {
+                    let reply = *reply;
                     seen.ok_kinds.insert(tag_of(&reply, "kind"));
                 }
                 robota_proto::Outcome::Error(error) => {
@@ -337,6 +343,7 @@ fn every_exit_code_is_documented() {
         (exit::NOT_RUNNING, "NOT_RUNNING"),
         (exit::PERMISSION_DENIED, "PERMISSION_DENIED"),
         (exit::PROTOCOL, "PROTOCOL"),
+        (exit::INVALID_CONFIG, "INVALID_CONFIG"),
     ];
     let distinct: BTreeSet<i32> = codes.iter().map(|(code, _)| *code).collect();
     assert_eq!(distinct.len(), codes.len(), "exit codes must be distinct");

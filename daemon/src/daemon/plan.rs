@@ -3,9 +3,12 @@
 //! this; a start that passed it can still fail to bind, never on the configuration.
 
 use std::sync::Arc;
+use std::time::SystemTime;
+
+use sha2::Digest;
 
 use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView};
-use crate::config::{Config, WireNameProfile};
+use crate::config::{Config, ConfigError, Loader, Source, WireNameProfile};
 use crate::host::Host;
 use crate::mcp::{WireError, WireNames};
 use crate::metrics::Metrics;
@@ -32,22 +35,100 @@ pub enum PlanError {
     /// The in-memory store the plan builds the catalog over (never the state directory).
     #[error("cannot build the catalog")]
     Store(#[from] StoreError),
+    /// The remote carrier's TLS files: a runtime failure at start (they may yet appear),
+    /// a failed check for `check-config` and a failed reload.
+    #[error("remote.tls")]
+    Tls(#[source] crate::carrier::http::TlsError),
+    /// What the checks past the configuration's text found (policy patterns, job
+    /// executables, write roots); every problem names its key.
+    #[error("{}", list(.0, .1))]
+    Checks(
+        Vec<crate::config::ConfigIssue>,
+        Vec<crate::config::ConfigIssue>,
+    ),
+}
+
+/// One problem on the line, several each on a line of their own; then the warnings.
+fn list(errors: &[crate::config::ConfigIssue], warnings: &[crate::config::ConfigIssue]) -> String {
+    let mut out = match errors {
+        [one] => one.to_string(),
+        many => format!(
+            "{} problems:{}",
+            many.len(),
+            many.iter().map(|i| format!("\n  {i}")).collect::<String>()
+        ),
+    };
+    for warning in warnings {
+        out.push_str(&format!("\n  warning: {warning}"));
+    }
+    out
+}
+
+/// Where the configuration of a plan came from, so a reload reads it the same way.
+#[derive(Clone)]
+pub struct Origin {
+    pub loader: Loader,
+    pub source: Source,
+    pub sha256: [u8; 32],
+    pub loaded_at: SystemTime,
+    pub text: String,
+}
+
+/// What the remote verifier is built from: a reload whose settings are equal keeps the
+/// running verifier (its keys, cache and schedule).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifierSettings {
+    config: JwtConfig,
+    /// The SHA-256 of `ca_file` as read when the plan was built.
+    ca_file: Option<[u8; 32]>,
+}
+
+/// Why a configuration could not be loaded and planned.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("invalid configuration ({origin})")]
+    Plan {
+        origin: Source,
+        #[source]
+        error: PlanError,
+    },
+}
+
+impl LoadError {
+    /// The exit code of a start that failed this way.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LoadError::Plan {
+                error: PlanError::Tls(_),
+                ..
+            } => crate::exit::RUNTIME,
+            _ => crate::exit::CONFIG,
+        }
+    }
 }
 
 /// A validated configuration, ready to bind.
 pub struct Plan {
     pub config: Config,
-    /// The registry every part reports to (built here; a listener serves it later).
+    /// Where it came from (none for a plan built from a configuration in memory: a
+    /// reload then plans the same configuration again).
+    pub origin: Option<Origin>,
+    /// The registry every part reports to (a listener serves it later).
     pub metrics: Metrics,
     /// The remote carrier's verifier: every configuration check done, no key loaded.
     pub verifier: Option<JwtVerifier>,
+    pub verifier_settings: Option<VerifierSettings>,
+    /// The remote carrier's TLS acceptor, from its files.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl Plan {
     /// Check everything: the catalog exactly as it will be served (over a store in
-    /// memory), its wire names on every carrier, the verifier.
-    pub fn build(config: Config) -> Result<Plan, PlanError> {
-        let metrics = Metrics::new();
+    /// memory), its wire names on every carrier, the verifier, the TLS files. Parts that
+    /// report go to `metrics`.
+    pub fn build(config: Config, metrics: Metrics) -> Result<Plan, PlanError> {
         let host = Host::detached(&config)?;
         let catalog = catalog_over(&config, &host)?;
         let snapshot = catalog.snapshot();
@@ -61,18 +142,92 @@ impl Plan {
         for (carrier, profile, aliases) in carriers {
             check_wire_names(&snapshot, carrier, profile, aliases)?;
         }
-        let verifier = match &config.remote {
-            Some(remote) => Some(JwtVerifier::build(
-                jwt_config(remote, &config.state_dir),
-                metrics.clone(),
-            )?),
+        let mut config = config;
+        let found = super::checks::run(&config, &snapshot, None, None);
+        if !found.errors.is_empty() {
+            let mut warnings = std::mem::take(&mut config.warnings);
+            warnings.extend(found.warnings);
+            return Err(PlanError::Checks(found.errors, warnings));
+        }
+        config.warnings.extend(found.warnings);
+        let (verifier, verifier_settings) = match &config.remote {
+            Some(remote) => {
+                let jwt = jwt_config(remote, &config.state_dir);
+                let settings = VerifierSettings {
+                    config: jwt.clone(),
+                    ca_file: remote
+                        .ca_file
+                        .as_ref()
+                        .and_then(|p| std::fs::read(p).ok())
+                        .map(|bytes| sha2::Sha256::digest(bytes).into()),
+                };
+                (
+                    Some(JwtVerifier::build(jwt, metrics.clone())?),
+                    Some(settings),
+                )
+            }
+            None => (None, None),
+        };
+        let tls = match config.remote.as_ref().and_then(|r| r.tls.as_ref()) {
+            Some(files) => Some(
+                crate::carrier::http::tls_acceptor(&files.cert, &files.key)
+                    .map_err(PlanError::Tls)?,
+            ),
             None => None,
         };
         Ok(Plan {
             config,
+            origin: None,
             metrics,
             verifier,
+            verifier_settings,
+            tls,
         })
+    }
+
+    /// The plan of what `origin` names, as it reads now.
+    pub fn load(loader: &Loader, metrics: Metrics) -> Result<Plan, LoadError> {
+        let loaded = loader.load()?;
+        let mut plan = Plan::build(loaded.config, metrics).map_err(|mut error| {
+            if let PlanError::Checks(errors, warnings) = &mut error {
+                crate::config::locate_all(&loaded.text, errors);
+                crate::config::locate_all(&loaded.text, warnings);
+            }
+            LoadError::Plan {
+                origin: loaded.source.clone(),
+                error,
+            }
+        })?;
+        crate::config::locate_all(&loaded.text, &mut plan.config.warnings);
+        plan.origin = Some(Origin {
+            loader: loader.clone(),
+            source: loaded.source,
+            sha256: loaded.sha256,
+            loaded_at: SystemTime::now(),
+            text: loaded.text,
+        });
+        Ok(plan)
+    }
+
+    /// The checks that need to know who the daemon runs as and in which sandbox
+    /// (`check-config --as-user`, the installed unit): problems and warnings.
+    pub fn deep_check(
+        &self,
+        subject: Option<&super::checks::Subject>,
+        sandbox: Option<&super::checks::Sandbox>,
+    ) -> Result<super::checks::Findings, PlanError> {
+        let host = Host::detached(&self.config)?;
+        let snapshot = self.catalog(&host)?.snapshot();
+        let mut found = super::checks::run(&self.config, &snapshot, subject, sandbox);
+        // Those of the build are in the plan already.
+        let built = super::checks::run(&self.config, &snapshot, None, None);
+        found.errors.retain(|e| !built.errors.contains(e));
+        found.warnings.retain(|w| !built.warnings.contains(w));
+        if let Some(origin) = &self.origin {
+            crate::config::locate_all(&origin.text, &mut found.errors);
+            crate::config::locate_all(&origin.text, &mut found.warnings);
+        }
+        Ok(found)
     }
 
     /// The catalog over the daemon's own services.
@@ -83,8 +238,16 @@ impl Plan {
     /// A fresh session over `host`: a new catalog, policy and turn backend.
     pub fn session(&self, host: &Arc<Host>, view: Arc<dyn HostView>) -> Result<Session, PlanError> {
         let config = &self.config;
+        let catalog = self.catalog(host)?;
+        let snapshot = catalog.snapshot();
+        self.metrics.prime_tools(
+            snapshot
+                .specs()
+                .map(|s| s.name.as_str())
+                .chain([snapshot.submission().name.as_str()]),
+        );
         Ok(Session::new(Parts {
-            catalog: self.catalog(host)?,
+            catalog,
             policy: Policy::new(config.policy.clone()),
             turns: TurnBackend::new(config.session.turn.clone(), config.limits.tool_result),
             grants: host.grants.clone(),
@@ -154,7 +317,7 @@ mod tests {
             state_directory: Some("/nonexistent/robota-mcpd".into()),
             ..Environment::default()
         };
-        Plan::build(parse(text, &env).expect("config"))
+        Plan::build(parse(text, &env).expect("config"), Metrics::new())
     }
 
     #[test]

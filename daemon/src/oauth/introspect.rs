@@ -55,7 +55,7 @@ pub const CACHE_ENTRIES: usize = 10_000;
 pub const MAX_SECRET_BYTES: u64 = 4096;
 
 /// What `[remote.introspection]` says, for the verifier.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IntrospectionSettings {
     /// An https URL; `None`: discovered.
     pub endpoint: Option<String>,

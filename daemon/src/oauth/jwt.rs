@@ -59,7 +59,7 @@ pub const SUPPORTED_ALGORITHMS: [Algorithm; 3] =
     [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
 
 /// What the verifier accepts; built by the remote carrier from `[remote]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JwtConfig {
     /// The exact `iss`, an `https://` URL.
     pub issuer: String,

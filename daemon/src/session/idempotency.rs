@@ -89,10 +89,7 @@ impl Idempotency {
         let digest = args_digest(&args);
         let caller_text = caller.to_string();
         let store = &*self.store;
-        let internal = |e: crate::store::StoreError| {
-            tracing::error!(error = %e, "idempotency store failure");
-            ToolError::new(ToolErrorCode::Internal, "the idempotency store failed")
-        };
+        let internal = |e: crate::store::StoreError| ToolError::store(&e, "idempotency store");
         let mismatch = || {
             ToolError::new(
                 ToolErrorCode::InvalidArguments,

@@ -146,13 +146,7 @@ impl Session {
                     Ok(())
                 }
                 Ok(None) => Err(policy::needs_grant(caller, tool)),
-                Err(store) => {
-                    tracing::error!(error = %store, "cannot read grants");
-                    Err(ToolError::new(
-                        ToolErrorCode::Internal,
-                        "the grant store failed",
-                    ))
-                }
+                Err(store) => Err(ToolError::store(&store, "grant store")),
             },
             // An approval of exactly this call, used now.
             Decision::ApproveEach => {
@@ -174,6 +168,7 @@ impl Session {
                     Err(e @ GrantError::TooMany { .. }) => {
                         Err(ToolError::new(ToolErrorCode::Busy, e.to_string()))
                     }
+                    Err(GrantError::Store(store)) => Err(ToolError::store(&store, "grant store")),
                     Err(e) => {
                         tracing::error!(error = %crate::error_chain(&e), "cannot record an approval request");
                         Err(ToolError::new(
