@@ -184,6 +184,10 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "needs the robota-mcpd user, which only the package creates",
     ),
     (
+        "robota-mcpd check-config --config /etc/robota-mcpd/config.toml --as-user robota-mcpd",
+        "needs the robota-mcpd user, which only the package creates (operations::check_config runs --as-user nobody)",
+    ),
+    (
         "journalctl -u robota-mcpd -f",
         "follows forever; needs the journal",
     ),
