@@ -259,7 +259,19 @@ Examples:
         all: bool,
     },
 
-    /// Approve a pending request; the grant covers only the caller that asked
+    /// Everything one grant holds; for an approval of one call, its tool and arguments
+    #[command(after_help = "\
+Examples:
+  robota-mcpctl grants show 7
+  robota-mcpctl grants show 7 --json")]
+    Show {
+        /// The grant's id (from `grants list`, or the call's answer)
+        #[arg(value_name = "ID")]
+        grant_id: i64,
+    },
+
+    /// Approve a pending request; the grant covers only the caller that asked (an
+    /// approval of one call: only that call, once)
     #[command(after_help = "\
 Examples:
   robota-mcpctl grants approve 7

@@ -37,7 +37,7 @@ pub fn call(socket: &Path, request: &Request) -> Result<Reply, CtlError> {
     let stream = connect(socket)?;
     let line = exchange(&stream, request).map_err(|err| err.into_ctl(socket))?;
     match decode_reply(&line)?.outcome {
-        Outcome::Ok(reply) => Ok(reply),
+        Outcome::Ok(reply) => Ok(*reply),
         Outcome::Error(error) => Err(CtlError::Daemon(error)),
     }
 }
@@ -50,7 +50,7 @@ pub fn open_mcp(socket: &Path) -> Result<UnixStream, CtlError> {
     let line = exchange(&stream, &Request::new(robota_proto::Command::Mcp))
         .map_err(|err| err.into_ctl(socket))?;
     match decode_reply(&line)?.outcome {
-        Outcome::Ok(Reply::Mcp) => {}
+        Outcome::Ok(reply) if matches!(*reply, Reply::Mcp) => {}
         Outcome::Ok(_) => return Err(CtlError::Protocol("expected an \"mcp\" reply".into())),
         Outcome::Error(error) => return Err(CtlError::Daemon(error)),
     }

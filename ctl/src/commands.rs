@@ -89,6 +89,18 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
                 other => Err(unexpected("grants", &other)),
             }
         }
+        CtlCommand::Grants(GrantsCommand::Show { grant_id }) => {
+            match call(
+                ctx,
+                Command::GrantShow {
+                    grant_id: *grant_id,
+                },
+            )? {
+                Reply::Grant { grant } if !ctx.json => print(&render::grant_details(&grant)),
+                reply @ Reply::Grant { .. } => print_json(&reply),
+                other => Err(unexpected("grant", &other)),
+            }
+        }
         CtlCommand::Grants(decision) => {
             let command = match decision {
                 GrantsCommand::Approve { grant_id, duration } => Command::GrantApprove {
@@ -101,7 +113,9 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
                 GrantsCommand::Revoke { grant_id } => Command::GrantRevoke {
                     grant_id: *grant_id,
                 },
-                GrantsCommand::List { .. } => unreachable!("handled above"),
+                GrantsCommand::List { .. } | GrantsCommand::Show { .. } => {
+                    unreachable!("handled above")
+                }
             };
             match call(ctx, command)? {
                 Reply::Grant { grant } if !ctx.json => print(&render::grant_decided(&grant)),

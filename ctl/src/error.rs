@@ -56,6 +56,9 @@ impl CtlError {
             CtlError::Daemon(reply) if reply.code == ErrorCode::PermissionDenied => {
                 exit::PERMISSION_DENIED
             }
+            CtlError::Daemon(reply) if reply.code == ErrorCode::InvalidConfig => {
+                exit::INVALID_CONFIG
+            }
             CtlError::Protocol(_) => exit::PROTOCOL,
             CtlError::Connect { .. }
             | CtlError::Transport { .. }
@@ -152,12 +155,12 @@ mod tests {
     }
 
     #[test]
-    fn daemon_errors_map_to_failed_except_permission_denied() {
+    fn daemon_errors_map_to_failed_except_permission_and_configuration() {
         for code in ErrorCode::ALL {
-            let want = if code == ErrorCode::PermissionDenied {
-                exit::PERMISSION_DENIED
-            } else {
-                exit::FAILED
+            let want = match code {
+                ErrorCode::PermissionDenied => exit::PERMISSION_DENIED,
+                ErrorCode::InvalidConfig => exit::INVALID_CONFIG,
+                _ => exit::FAILED,
             };
             assert_eq!(daemon(code).exit_code(), want, "{code}");
         }

@@ -3,7 +3,9 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use robota_proto::{BearerInfo, GrantRecord, JobRecord, KeySetStatus, Status, UpstreamStatus};
+use robota_proto::{
+    BearerInfo, GrantKind, GrantRecord, JobRecord, KeySetStatus, Status, UpstreamStatus,
+};
 
 /// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
 /// `char::is_control` covers: Unicode's format characters (bidi embeddings, overrides and
@@ -152,6 +154,22 @@ pub fn table(columns: &[(&str, Align)], rows: &[Vec<String>]) -> String {
 }
 
 /// The `status` block: key/values, the carriers table, refusals by reason.
+/// Where the served configuration came from, and whether the file now reads otherwise.
+fn config_line(config: &robota_proto::ConfigStatus) -> String {
+    let mut line = format!(
+        "{} (sha256 {}, read {})",
+        clean(&config.source),
+        config.sha256.get(..12).unwrap_or(&config.sha256),
+        rfc3339(config.loaded_at)
+    );
+    match (config.changed_on_disk, &config.read_error) {
+        (Some(true), _) => line.push_str("; CHANGED on disk since: reload to apply"),
+        (_, Some(e)) => line.push_str(&format!("; cannot read it now: {}", clean(e))),
+        _ => {}
+    }
+    line
+}
+
 pub fn status(status: &Status) -> String {
     let yes_no = |b: bool| if b { "yes" } else { "no" }.to_owned();
     let facts = [
@@ -177,6 +195,20 @@ pub fn status(status: &Status) -> String {
     if let Some(keys) = &status.key_set {
         facts.push(("key set", key_set(keys)));
     }
+    facts.push(("health", clean(&status.health).into_owned()));
+    if let Some(config) = &status.config {
+        facts.push(("config", config_line(config)));
+    }
+    if !status.state_dir.is_empty() {
+        facts.push(("state dir", clean(&status.state_dir).into_owned()));
+    }
+    if let Some(reload) = &status.last_reload {
+        let outcome = if reload.ok { "ok" } else { "FAILED" };
+        facts.push((
+            "last reload",
+            format!("{outcome} at {}", rfc3339(reload.at)),
+        ));
+    }
     if !status.upstreams.is_empty() {
         let up = status.upstreams.iter().filter(|u| u.state == "up").count();
         facts.push((
@@ -192,6 +224,22 @@ pub fn status(status: &Status) -> String {
         .map(|(key, value)| vec![format!("{key}:"), value])
         .collect();
     let mut out = table(&[("", Align::Left), ("", Align::Left)], &rows);
+
+    for problem in &status.problems {
+        out.push_str(&format!(
+            "DEGRADED: {}: {} ({} failed writes since {})\n",
+            clean(&problem.part),
+            clean(&problem.error),
+            problem.failures,
+            rfc3339(problem.since)
+        ));
+    }
+    if let Some(reload) = status.last_reload.as_ref().filter(|r| !r.ok) {
+        out.push_str("the last reload was refused; the running configuration stays:\n");
+        for problem in &reload.problems {
+            out.push_str(&format!("  {}\n", clean(problem)));
+        }
+    }
 
     out.push('\n');
     if status.carriers.is_empty() {
@@ -360,8 +408,13 @@ pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
                 notes.push(format!("×{count} in that second (past the rate)"));
             }
             if let Some(g) = &r.grant {
+                let tool = g
+                    .tool
+                    .as_deref()
+                    .map(|t| format!(" for {}", clean(t)))
+                    .unwrap_or_default();
                 notes.push(format!(
-                    "grant {} of {} by {}",
+                    "grant {} of {}{tool} by {}",
                     g.grant_id,
                     clean(&g.caller),
                     clean(&g.by)
@@ -458,15 +511,20 @@ pub fn grants(grants: &[GrantRecord]) -> String {
     let rows: Vec<Vec<String>> = grants
         .iter()
         .map(|g| {
+            // An approval of one call shows its tool and (the start of) its arguments.
+            let (scope, reason) = match (g.kind, &g.tool) {
+                (GrantKind::Call, Some(tool)) => (tool.clone(), arguments_preview(g)),
+                _ => (g.scope.join(","), g.reason.clone()),
+            };
             vec![
                 g.grant_id.to_string(),
                 g.state.as_str().to_owned(),
                 clean(&g.caller).into_owned(),
                 g.kind.as_str().to_owned(),
-                clean(&g.scope.join(",")).into_owned(),
+                clean(&scope).into_owned(),
                 humantime::format_duration(Duration::from_secs(g.duration_secs)).to_string(),
                 time_i64(g.expires_at),
-                clean(&g.reason).into_owned(),
+                clean(&reason).into_owned(),
             ]
         })
         .collect();
@@ -485,6 +543,83 @@ pub fn grants(grants: &[GrantRecord]) -> String {
     )
 }
 
+/// Longest arguments text the `grants list` table shows of an approval of one call.
+const ARGUMENTS_PREVIEW: usize = 60;
+
+/// `args {…}`, cut at [`ARGUMENTS_PREVIEW`] characters, or a pointer to `grants show`.
+fn arguments_preview(g: &GrantRecord) -> String {
+    match &g.arguments {
+        Some(arguments) => {
+            let text = arguments.to_string();
+            match text.char_indices().nth(ARGUMENTS_PREVIEW) {
+                Some((end, _)) => format!("args {}… (grants show {})", &text[..end], g.grant_id),
+                None => format!("args {text}"),
+            }
+        }
+        None => format!("args: see grants show {}", g.grant_id),
+    }
+}
+
+/// `grants show`: every field of one grant, one per line; an approval of one call with
+/// its arguments as indented JSON. Every caller-given string is escaped for the terminal.
+pub fn grant_details(g: &GrantRecord) -> String {
+    let mut rows: Vec<(&str, String)> = vec![
+        ("grant", g.grant_id.to_string()),
+        ("state", g.state.as_str().to_owned()),
+        ("caller", clean(&g.caller).into_owned()),
+        ("kind", g.kind.as_str().to_owned()),
+    ];
+    match (g.kind, &g.tool) {
+        (GrantKind::Call, Some(tool)) => {
+            rows.push(("tool", clean(tool).into_owned()));
+            rows.push((
+                "args sha256",
+                clean(g.args_sha256.as_deref().unwrap_or("-")).into_owned(),
+            ));
+        }
+        _ => {
+            rows.push(("scope", clean(&g.scope.join(", ")).into_owned()));
+            rows.push(("reason", clean(&g.reason).into_owned()));
+        }
+    }
+    rows.push((
+        "duration",
+        humantime::format_duration(Duration::from_secs(g.duration_secs)).to_string(),
+    ));
+    rows.push(("requested", time_i64(Some(g.requested_at))));
+    if g.decided_at.is_some() {
+        rows.push(("decided", time_i64(g.decided_at)));
+        rows.push((
+            "decided by",
+            clean(g.decided_by.as_deref().unwrap_or("-")).into_owned(),
+        ));
+    }
+    if g.expires_at.is_some() {
+        rows.push(("expires", time_i64(g.expires_at)));
+    }
+    if g.used_at.is_some() {
+        rows.push(("used", time_i64(g.used_at)));
+    }
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    let mut out = String::new();
+    for (key, value) in rows {
+        out.push_str(&format!("{:<width$} {value}\n", format!("{key}:")));
+    }
+    if g.kind == GrantKind::Call {
+        out.push_str("arguments:\n");
+        match &g.arguments {
+            Some(arguments) => {
+                let pretty = serde_json::to_string_pretty(arguments).unwrap_or_default();
+                for line in pretty.lines() {
+                    out.push_str(&format!("  {}\n", clean(line)));
+                }
+            }
+            None => out.push_str("  (not stored)\n"),
+        }
+    }
+    out
+}
+
 /// One line confirming a grant decision.
 pub fn grant_decided(g: &GrantRecord) -> String {
     let until = g
@@ -492,11 +627,15 @@ pub fn grant_decided(g: &GrantRecord) -> String {
         .filter(|_| g.state == robota_proto::GrantState::Approved)
         .map(|t| format!(" until {}", time_i64(Some(t))))
         .unwrap_or_default();
+    let what = match (g.kind, &g.tool) {
+        (GrantKind::Call, Some(tool)) => format!("one call of {tool}"),
+        _ => g.scope.join(","),
+    };
     format!(
         "grant {} for {} ({}) is {}{until}\n",
         g.grant_id,
         clean(&g.caller),
-        clean(&g.scope.join(",")),
+        clean(&what),
         g.state.as_str()
     )
 }
@@ -569,6 +708,11 @@ mod tests {
             bearer_count: 2,
             refusals_last_hour: BTreeMap::from([("bad-token".into(), 3)]),
             key_set: None,
+            config: None,
+            state_dir: String::new(),
+            last_reload: None,
+            health: "ok".into(),
+            problems: Vec::new(),
             upstreams: Vec::new(),
         };
         let text = super::status(&status);
@@ -630,6 +774,10 @@ mod tests {
             decided_at: Some(1),
             decided_by: Some("local:0".into()),
             expires_at: Some(1_700_000_000),
+            tool: None,
+            arguments: None,
+            args_sha256: None,
+            used_at: None,
         };
         let text = grants(std::slice::from_ref(&grant));
         for needle in [

@@ -176,6 +176,11 @@ fn sample_status() -> Status {
         bearer_count: 2,
         refusals_last_hour: BTreeMap::from([("bad-token".into(), 4), ("no-token".into(), 1)]),
         key_set: None,
+        config: None,
+        state_dir: String::new(),
+        last_reload: None,
+        health: "ok".into(),
+        problems: Vec::new(),
         upstreams: Vec::new(),
     }
 }
@@ -585,6 +590,21 @@ fn hostile_grant() -> robota_proto::GrantRecord {
         decided_at: None,
         decided_by: Some(HOSTILE.into()),
         expires_at: None,
+        tool: None,
+        arguments: None,
+        args_sha256: None,
+        used_at: None,
+    }
+}
+
+/// An approval of one call whose tool and arguments are hostile too.
+fn hostile_call() -> robota_proto::GrantRecord {
+    robota_proto::GrantRecord {
+        kind: robota_proto::GrantKind::Call,
+        tool: Some(format!("file.{HOSTILE}")),
+        arguments: Some(serde_json::json!({"content": HOSTILE, HOSTILE: [HOSTILE]})),
+        args_sha256: Some(HOSTILE.into()),
+        ..hostile_grant()
     }
 }
 
@@ -642,6 +662,7 @@ fn human_output_escapes_every_caller_controlled_string() {
             grant_id: 7,
             caller: HOSTILE.into(),
             by: HOSTILE.into(),
+            tool: Some(HOSTILE.into()),
         }),
         count: None,
     };
@@ -655,10 +676,25 @@ fn human_output_escapes_every_caller_controlled_string() {
         ),
         (
             Response::ok(Reply::Grant {
-                grant: hostile_grant(),
+                grant: Box::new(hostile_grant()),
             }),
             vec!["grants", "deny", "7"],
             1,
+        ),
+        (
+            Response::ok(Reply::Grants {
+                grants: vec![hostile_call()],
+            }),
+            vec!["grants", "list"],
+            2,
+        ),
+        (
+            Response::ok(Reply::Grant {
+                grant: Box::new(hostile_call()),
+            }),
+            // Eight fields, `arguments:` and the arguments' six lines of indented JSON.
+            vec!["grants", "show", "7"],
+            15,
         ),
         (
             Response::ok(Reply::Jobs {

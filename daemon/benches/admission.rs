@@ -127,6 +127,7 @@ fn main() {
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
             refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
+            introspection: None,
         },
         Metrics::new(),
     )

@@ -23,11 +23,13 @@ use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::vocab::{AddressClass, Carrier, GrantEvent, Reason};
+use crate::health::Health;
+use crate::vocab::{AddressClass, Carrier, GrantEvent, Reason, StatePart};
 use parking_lot::Mutex;
 use robota_proto::AuditRecord;
 
@@ -373,6 +375,8 @@ const INTERVAL: &str = "1s";
 pub struct Audit {
     state: Arc<Mutex<State>>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// Records the writer holds because the file cannot be written now (a full disk).
+    waiting: Arc<AtomicU64>,
 }
 
 impl Default for Audit {
@@ -417,12 +421,14 @@ impl Audit {
         Self {
             state: Arc::new(Mutex::new(state)),
             writer: Mutex::new(None),
+            waiting: Arc::default(),
         }
     }
 
     /// The persisted store in `state_dir`: earlier records are loaded (a torn last line
-    /// from a crash is skipped), new ones appended.
-    pub fn open(state_dir: &Path) -> Result<Self, OpenError> {
+    /// from a crash is skipped), new ones appended. Failed writes are reported to
+    /// `health`.
+    pub fn open(state_dir: &Path, health: Arc<Health>) -> Result<Self, OpenError> {
         let path = state_dir.join(FILE_NAME);
         let fail = |source| OpenError {
             path: path.clone(),
@@ -466,10 +472,10 @@ impl Audit {
         let thread = std::thread::Builder::new()
             .name("audit-writer".into())
             .spawn({
-                let path = path.clone();
-                let state = audit.state.clone();
-                let lines = tails.len();
-                move || writer(path, file, rx, state, tails, lines)
+                let writer = Writer::new(path.clone(), file, audit.state.clone(), tails, health)
+                    .map_err(fail)?
+                    .counting_into(audit.waiting.clone());
+                move || writer.run(rx)
             })
             .map_err(fail)?;
         audit.state.lock().tx = Some(tx);
@@ -512,13 +518,21 @@ impl Audit {
 
     /// Record a grant request or decision. `by` is the caller itself or `local:<uid>` of the
     /// operator (whose events carry `carrier = "control"`).
-    pub fn grant(&self, event: GrantEvent, grant_id: i64, caller: &str, by: &str) {
+    pub fn grant(
+        &self,
+        event: GrantEvent,
+        grant_id: i64,
+        caller: &str,
+        by: &str,
+        tool: Option<&str>,
+    ) {
         tracing::info!(
             target: "robota_mcpd::audit",
             event = event.as_str(),
             grant_id,
             caller,
             by,
+            tool,
             "grant {}",
             event.as_str().trim_start_matches("grant-")
         );
@@ -539,6 +553,7 @@ impl Audit {
                     grant_id,
                     caller: caller.to_owned(),
                     by: by.to_owned(),
+                    tool: tool.map(str::to_owned),
                 }),
                 count: None,
             };
@@ -556,9 +571,11 @@ impl Audit {
         self.record(record);
     }
 
-    /// Records written to memory only because the writer queue was full.
-    pub fn dropped(&self) -> u64 {
-        self.state.lock().dropped
+    /// Records not in the audit file: those the writer queue had no room for and those
+    /// dropped while the file could not be written (both kept in memory only), and those
+    /// waiting to be written now.
+    pub fn unpersisted(&self) -> u64 {
+        self.state.lock().dropped + self.waiting.load(Ordering::Relaxed)
     }
 
     /// Matching records, oldest first (the newest `limit` of them), and the last seq.
@@ -618,69 +635,167 @@ impl Drop for Audit {
     }
 }
 
-/// The writer thread: append lines, flush per batch, close ended aggregation intervals
-/// every [`INTERVAL_SECS`] even when no refusal comes, and compact the file to the kept
-/// records once it holds more than twice as many lines (and at least `2 * KEEP`).
-fn writer(
+/// The most records the writer holds while the file cannot be written; older ones are
+/// then dropped from the file's future (they stay in the rings, and count as unpersisted).
+const PENDING_MAX: usize = KEEP;
+
+/// The writer thread's side: append lines, per batch; hold what cannot be written (a full
+/// disk) and write it, in order, once the file takes it again; close ended aggregation
+/// intervals every [`INTERVAL_SECS`] even when no refusal comes; compact the file to the
+/// kept records once it holds more than twice as many lines (and at least `2 * KEEP`).
+struct Writer {
     path: PathBuf,
     file: std::fs::File,
-    rx: Receiver<AuditRecord>,
+    /// The file's length after the last write that worked: a write that fails part-way is
+    /// cut back to it, so the file never holds half a record.
+    written: u64,
     state: Arc<Mutex<State>>,
-    mut tails: Rings,
-    mut lines: usize,
-) {
-    let tick = Duration::from_secs(INTERVAL_SECS);
-    let mut out = BufWriter::new(file);
-    let mut failing = false;
-    loop {
-        let batch: Vec<AuditRecord> = match rx.recv_timeout(tick) {
-            Ok(first) => std::iter::once(first).chain(rx.try_iter()).collect(),
-            Err(RecvTimeoutError::Timeout) => {
-                // Ended intervals nobody asked about are closed here, so their aggregates
-                // (and summary lines) appear within about one interval; they arrive
-                // through the queue like every other record.
-                let mut log = Log::default();
-                state.lock().flush_due(unix(SystemTime::now()), &mut log);
-                log.write();
-                continue;
+    tails: Rings,
+    lines: usize,
+    /// Lines waiting for the file, oldest first.
+    pending: VecDeque<String>,
+    /// Lines dropped from `pending` at its bound.
+    lost: u64,
+    waiting: Arc<AtomicU64>,
+    health: Arc<Health>,
+}
+
+impl Writer {
+    fn new(
+        path: PathBuf,
+        file: std::fs::File,
+        state: Arc<Mutex<State>>,
+        tails: Rings,
+        health: Arc<Health>,
+    ) -> std::io::Result<Self> {
+        Ok(Self {
+            path,
+            written: file.metadata()?.len(),
+            file,
+            state,
+            lines: tails.len(),
+            tails,
+            pending: VecDeque::new(),
+            lost: 0,
+            waiting: Arc::default(),
+            health,
+        })
+    }
+
+    fn counting_into(mut self, waiting: Arc<AtomicU64>) -> Self {
+        self.waiting = waiting;
+        self
+    }
+
+    fn run(mut self, rx: Receiver<AuditRecord>) {
+        let tick = Duration::from_secs(INTERVAL_SECS);
+        loop {
+            match rx.recv_timeout(tick) {
+                Ok(first) => {
+                    for record in std::iter::once(first).chain(rx.try_iter()) {
+                        self.queue(record);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    // Ended intervals nobody asked about are closed here, so their
+                    // aggregates (and summary lines) appear within about one interval; they
+                    // arrive through the queue like every other record.
+                    let mut log = Log::default();
+                    self.state
+                        .lock()
+                        .flush_due(unix(SystemTime::now()), &mut log);
+                    log.write();
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
             }
-            Err(RecvTimeoutError::Disconnected) => break,
-        };
-        for record in batch {
-            if let Ok(line) = serde_json::to_string(&record) {
-                let _ = writeln!(out, "{line}");
-                lines += 1;
-            }
-            tails.push(record);
+            self.write_pending();
+            self.compact();
         }
-        match out.flush() {
-            Err(e) if !failing => {
-                failing = true;
-                tracing::error!(error = %e, path = %path.display(), "cannot write the audit store; records are kept in memory until it works again");
-            }
-            Err(_) => {}
-            Ok(()) if failing => {
-                failing = false;
-                tracing::info!(path = %path.display(), "the audit store is written again");
-            }
-            Ok(()) => {}
+        self.write_pending();
+        if !self.pending.is_empty() {
+            tracing::error!(
+                path = %self.path.display(),
+                records = self.pending.len(),
+                "audit records could not be written before the stop and are lost"
+            );
         }
-        if lines >= 2 * KEEP
-            && lines > 2 * tails.len()
-            && write_atomically(&path, &tails.merged()).is_ok()
-        {
-            match std::fs::OpenOptions::new().append(true).open(&path) {
-                Ok(file) => {
-                    out = BufWriter::new(file);
-                    lines = tails.len();
+    }
+
+    fn queue(&mut self, record: AuditRecord) {
+        if let Ok(line) = serde_json::to_string(&record) {
+            self.pending.push_back(line);
+            if self.pending.len() > PENDING_MAX {
+                self.pending.pop_front();
+                self.lost += 1;
+                self.state.lock().dropped += 1;
+            }
+        }
+        self.tails.push(record);
+    }
+
+    /// Write every waiting line, or none of them.
+    fn write_pending(&mut self) {
+        if !self.pending.is_empty() {
+            let mut text = String::new();
+            for line in &self.pending {
+                text.push_str(line);
+                text.push('\n');
+            }
+            match self.file.write_all(text.as_bytes()) {
+                Ok(()) => {
+                    self.written += text.len() as u64;
+                    self.lines += self.pending.len();
+                    self.pending.clear();
+                    if let Some(fault) = self.health.recovered(StatePart::Audit) {
+                        tracing::warn!(
+                            path = %self.path.display(),
+                            failures = fault.failures,
+                            lost = self.lost,
+                            "the audit file is written again; the records held meanwhile are in it"
+                        );
+                    }
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "cannot reopen the audit store after compaction")
+                    // Cut off what part of the batch landed; it is written whole later.
+                    let _ = self.file.set_len(self.written);
+                    let error = format!("cannot write {}: {e}", self.path.display());
+                    if self.health.failed(StatePart::Audit, &error) {
+                        tracing::error!(
+                            error = %e,
+                            path = %self.path.display(),
+                            "cannot write the audit file; records are held in memory (up to {PENDING_MAX}) and written once it works again"
+                        );
+                    }
                 }
+            }
+        }
+        self.waiting
+            .store(self.pending.len() as u64, Ordering::Relaxed);
+    }
+
+    fn compact(&mut self) {
+        if !self.pending.is_empty()
+            || self.lines < 2 * KEEP
+            || self.lines <= 2 * self.tails.len()
+            || write_atomically(&self.path, &self.tails.merged()).is_err()
+        {
+            return;
+        }
+        let reopened = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .and_then(|file| Ok((file.metadata()?.len(), file)));
+        match reopened {
+            Ok((len, file)) => {
+                self.file = file;
+                self.written = len;
+                self.lines = self.tails.len();
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot reopen the audit file after compaction")
             }
         }
     }
-    let _ = out.flush();
 }
 
 /// Replace `path` with `records`: temp file, fsync, rename, fsync the directory. A
@@ -772,7 +887,7 @@ mod tests {
         audit.record(rec(at(now - 3540), Reason::BadBearer));
         audit.record(rec(at(now - 10), Reason::BadBearer));
         audit.record(rec(at(now), Reason::WrongHost));
-        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1", None);
         let counts = audit.last_hour(at(now));
         assert_eq!(
             counts,
@@ -941,8 +1056,8 @@ mod tests {
     fn refusals_never_evict_grant_events_and_status_counts_survive_eviction() {
         let audit = Audit::new();
         let t = base();
-        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
-        audit.grant(GrantEvent::Approved, 7, "bearer:ci", "local:0");
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci", None);
+        audit.grant(GrantEvent::Approved, 7, "bearer:ci", "local:0", None);
         let n = flood(&audit, t, 3 * KEEP as u64 / u64::from(PER_INTERVAL));
         let records = all(&audit, t + 3600);
         assert_eq!(records.len(), KEEP + 2, "each ring holds its own KEEP");
@@ -957,7 +1072,7 @@ mod tests {
         assert_eq!(audit.last_hour(at(now)).values().sum::<u64>(), n);
         // And events have their own bound.
         for i in 0..KEEP + 5 {
-            audit.grant(GrantEvent::Denied, i as i64, "local:1", "local:0");
+            audit.grant(GrantEvent::Denied, i as i64, "local:1", "local:0", None);
         }
         let records = all(&audit, now);
         assert_eq!(records.iter().filter(|r| is_refusal(r)).count(), KEEP);
@@ -972,7 +1087,7 @@ mod tests {
             audit.record(rec(at(now - 100 + i), Reason::BadBearer));
         }
         audit.record(rec(at(now), Reason::WrongHost));
-        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1");
+        audit.grant(GrantEvent::Requested, 1, "local:1", "local:1", None);
         let q = |q: Query| audit.query_at(&Query { limit: 1000, ..q }, at(now));
         let (records, last) = q(Query::default());
         assert_eq!((records.len(), last), (7, 7));
@@ -1019,7 +1134,7 @@ mod tests {
     #[test]
     fn the_store_survives_reopening_and_torn_lines() {
         let dir = tempfile::tempdir().unwrap();
-        let audit = Audit::open(dir.path()).unwrap();
+        let audit = Audit::open(dir.path(), Default::default()).unwrap();
         audit.record(rec(SystemTime::now(), Reason::Expired));
         audit.record(rec(SystemTime::now(), Reason::WrongOrigin));
         audit.close();
@@ -1036,7 +1151,7 @@ mod tests {
             .write_all(b"{\"seq\":3,\"ti")
             .unwrap();
 
-        let reopened = Audit::open(dir.path()).unwrap();
+        let reopened = Audit::open(dir.path(), Default::default()).unwrap();
         let (records, last) = reopened.query(&Query {
             limit: 100,
             ..Query::default()
@@ -1064,6 +1179,58 @@ mod tests {
     }
 
     #[test]
+    fn records_that_cannot_be_written_wait_and_land_whole_once_the_file_takes_them() {
+        let health = Arc::new(Health::default());
+        let full = std::fs::OpenOptions::new()
+            .append(true)
+            .open("/dev/full")
+            .unwrap();
+        let state = Audit::new().state.clone();
+        let mut writer = Writer::new(
+            "/dev/full".into(),
+            full,
+            state,
+            Rings::default(),
+            health.clone(),
+        )
+        .unwrap();
+        let wire = |seq: u64| AuditRecord {
+            seq,
+            time: 1,
+            carrier: "loopback".into(),
+            reason: "bad-bearer".into(),
+            throttled: false,
+            address_class: "loopback".into(),
+            grant: None,
+            count: None,
+        };
+        for seq in 1..=3 {
+            writer.queue(wire(seq));
+            writer.write_pending();
+        }
+        assert_eq!(writer.waiting.load(Ordering::Relaxed), 3, "all three wait");
+        let fault = &health.faults()[&StatePart::Audit];
+        assert_eq!(fault.failures, 3);
+        assert!(fault.error.contains("No space left"), "{}", fault.error);
+        // The disk has room again: the waiting records land, in order, whole.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(FILE_NAME);
+        writer.file = std::fs::File::create(&path).unwrap();
+        writer.written = 0;
+        writer.queue(wire(4));
+        writer.write_pending();
+        assert_eq!(writer.waiting.load(Ordering::Relaxed), 0);
+        assert!(health.faults().is_empty(), "healthy again");
+        assert_eq!(health.failures_total(StatePart::Audit), 3);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let seqs: Vec<u64> = text
+            .lines()
+            .map(|l| serde_json::from_str::<AuditRecord>(l).unwrap().seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3, 4]);
+    }
+
+    #[test]
     fn the_file_is_compacted_per_class() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE_NAME);
@@ -1072,8 +1239,15 @@ mod tests {
         // The writer as the store runs it, fed without ever dropping a record.
         let (tx, rx) = std::sync::mpsc::sync_channel(16);
         let thread = std::thread::spawn({
-            let path = path.clone();
-            move || writer(path, file, rx, state, Rings::default(), 0)
+            let writer = Writer::new(
+                path.clone(),
+                file,
+                state,
+                Rings::default(),
+                Default::default(),
+            )
+            .unwrap();
+            move || writer.run(rx)
         });
         let wire = |seq: u64, reason: &str| AuditRecord {
             seq,
@@ -1126,8 +1300,8 @@ mod tests {
     fn a_flood_is_persisted_in_a_few_records_that_add_up() {
         let t = base();
         let dir = tempfile::tempdir().unwrap();
-        let audit = Audit::open(dir.path()).unwrap();
-        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci");
+        let audit = Audit::open(dir.path(), Default::default()).unwrap();
+        audit.grant(GrantEvent::Requested, 7, "bearer:ci", "bearer:ci", None);
         for s in 0..3 {
             for _ in 0..7_000 {
                 audit.record(rec(at(t + s), Reason::WrongHost));
@@ -1135,7 +1309,7 @@ mod tests {
         }
         // The last interval is still open at close; closing writes its aggregate.
         audit.close();
-        assert_eq!(audit.dropped(), 0);
+        assert_eq!(audit.unpersisted(), 0);
         let records = file_records(dir.path());
         assert_eq!(records.len(), 1 + 3 * (PER_KEY as usize + 1), "{records:?}");
         assert_eq!(
@@ -1161,7 +1335,7 @@ mod tests {
         ]
         .join("\n");
         std::fs::write(dir.path().join(FILE_NAME), text + "\n").unwrap();
-        let audit = Audit::open(dir.path()).unwrap();
+        let audit = Audit::open(dir.path(), Default::default()).unwrap();
         let (records, last) = audit.query(&Query {
             limit: 100,
             ..Query::default()

@@ -1,9 +1,12 @@
 //! Loopback bearers: 256 random bits, hex encoded, compared in constant time.
 //!
 //! The host bearer (label `default`) is minted at every attach and kept in memory so the
-//! trusted owner can fetch it over the control socket. Extra bearers are shown once at
-//! minting and then kept only as a SHA-256 digest. Nothing here logs, formats or returns
-//! a secret except [`BearerStore::host_secret`] and the minting calls.
+//! trusted owner can fetch it over the control socket. Labelled bearers are shown once at
+//! minting and then kept only as a SHA-256 digest: those issued with a lifetime are
+//! [`Durable`] (the daemon keeps them in its store and they survive restarts until they
+//! expire or are revoked), those without one live until the next attach. Nothing here
+//! logs, formats or returns a secret except [`BearerStore::host_secret`] and the minting
+//! calls.
 //!
 //! A caller-given lifetime meets the clock here, so arithmetic is checked: the lint below
 //! refuses any operator that could overflow or panic.
@@ -38,6 +41,11 @@ impl Secret {
         let secret = Secret(hex::encode(bytes));
         bytes.fill(0);
         secret
+    }
+
+    /// A secret read from elsewhere (a client secret file); held like a bearer.
+    pub fn new(text: String) -> Self {
+        Secret(text)
     }
 
     pub fn expose(&self) -> &str {
@@ -94,7 +102,35 @@ pub enum BearerError {
     BadTtl,
 }
 
-/// The live bearers of one attach.
+/// A labelled bearer with a lifetime, as it is kept across restarts: never the secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durable {
+    pub label: String,
+    pub digest: [u8; 32],
+    pub created: SystemTime,
+    pub expires: SystemTime,
+}
+
+/// What [`BearerStore::issue`] minted.
+pub struct Issued {
+    /// The secret, shown once.
+    pub secret: String,
+    pub expires: Option<SystemTime>,
+    /// What to keep so it survives a restart (bearers issued with a lifetime).
+    pub durable: Option<Durable>,
+}
+
+impl fmt::Debug for Issued {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Issued")
+            .field("secret", &"<redacted>")
+            .field("expires", &self.expires)
+            .field("durable", &self.durable)
+            .finish()
+    }
+}
+
+/// The live bearers: the host bearer of this attach and the labelled ones.
 pub struct BearerStore {
     host: Mutex<Secret>,
     entries: Mutex<Vec<Entry>>,
@@ -145,26 +181,74 @@ impl BearerStore {
         self.host.lock().expose().to_owned()
     }
 
-    /// Replace the host bearer; the old one stops working now.
-    pub fn rotate(&self) -> String {
+    /// A fresh attach: a new host bearer, and the labelled bearers without a lifetime
+    /// gone; those with one carry on.
+    pub fn fresh_attach(&self) {
+        let fresh = Secret::mint();
+        let now = SystemTime::now();
+        let mut entries = self.entries.lock();
+        entries.retain(|e| e.label != HOST_LABEL && e.expires.is_some_and(|t| t > now));
+        entries.push(Entry {
+            label: HOST_LABEL.into(),
+            digest: digest(fresh.expose()),
+            created: now,
+            expires: None,
+            last_used: None,
+        });
+        *self.host.lock() = fresh;
+    }
+
+    /// Replace the host bearer and revoke every labelled one: the old secrets stop
+    /// working now. Returns the new host secret and the labels revoked.
+    pub fn rotate_all(&self) -> (String, Vec<String>) {
         let fresh = Secret::mint();
         let out = fresh.expose().to_owned();
         let mut entries = self.entries.lock();
-        if let Some(host) = entries.iter_mut().find(|e| e.label == HOST_LABEL) {
-            host.digest = digest(&out);
-            host.created = SystemTime::now();
-            host.last_used = None;
-        }
+        let revoked = entries
+            .iter()
+            .filter(|e| e.label != HOST_LABEL)
+            .map(|e| e.label.clone())
+            .collect();
+        entries.clear();
+        entries.push(Entry {
+            label: HOST_LABEL.into(),
+            digest: digest(&out),
+            created: SystemTime::now(),
+            expires: None,
+            last_used: None,
+        });
         *self.host.lock() = fresh;
-        out
+        (out, revoked)
+    }
+
+    /// Take back bearers kept from an earlier process (the expired, a label already live
+    /// and any past [`MAX_BEARERS`] are left out). Returns how many were taken.
+    pub fn restore(&self, kept: impl IntoIterator<Item = Durable>) -> usize {
+        let now = SystemTime::now();
+        let mut entries = self.entries.lock();
+        let mut taken = 0usize;
+        for d in kept {
+            let clash = d.label == HOST_LABEL || entries.iter().any(|e| e.label == d.label);
+            if d.expires <= now || clash || check_label(&d.label).is_err() {
+                continue;
+            }
+            if entries.len() > MAX_BEARERS {
+                break;
+            }
+            entries.push(Entry {
+                label: d.label,
+                digest: d.digest,
+                created: d.created,
+                expires: Some(d.expires),
+                last_used: None,
+            });
+            taken = taken.saturating_add(1);
+        }
+        taken
     }
 
     /// Mint an extra bearer; the secret is returned once and kept only as a digest.
-    pub fn issue(
-        &self,
-        label: &str,
-        ttl: Option<Duration>,
-    ) -> Result<(String, Option<SystemTime>), BearerError> {
+    pub fn issue(&self, label: &str, ttl: Option<Duration>) -> Result<Issued, BearerError> {
         check_label(label)?;
         if label == HOST_LABEL {
             return Err(BearerError::Reserved);
@@ -201,14 +285,25 @@ impl BearerStore {
             return Err(BearerError::Full);
         }
         let secret = Secret::mint();
-        entries.push(Entry {
+        let entry = Entry {
             label: label.to_owned(),
             digest: digest(secret.expose()),
             created: now,
             expires,
             last_used: None,
+        };
+        let durable = expires.map(|expires| Durable {
+            label: entry.label.clone(),
+            digest: entry.digest,
+            created: entry.created,
+            expires,
         });
-        Ok((secret.expose().to_owned(), expires))
+        entries.push(entry);
+        Ok(Issued {
+            secret: secret.expose().to_owned(),
+            expires,
+            durable,
+        })
     }
 
     pub fn revoke(&self, label: &str) -> Result<(), BearerError> {
@@ -288,22 +383,58 @@ mod tests {
     }
 
     #[test]
-    fn host_bearer_checks_and_rotates() {
+    fn rotation_replaces_every_bearer() {
         let store = BearerStore::new();
         let old = store.host_secret();
+        let ci = store.issue("ci", Some(Duration::from_secs(60))).unwrap();
         let now = SystemTime::now();
         assert_eq!(store.check(&old, now).as_deref(), Some(HOST_LABEL));
-        let new = store.rotate();
+        let (new, revoked) = store.rotate_all();
+        assert_eq!(revoked, ["ci"]);
         assert_eq!(store.check(&old, now), None);
+        assert_eq!(store.check(&ci.secret, now), None);
         assert_eq!(store.check(&new, now).as_deref(), Some(HOST_LABEL));
         assert_eq!(store.host_secret(), new);
+        assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn a_fresh_attach_keeps_only_bearers_with_a_lifetime() {
+        let store = BearerStore::new();
+        let host = store.host_secret();
+        let kept = store.issue("ci", Some(Duration::from_secs(600))).unwrap();
+        let gone = store.issue("adhoc", None).unwrap();
+        assert!(gone.durable.is_none());
+        store.fresh_attach();
+        let now = SystemTime::now();
+        assert_eq!(store.check(&host, now), None);
+        assert_eq!(store.check(&gone.secret, now), None);
+        assert_eq!(store.check(&kept.secret, now).as_deref(), Some("ci"));
+        assert_ne!(store.host_secret(), host);
+        // What a later process restores from the kept record checks the same secret.
+        let durable = kept.durable.unwrap();
+        assert_eq!(durable.expires, kept.expires.unwrap());
+        let later = BearerStore::new();
+        let expired = Durable {
+            label: "stale".into(),
+            expires: now - Duration::from_secs(1),
+            ..durable.clone()
+        };
+        let clash = Durable {
+            label: HOST_LABEL.into(),
+            ..durable.clone()
+        };
+        assert_eq!(later.restore([durable, expired, clash]), 1);
+        assert_eq!(later.check(&kept.secret, now).as_deref(), Some("ci"));
+        assert_eq!(later.len(), 2);
     }
 
     #[test]
     fn extra_bearers_expire_and_revoke() {
         let store = BearerStore::new();
-        let (ci, _) = store.issue("ci", None).unwrap();
-        let (short, expires) = store.issue("short", Some(Duration::from_secs(60))).unwrap();
+        let ci = store.issue("ci", None).unwrap().secret;
+        let short = store.issue("short", Some(Duration::from_secs(60))).unwrap();
+        let (short, expires) = (short.secret, short.expires);
         let now = SystemTime::now();
         assert_eq!(store.check(&ci, now).as_deref(), Some("ci"));
         assert_eq!(store.check(&short, now).as_deref(), Some("short"));
@@ -351,15 +482,18 @@ mod tests {
         }
         assert_eq!(store.len(), 1, "a refused issue leaves nothing behind");
         let before = SystemTime::now();
-        let (_, one) = store.issue("short", Some(Duration::from_secs(1))).unwrap();
-        let one = one.unwrap();
+        let one = store
+            .issue("short", Some(Duration::from_secs(1)))
+            .unwrap()
+            .expires
+            .unwrap();
         assert!(
             one >= before + Duration::from_secs(1)
                 && one <= SystemTime::now() + Duration::from_secs(2)
         );
         // On a whole second: what `bearer list` shows is what is enforced.
         assert_eq!(one.duration_since(UNIX_EPOCH).unwrap().subsec_nanos(), 0);
-        let (_, max) = store.issue("long", Some(MAX_TTL)).unwrap();
+        let max = store.issue("long", Some(MAX_TTL)).unwrap().expires;
         assert!(max.unwrap() >= before + MAX_TTL);
         assert!(
             BearerError::BadTtl
@@ -373,7 +507,7 @@ mod tests {
     #[test]
     fn list_never_shows_secrets() {
         let store = BearerStore::new();
-        let (ci, _) = store.issue("ci", None).unwrap();
+        let ci = store.issue("ci", None).unwrap().secret;
         let listed = format!("{:?}", store.list());
         assert!(!listed.contains(&ci));
         assert!(!listed.contains(&store.host_secret()));

@@ -25,7 +25,16 @@ pub struct Args {
 #[derive(Subcommand)]
 pub enum Sub {
     /// Validate the configuration (and the catalog it implies) and exit: 0 valid, 78 invalid.
-    CheckConfig,
+    CheckConfig {
+        /// Check what this user (name or uid) can read and write, as the daemon will run
+        /// (default: the installed unit's user when a unit is installed and we are root).
+        #[arg(long, value_name = "USER")]
+        as_user: Option<String>,
+        /// Check against this systemd unit's sandbox (ProtectSystem=, ReadWritePaths=, …)
+        /// instead of the installed robota-mcpd.service and its drop-ins.
+        #[arg(long, value_name = "FILE")]
+        unit: Option<PathBuf>,
+    },
     /// Print the embedded default configuration.
     DefaultConfig,
     /// Internal: how the daemon starts an upstream's command, so the kernel kills it when

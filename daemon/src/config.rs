@@ -18,7 +18,7 @@ mod tools;
 mod upstreams;
 mod values;
 pub use tools::{
-    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, PermissionsTool, ServiceTool,
+    DockerTool, FileTool, JOB_OUTPUT_DEFAULT, JobTemplate, NewFiles, PermissionsTool, ServiceTool,
     ToolsConfig, check_template_name,
 };
 pub use upstreams::{
@@ -27,8 +27,8 @@ pub use upstreams::{
     check_upstream_name,
 };
 pub use values::{
-    KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, check_caller_pattern, check_name, holds_public,
-    parse_net,
+    KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, caller_matches, check_caller_pattern,
+    check_name, holds_public, parse_net,
 };
 
 /// The configuration used when neither `--config` nor the system file exists.
@@ -205,6 +205,53 @@ pub struct RemoteConfig {
     pub wire_names: WireNameProfile,
     pub aliases: BTreeMap<String, String>,
     pub bounds: HttpLimits,
+    /// `[remote.introspection]`: opaque (non-JWT) access tokens are checked at the
+    /// issuer's RFC 7662 endpoint; without it they are `malformed`.
+    pub introspection: Option<IntrospectionConfig>,
+    /// `[remote.tool_scopes]`: canonical tool-name pattern → scopes a `tools/call` of a
+    /// matching tool needs beyond `scopes` (every matching pattern adds its own).
+    pub tool_scopes: Vec<(String, Vec<String>)>,
+    /// Every scope the configuration names — `scopes`, `tool_scopes`, and the `scopes` of
+    /// `[[policy]]` rules — each once: the metadata's `scopes_supported`.
+    pub scopes_supported: Vec<String>,
+}
+
+impl RemoteConfig {
+    /// The scopes a call of canonical tool `tool` needs: `scopes`, then those of every
+    /// `[remote.tool_scopes]` pattern that matches, each once, in that order.
+    pub fn scopes_for(&self, tool: &str) -> Vec<String> {
+        let mut needed = self.scopes.clone();
+        for (pattern, scopes) in &self.tool_scopes {
+            if glob_match::glob_match(pattern, tool) {
+                for scope in scopes {
+                    if !needed.contains(scope) {
+                        needed.push(scope.clone());
+                    }
+                }
+            }
+        }
+        needed
+    }
+}
+
+/// `[remote.introspection]` (RFC 7662).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntrospectionConfig {
+    /// The https endpoint; `None`: the issuer metadata's `introspection_endpoint`.
+    pub endpoint: Option<String>,
+    pub client_id: String,
+    /// A file of mode 0600 (or stricter) holding the client secret; read when the
+    /// verifier is built.
+    pub client_secret_file: PathBuf,
+    pub auth: crate::vocab::ClientAuth,
+    /// Longest an answer is reused (never past the token's `exp`); zero: never.
+    pub cache: Duration,
+}
+
+impl IntrospectionConfig {
+    /// Default and ceiling of `cache`.
+    pub const CACHE_DEFAULT: Duration = Duration::from_secs(60);
+    pub const CACHE_CEILING: Duration = Duration::from_secs(3600);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,17 +292,23 @@ pub struct Limits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyRule {
     pub callers: Vec<String>,
+    /// Scopes the caller's access token must all carry for the rule to match; empty: no
+    /// requirement. A caller without a token never matches a rule that lists some.
+    pub scopes: Vec<String>,
     pub tools: Vec<String>,
     pub decision: Decision,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Decision {
     Allow,
     Deny,
     /// Needs an operator-approved grant (`interactive_permission_required` until then).
     Grant,
+    /// Every call needs an operator's approval of that exact call (caller, tool,
+    /// arguments), used once.
+    ApproveEach,
 }
 
 /// One problem in a configuration, with the key path it concerns.
@@ -263,11 +316,20 @@ pub enum Decision {
 pub struct ConfigIssue {
     pub path: String,
     pub problem: String,
+    /// Where in the text (line, column, from 1), when the key or the fault is found there.
+    pub at: Option<(usize, usize)>,
 }
 
 impl fmt::Display for ConfigIssue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.problem)
+        match self.at {
+            Some((line, column)) => write!(
+                f,
+                "{} (line {line}, column {column}): {}",
+                self.path, self.problem
+            ),
+            None => write!(f, "{}: {}", self.path, self.problem),
+        }
     }
 }
 
@@ -316,21 +378,59 @@ impl fmt::Display for Source {
     }
 }
 
-/// Load from `--config PATH`, else the system file if it exists, else the embedded default.
-pub fn load(explicit: Option<&Path>, env: &Environment) -> Result<(Config, Source), ConfigError> {
-    let (text, source) = match explicit {
-        Some(path) => (read(path)?, Source::File(path.to_owned())),
-        None if Path::new(SYSTEM_CONFIG_PATH).exists() => {
-            let path = PathBuf::from(SYSTEM_CONFIG_PATH);
-            (read(&path)?, Source::File(path))
-        }
-        None => (EMBEDDED_DEFAULT.to_owned(), Source::Embedded),
-    };
-    let config = parse(&text, env).map_err(|issues| ConfigError::Invalid {
-        origin: source.to_string(),
-        issues,
-    })?;
-    Ok((config, source))
+/// How the configuration is found: `--config PATH`, else the system file if it exists,
+/// else the embedded default. A reload finds it the same way start did.
+#[derive(Debug, Clone)]
+pub struct Loader {
+    pub explicit: Option<PathBuf>,
+    pub env: Environment,
+}
+
+/// A configuration as loaded, with where it came from and the SHA-256 of its text.
+pub struct Loaded {
+    pub config: Config,
+    pub source: Source,
+    pub sha256: [u8; 32],
+    /// The text read, so later checks can say on which line a key is.
+    pub text: String,
+}
+
+impl Loader {
+    /// The text `load` would read now, and where from.
+    fn text(&self) -> Result<(String, Source), ConfigError> {
+        Ok(match &self.explicit {
+            Some(path) => (read(path)?, Source::File(path.to_owned())),
+            None if Path::new(SYSTEM_CONFIG_PATH).exists() => {
+                let path = PathBuf::from(SYSTEM_CONFIG_PATH);
+                (read(&path)?, Source::File(path))
+            }
+            None => (EMBEDDED_DEFAULT.to_owned(), Source::Embedded),
+        })
+    }
+
+    pub fn load(&self) -> Result<Loaded, ConfigError> {
+        let (text, source) = self.text()?;
+        let config = parse(&text, &self.env).map_err(|issues| ConfigError::Invalid {
+            origin: source.to_string(),
+            issues,
+        })?;
+        Ok(Loaded {
+            config,
+            source,
+            sha256: sha256(&text),
+            text,
+        })
+    }
+
+    /// The SHA-256 of what `load` would read now, or why it cannot be read.
+    pub fn sha256_now(&self) -> Result<[u8; 32], ConfigError> {
+        self.text().map(|(text, _)| sha256(&text))
+    }
+}
+
+fn sha256(text: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes()).into()
 }
 
 fn read(path: &Path) -> Result<String, ConfigError> {
@@ -340,31 +440,114 @@ fn read(path: &Path) -> Result<String, ConfigError> {
     })
 }
 
-/// Parse and validate configuration text.
+/// Parse and validate configuration text. Every syntax error is reported (the parser
+/// recovers and goes on); of the errors in the document's shape (an unknown key, a value
+/// of the wrong type) the first; of the validation problems every one. Each names its key
+/// and, where the text shows it, its line and column.
 pub fn parse(text: &str, env: &Environment) -> Result<Config, Vec<ConfigIssue>> {
-    let raw = parse_raw(text)?;
-    validate(raw, env)
+    let (table, syntax) = toml::de::DeTable::parse_recoverable(text);
+    if !syntax.is_empty() {
+        let mut issues: Vec<ConfigIssue> = syntax
+            .iter()
+            .map(|e| ConfigIssue {
+                path: "syntax".into(),
+                problem: one_line(e.message()),
+                at: e.span().map(|span| line_column(text, span.start)),
+            })
+            .collect();
+        issues.sort_by_key(|i| i.at);
+        return Err(issues);
+    }
+    let raw: RawConfig = serde_path_to_error::deserialize(toml::Deserializer::from(table.clone()))
+        .map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." {
+                "<document>".to_owned()
+            } else {
+                path
+            };
+            vec![ConfigIssue {
+                at: e
+                    .inner()
+                    .span()
+                    .map(|span| line_column(text, span.start))
+                    .or_else(|| locate(text, table.get_ref(), &path)),
+                path,
+                problem: one_line(e.inner().message()),
+            }]
+        })?;
+    let located = |mut issue: ConfigIssue| {
+        issue.at = issue
+            .at
+            .or_else(|| locate(text, table.get_ref(), &issue.path));
+        issue
+    };
+    match validate(raw, env) {
+        Ok(mut config) => {
+            config.warnings = config.warnings.into_iter().map(located).collect();
+            Ok(config)
+        }
+        Err(issues) => Err(issues.into_iter().map(located).collect()),
+    }
 }
 
-fn parse_raw(text: &str) -> Result<RawConfig, Vec<ConfigIssue>> {
-    let deserializer = toml::Deserializer::parse(text).map_err(|e| {
-        vec![ConfigIssue {
-            path: "<document>".into(),
-            problem: one_line(e.message()),
-        }]
-    })?;
-    serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let path = if path == "." {
-            "<document>".to_owned()
-        } else {
-            path
+/// Give each of `issues` that has no place yet the line and column of its key in `text`.
+pub fn locate_all(text: &str, issues: &mut [ConfigIssue]) {
+    let (table, _) = toml::de::DeTable::parse_recoverable(text);
+    for issue in issues {
+        issue.at = issue
+            .at
+            .or_else(|| locate(text, table.get_ref(), &issue.path));
+    }
+}
+
+/// Line and column (from 1, the column in characters) of byte `offset` of `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (
+        before.matches('\n').count() + 1,
+        before[line_start..].chars().count() + 1,
+    )
+}
+
+/// Where the key `path` (`a.b`, `policy[0].tools[1]`) is written: the deepest part of it
+/// the document has.
+fn locate(text: &str, table: &toml::de::DeTable<'_>, path: &str) -> Option<(usize, usize)> {
+    use toml::de::DeValue;
+    let mut parts = Vec::new();
+    for segment in path.split('.') {
+        let (key, indexes) = segment.split_once('[').unwrap_or((segment, ""));
+        parts.push((key, None));
+        for index in indexes.split('[') {
+            if let Some(i) = index
+                .strip_suffix(']')
+                .and_then(|i| i.parse::<usize>().ok())
+            {
+                parts.push(("", Some(i)));
+            }
+        }
+    }
+    let mut found = None;
+    let mut value: Option<&DeValue<'_>> = None;
+    for (key, index) in parts {
+        let next = match (value, index) {
+            (None, None) => table
+                .iter()
+                .find(|(k, _)| k.get_ref() == key)
+                .map(|(k, v)| (k.span(), v)),
+            (Some(DeValue::Table(t)), None) => t
+                .iter()
+                .find(|(k, _)| k.get_ref() == key)
+                .map(|(k, v)| (k.span(), v)),
+            (Some(DeValue::Array(items)), Some(i)) => items.get(i).map(|v| (v.span(), v)),
+            _ => None,
         };
-        vec![ConfigIssue {
-            path,
-            problem: one_line(e.inner().message()),
-        }]
-    })
+        let Some((span, next)) = next else { break };
+        found = Some(span.start);
+        value = Some(next.get_ref());
+    }
+    found.map(|offset| line_column(text, offset))
 }
 
 fn one_line(s: &str) -> String {
@@ -555,6 +738,19 @@ struct RawRemote {
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
     idle_timeout: Option<DurationText>,
+    introspection: Option<RawIntrospection>,
+    #[serde(default)]
+    tool_scopes: BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIntrospection {
+    endpoint: Option<String>,
+    client_id: Option<String>,
+    client_secret_file: Option<PathBuf>,
+    auth_method: Option<String>,
+    cache: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -614,6 +810,8 @@ struct RawLimits {
 #[serde(deny_unknown_fields)]
 struct RawPolicy {
     callers: Vec<String>,
+    #[serde(default)]
+    scopes: Vec<String>,
     tools: Vec<String>,
     decision: Decision,
 }
@@ -627,6 +825,7 @@ impl Issues {
         self.0.push(ConfigIssue {
             path: path.into(),
             problem: problem.into(),
+            at: None,
         });
     }
 
@@ -634,6 +833,7 @@ impl Issues {
         self.1.push(ConfigIssue {
             path: path.into(),
             problem: problem.into(),
+            at: None,
         });
     }
 }
@@ -872,19 +1072,29 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             );
         }
         for (j, tool) in rule.tools.iter().enumerate() {
-            if tool.is_empty()
-                || !tool
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
-            {
-                issues.add(
-                    format!("policy[{i}].tools[{j}]"),
-                    format!("not a tool name pattern: {tool:?}"),
-                );
+            if let Err(problem) = check_tool_pattern(tool) {
+                issues.add(format!("policy[{i}].tools[{j}]"), problem);
             }
+        }
+        for (j, scope) in rule.scopes.iter().enumerate() {
+            if let Err(problem) = check_scope(scope) {
+                issues.add(format!("policy[{i}].scopes[{j}]"), problem);
+            }
+        }
+        if !rule.scopes.is_empty()
+            && !rule
+                .callers
+                .iter()
+                .any(|c| c == "*" || c.starts_with("oauth:"))
+        {
+            issues.warn(
+                format!("policy[{i}].scopes"),
+                "only remote callers (oauth:…) hold a token with scopes: this rule never matches",
+            );
         }
         policy.push(PolicyRule {
             callers: rule.callers,
+            scopes: rule.scopes,
             tools: rule.tools,
             decision: rule.decision,
         });
@@ -892,6 +1102,20 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
 
     let tools = tools::validate(raw.tools, raw.jobs, &mut issues);
     let upstreams = upstreams::validate(raw.upstreams, &mut issues);
+
+    let mut remote = remote;
+    if let Some(r) = &mut remote {
+        let named = r
+            .scopes
+            .iter()
+            .chain(r.tool_scopes.iter().flat_map(|(_, scopes)| scopes))
+            .chain(policy.iter().flat_map(|rule| &rule.scopes));
+        for scope in named {
+            if !r.scopes_supported.contains(scope) {
+                r.scopes_supported.push(scope.clone());
+            }
+        }
+    }
 
     if !issues.0.is_empty() {
         return Err(issues.0);
@@ -1099,17 +1323,29 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         trusted_proxies.push(net);
     }
     for (i, scope) in r.scopes.iter().enumerate() {
-        let ok = !scope.is_empty()
-            && scope
-                .chars()
-                .all(|c| c.is_ascii_graphic() && c != '"' && c != '\\');
-        if !ok {
-            issues.add(
-                format!("remote.scopes[{i}]"),
-                format!("not a scope token: {scope:?}"),
-            );
+        if let Err(problem) = check_scope(scope) {
+            issues.add(format!("remote.scopes[{i}]"), problem);
         }
     }
+    let mut tool_scopes = Vec::with_capacity(r.tool_scopes.len());
+    for (pattern, scopes) in r.tool_scopes {
+        let key = format!("remote.tool_scopes.{}", toml_key(&pattern));
+        if let Err(problem) = check_tool_pattern(&pattern) {
+            issues.add(key.clone(), problem);
+        }
+        if scopes.is_empty() {
+            issues.add(key.clone(), "must list at least one scope");
+        }
+        for (j, scope) in scopes.iter().enumerate() {
+            if let Err(problem) = check_scope(scope) {
+                issues.add(format!("{key}[{j}]"), problem);
+            }
+        }
+        tool_scopes.push((pattern, scopes));
+    }
+    let introspection = r
+        .introspection
+        .and_then(|raw| validate_introspection(raw, issues));
     for (canonical, wire) in &r.aliases {
         if let Err(problem) = check_name(wire) {
             issues.add(format!("remote.aliases.{canonical}"), problem);
@@ -1183,7 +1419,121 @@ fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<RemoteConfig> {
         aliases: r.aliases,
         bounds,
         public_url,
+        scopes_supported: Vec::new(),
+        introspection,
+        tool_scopes,
     })
+}
+
+/// `[remote.introspection]`: an https endpoint (or none: discovered), a client id, an
+/// absolute secret file, an authentication method, a cache lifetime of 0s to 1h.
+fn validate_introspection(
+    raw: RawIntrospection,
+    issues: &mut Issues,
+) -> Option<IntrospectionConfig> {
+    const AT: &str = "remote.introspection";
+    if let Some(endpoint) = &raw.endpoint {
+        let ok = endpoint.parse::<http::Uri>().is_ok_and(|u| {
+            u.scheme_str() == Some("https")
+                && u.host().is_some()
+                && !u.authority().is_some_and(|a| a.as_str().contains('@'))
+        });
+        if !ok {
+            issues.add(
+                format!("{AT}.endpoint"),
+                format!("must be an https URL without user-info, got {endpoint:?}"),
+            );
+        }
+    }
+    let client_id = raw.client_id.unwrap_or_default();
+    if client_id.is_empty() || client_id.chars().any(char::is_control) {
+        issues.add(
+            format!("{AT}.client_id"),
+            "required: the daemon's client id at the authorization server",
+        );
+    }
+    let secret = match raw.client_secret_file {
+        Some(path) if path.is_absolute() => Some(path),
+        Some(path) => {
+            issues.add(
+                format!("{AT}.client_secret_file"),
+                format!("must be an absolute path, got {}", path.display()),
+            );
+            None
+        }
+        None => {
+            issues.add(
+                format!("{AT}.client_secret_file"),
+                "required: a file of mode 0600 holding the client secret",
+            );
+            None
+        }
+    };
+    let auth = match raw.auth_method.as_deref() {
+        None => crate::vocab::ClientAuth::ClientSecretBasic,
+        Some(text) => match crate::vocab::ClientAuth::parse(text) {
+            Some(auth) => auth,
+            None => {
+                issues.add(
+                    format!("{AT}.auth_method"),
+                    format!("{text:?} is not client_secret_basic or client_secret_post"),
+                );
+                crate::vocab::ClientAuth::ClientSecretBasic
+            }
+        },
+    };
+    let cache = raw
+        .cache
+        .map_or(IntrospectionConfig::CACHE_DEFAULT, |d| d.0);
+    if cache > IntrospectionConfig::CACHE_CEILING {
+        issues.add(format!("{AT}.cache"), "must be between 0s and 1h");
+    }
+    Some(IntrospectionConfig {
+        endpoint: raw.endpoint,
+        client_id,
+        client_secret_file: secret?,
+        auth,
+        cache,
+    })
+}
+
+/// A scope token as RFC 6749 §3.3 allows (printable ASCII without space, `"` or `\`).
+pub fn check_scope(scope: &str) -> Result<(), String> {
+    let ok = !scope.is_empty()
+        && scope
+            .chars()
+            .all(|c| c.is_ascii_graphic() && c != '"' && c != '\\');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("not a scope token: {scope:?}"))
+    }
+}
+
+/// A canonical tool-name pattern: letters, digits and `_ . - *`.
+pub fn check_tool_pattern(pattern: &str) -> Result<(), String> {
+    if pattern.is_empty()
+        || pattern.len() > MAX_NAME_LEN
+        || !pattern
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-*".contains(c))
+    {
+        return Err(format!("not a tool name pattern: {pattern:?}"));
+    }
+    Ok(())
+}
+
+/// A key as a TOML path segment: bare when it can be, else quoted.
+fn toml_key(key: &str) -> String {
+    if !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+    {
+        key.to_owned()
+    } else {
+        format!("{key:?}")
+    }
 }
 
 /// `[remote.key_refresh]`: each bound 1s to 7d, `min <= default <= max`.
@@ -1252,6 +1602,75 @@ mod tests {
 
     fn issues(text: &str) -> Vec<ConfigIssue> {
         parse(text, &env()).expect_err("config should be refused")
+    }
+
+    #[test]
+    fn every_syntax_error_is_reported_with_its_line_and_column() {
+        let found = issues("[loopback]\nlisten = 127.0.0.1\n\n[remote\nx = 1\n");
+        assert!(found.len() >= 2, "{found:?}");
+        assert_eq!(found[0].at, Some((2, 15)), "{found:?}");
+        assert_eq!(found[1].at.map(|(line, _)| line), Some(4), "{found:?}");
+        assert!(
+            found[0]
+                .to_string()
+                .starts_with("syntax (line 2, column 15): "),
+            "{}",
+            found[0]
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_and_a_bad_value_name_their_line() {
+        let found = issues("[loopback]\nlisten = \"127.0.0.1:1\"\n\nbogus = 1\n");
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].path, "loopback.bogus");
+        assert_eq!(found[0].at.map(|(line, _)| line), Some(4), "{found:?}");
+        let found = issues(
+            "[[policy]]\ncallers = [\"*\"]\ntools = [\"x\"]\ndecision = \"allow\"\n\n[[policy]]\ncallers = [\"*\"]\ntools = [\"\"]\ndecision = \"allow\"\n",
+        );
+        let issue = found
+            .iter()
+            .find(|i| i.path == "policy[1].tools[0]")
+            .unwrap_or_else(|| panic!("{found:?}"));
+        assert_eq!(issue.at.map(|(line, _)| line), Some(8), "{found:?}");
+    }
+
+    #[test]
+    fn every_section_the_embedded_default_shows_in_comments_is_valid() {
+        // Uncomment every `# [section]` and `# key = value` line.
+        let text: String = EMBEDDED_DEFAULT
+            .lines()
+            .map(|line| match line.strip_prefix("# ") {
+                Some(rest)
+                    if rest.starts_with('[')
+                        || rest.split_once(" = ").is_some_and(|(k, _)| {
+                            !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                        }) =>
+                {
+                    rest.replace("group = \"app\"", "group = \"0\"")
+                }
+                _ => line.to_owned(),
+            })
+            .map(|line| line + "\n")
+            .collect();
+        for section in [
+            "[tools.file]",
+            "[tools.service]",
+            "[tools.docker]",
+            "[tools.permissions]",
+            "[jobs.backup]",
+            "[remote]",
+            "[session.turn]",
+        ] {
+            assert!(
+                text.contains(&format!("\n{section}")),
+                "{section} is not shown"
+            );
+        }
+        let config = parse(&text, &env()).unwrap_or_else(|issues| panic!("{issues:?}\n{text}"));
+        assert_eq!(config.tools.jobs["backup"].argv[0], "/usr/local/bin/backup");
+        assert_eq!(config.tools.file.write_roots, [PathBuf::from("/srv/app")]);
+        assert!(config.remote.is_some());
     }
 
     #[test]
@@ -1404,6 +1823,70 @@ mod tests {
         let found = issues("[remote]\nissuer = \"https://a\"\nallowed_clients = [\"c\"]\n");
         assert_eq!(found[0].path, "remote.public_url");
         assert!(found[0].problem.contains("required"));
+    }
+
+    #[test]
+    fn authorization_depth_keys() {
+        let text = format!(
+            "{REMOTE}scopes = [\"mcp\"]\n\
+             [remote.introspection]\nclient_id = \"robota-mcpd\"\nclient_secret_file = \"/etc/robota-mcpd/i.secret\"\n\
+             [remote.tool_scopes]\n\"file.write\" = [\"mcp:write\"]\n\"pg.*\" = [\"db:read\", \"mcp\"]\n\
+             [tools.permissions]\napproval_expiry = \"5m\"\n\
+             [[policy]]\ncallers = [\"oauth:*\"]\nscopes = [\"mcp:admin\"]\ntools = [\"service.*\"]\ndecision = \"approve-each\"\n"
+        );
+        let config = parse(&text, &env()).unwrap();
+        let r = config.remote.as_ref().unwrap();
+        let i = r.introspection.as_ref().unwrap();
+        assert_eq!(i.endpoint, None);
+        assert_eq!(i.auth, crate::vocab::ClientAuth::ClientSecretBasic);
+        assert_eq!(i.cache, IntrospectionConfig::CACHE_DEFAULT);
+        assert_eq!(r.scopes_for("file.write"), ["mcp", "mcp:write"]);
+        assert_eq!(r.scopes_for("pg.query"), ["mcp", "db:read"]);
+        assert_eq!(r.scopes_for("system.info"), ["mcp"]);
+        assert_eq!(
+            r.scopes_supported,
+            ["mcp", "mcp:write", "db:read", "mcp:admin"],
+            "every configured scope, once"
+        );
+        assert_eq!(config.policy[0].decision, Decision::ApproveEach);
+        assert_eq!(config.policy[0].scopes, ["mcp:admin"]);
+        assert_eq!(
+            config.tools.permissions.approval_expiry,
+            Duration::from_secs(300)
+        );
+        assert!(config.warnings.is_empty(), "{:?}", config.warnings);
+
+        let found: Vec<String> = issues(&format!(
+            "{REMOTE}[remote.introspection]\nendpoint = \"http://auth/i\"\nclient_secret_file = \"rel\"\n\
+             auth_method = \"private_key_jwt\"\ncache = \"2h\"\n\
+             [remote.tool_scopes]\n\"bad name\" = [\"ok\"]\n\"file.write\" = []\n\"x\" = [\"a b\"]\n\
+             [tools.permissions]\napproval_expiry = \"2d\"\n\
+             [[policy]]\ncallers = [\"*\"]\nscopes = [\"\\\"\"]\ntools = [\"*\"]\ndecision = \"approve-each\"\n"
+        ))
+        .into_iter()
+        .map(|i| i.path)
+        .collect();
+        for path in [
+            "remote.introspection.endpoint",
+            "remote.introspection.client_id",
+            "remote.introspection.client_secret_file",
+            "remote.introspection.auth_method",
+            "remote.introspection.cache",
+            "remote.tool_scopes.\"bad name\"",
+            "remote.tool_scopes.\"file.write\"",
+            "remote.tool_scopes.x[0]",
+            "tools.permissions.approval_expiry",
+            "policy[0].scopes[0]",
+        ] {
+            assert!(found.iter().any(|p| p == path), "{path} not in {found:?}");
+        }
+        // A scope rule no token-holding caller can match is a warning.
+        let config = parse(
+            "[[policy]]\ncallers = [\"local:*\"]\nscopes = [\"x\"]\ntools = [\"*\"]\ndecision = \"deny\"\n",
+            &env(),
+        )
+        .unwrap();
+        assert_eq!(config.warnings[0].path, "policy[0].scopes");
     }
 
     #[test]

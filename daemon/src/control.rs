@@ -104,12 +104,15 @@ impl Drop for ControlSocket {
 /// Create the directory, take the lock, clear a stale socket and bind.
 pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
     let path = config.socket.clone();
-    if let Some(dir) = path.parent() {
+    if let Some(dir) = path.parent()
+        && !dir.is_dir()
+    {
         std::fs::create_dir_all(dir).map_err(|source| ControlError::RuntimeDir {
             path: dir.to_owned(),
             source,
         })?;
-        // Peers need to traverse the directory to reach the 0660 socket.
+        // Peers need to traverse the directory we made to reach the 0660 socket. One that
+        // was there is left as it is (a shared 1777 directory keeps its sticky bit).
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
     }
     let lock_path = path.with_extension("lock");
@@ -188,7 +191,7 @@ pub fn user_groups(uid: u32) -> Vec<u32> {
 /// Serve control connections until `shutdown` fires.
 pub async fn serve<A: ControlApi>(
     socket: ControlSocket,
-    config: ControlConfig,
+    config: Arc<parking_lot::RwLock<ControlConfig>>,
     api: Arc<A>,
     audit: Arc<Audit>,
     metrics: Metrics,
@@ -197,7 +200,6 @@ pub async fn serve<A: ControlApi>(
     let own_uid = nix::unistd::geteuid().as_raw();
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let tracker = TaskTracker::new();
-    let config = Arc::new(config);
     loop {
         let stream = tokio::select! {
             biased;
@@ -220,8 +222,9 @@ pub async fn serve<A: ControlApi>(
             .await;
             continue;
         };
-        let (api, audit, metrics, config) =
-            (api.clone(), audit.clone(), metrics.clone(), config.clone());
+        // Who may connect is read per connection: a reload changes it for the next one.
+        let config = config.read().clone();
+        let (api, audit, metrics) = (api.clone(), audit.clone(), metrics.clone());
         tracker.spawn(async move {
             let _permit = permit;
             connection(stream, own_uid, &config, api.as_ref(), &audit, &metrics).await;
@@ -330,6 +333,35 @@ mod tests {
 
     use super::*;
 
+    #[tokio::test]
+    async fn binding_opens_up_only_a_directory_it_made() {
+        let base = tempfile::tempdir().unwrap();
+        let shared = base.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        let at = |socket: PathBuf| ControlConfig {
+            socket,
+            allow_uids: Vec::new(),
+            allow_gids: Vec::new(),
+        };
+        let socket = bind(&at(shared.join("control.sock"))).unwrap();
+        assert_eq!(
+            mode(&shared),
+            0o1777,
+            "a shared directory keeps its sticky bit"
+        );
+        drop(socket);
+        let made = base.path().join("made");
+        let socket = bind(&at(made.join("control.sock"))).unwrap();
+        assert_eq!(
+            mode(&made),
+            0o755,
+            "peers can reach the socket in a directory we made"
+        );
+        drop(socket);
+    }
+
     fn config(uids: &[u32], gids: &[u32]) -> ControlConfig {
         ControlConfig {
             socket: "/tmp/x.sock".into(),
@@ -405,7 +437,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let server = tokio::spawn(serve(
             socket,
-            c.clone(),
+            Arc::new(parking_lot::RwLock::new(c.clone())),
             Arc::new(Echo),
             Arc::new(Audit::new()),
             Metrics::new(),

@@ -7,6 +7,15 @@
 //! the caller identity that asked, lives in the store (it survives restarts), expires, and
 //! is checked on every call it covers. Every request and decision is an audit record.
 //!
+//! Approvals of one exact call (`decision = "approve-each"`) are grants of kind `call`,
+//! bound to the caller, the canonical tool name and the SHA-256 of the call's canonical
+//! arguments: the call asks (or finds its pending request), an operator approves, and the
+//! identical call uses the approval — once: the use is a single guarded update, so of two
+//! identical calls racing for one approval exactly one runs. They share the grant
+//! requests' per-caller bounds, store, audit trail and operator commands; an approval
+//! never covers a call that policy puts behind `grant`, nor a grant a call behind
+//! `approve-each`.
+//!
 //! Caller- and operator-given durations meet the clock here, so arithmetic is checked:
 //! the lint below refuses any operator that could overflow or panic.
 
@@ -30,15 +39,17 @@ pub const MAX_REASON: usize = 500;
 pub const MAX_SCOPE: usize = 32;
 /// Most grant requests one caller may make in an hour, withdrawn ones included.
 pub const REQUESTS_PER_HOUR: usize = 30;
+/// Largest canonical arguments an approval of one call holds (the operator must be able
+/// to read what they approve; larger calls cannot be approved one by one).
+pub const MAX_APPROVAL_ARGS: usize = 64 * 1024;
 
 pub use robota_proto::{GrantKind, GrantRecord as Grant, GrantState};
 
 fn parse_kind(text: &str) -> GrantKind {
-    if text == GrantKind::RootAccess.as_str() {
-        GrantKind::RootAccess
-    } else {
-        GrantKind::Elevation
-    }
+    GrantKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == text)
+        .unwrap_or(GrantKind::Elevation)
 }
 
 /// Whether an approved grant covers a canonical tool name.
@@ -48,7 +59,7 @@ fn covers(grant: &Grant, tool: &str) -> bool {
 }
 
 const COLUMNS: &str = "id, caller, kind, reason, scope, duration_secs, state, requested_at, \
-                       decided_at, decided_by, expires_at";
+                       decided_at, decided_by, expires_at, tool, arguments, args_sha256, used_at";
 
 fn from_row(r: &Row<'_>, now: i64) -> rusqlite::Result<Grant> {
     let state: String = r.get(6)?;
@@ -58,8 +69,10 @@ fn from_row(r: &Row<'_>, now: i64) -> rusqlite::Result<Grant> {
         "approved" => GrantState::Approved,
         "denied" => GrantState::Denied,
         "revoked" => GrantState::Revoked,
+        "used" => GrantState::Used,
         _ => GrantState::Pending,
     };
+    let arguments: Option<String> = r.get(12)?;
     let scope: String = r.get(4)?;
     Ok(Grant {
         grant_id: r.get(0)?,
@@ -73,6 +86,10 @@ fn from_row(r: &Row<'_>, now: i64) -> rusqlite::Result<Grant> {
         decided_at: r.get(8)?,
         decided_by: r.get(9)?,
         expires_at,
+        tool: r.get(11)?,
+        arguments: arguments.and_then(|text| serde_json::from_str(&text).ok()),
+        args_sha256: r.get(13)?,
+        used_at: r.get(14)?,
     })
 }
 
@@ -93,11 +110,27 @@ pub enum DecideError {
     Store(#[from] StoreError),
 }
 
+/// What a call behind `approve-each` found.
+#[derive(Debug)]
+pub enum CallApproval {
+    /// An approval of exactly this call, now used: the call runs.
+    Used(Grant),
+    /// The request waiting for an operator (made now, or by an identical call before).
+    Pending(Grant),
+}
+
+/// What the approval transaction did.
+enum Found {
+    Used,
+    Pending,
+    Requested,
+}
+
 pub struct Grants {
     store: Arc<Store>,
     audit: Arc<Audit>,
     metrics: Metrics,
-    limits: PermissionsTool,
+    limits: parking_lot::RwLock<PermissionsTool>,
 }
 
 /// Why a caller's own grant request or revocation was refused.
@@ -132,19 +165,24 @@ impl Grants {
             store,
             audit,
             metrics,
-            limits,
+            limits: parking_lot::RwLock::new(limits),
         }
     }
 
+    /// The bounds from now on (a reload); grants already decided keep theirs.
+    pub fn set_limits(&self, limits: PermissionsTool) {
+        *self.limits.write() = limits;
+    }
+
     pub fn max_duration(&self) -> Duration {
-        self.limits.max_duration
+        self.limits.read().max_duration
     }
 
     /// When a grant of `duration` starting at `now` ends: `None` unless the duration is
     /// whole seconds from 1s to the configured maximum and the end is representable.
     fn expiry(&self, now: i64, duration: Duration) -> Option<i64> {
         let secs = duration.as_secs();
-        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.limits.max_duration {
+        if secs == 0 || duration.subsec_nanos() != 0 || duration > self.max_duration() {
             return None;
         }
         now.checked_add(i64::try_from(secs).ok()?)
@@ -153,13 +191,19 @@ impl Grants {
     fn duration_bounds(&self) -> String {
         format!(
             "duration must be whole seconds between 1s and {}",
-            humantime::format_duration(self.limits.max_duration)
+            humantime::format_duration(self.max_duration())
         )
     }
 
     fn event(&self, event: GrantEvent, grant: &Grant, by: &str) {
         self.metrics.grant_event(event);
-        self.audit.grant(event, grant.grant_id, &grant.caller, by);
+        self.audit.grant(
+            event,
+            grant.grant_id,
+            &grant.caller,
+            by,
+            grant.tool.as_deref(),
+        );
     }
 
     /// A caller asks for a grant. Pending until an operator decides.
@@ -199,7 +243,7 @@ impl Grants {
         }
         let caller_text = caller.to_string();
         let scope_json = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
-        let max_pending = self.limits.max_pending;
+        let max_pending = self.limits.read().max_pending;
         let id = self
             .store
             .with(|c| {
@@ -238,6 +282,110 @@ impl Grants {
         let grant = self.get(id)?.ok_or(GrantError::NotYours(GrantId(id)))?;
         self.event(GrantEvent::Requested, &grant, &caller_text);
         Ok(grant)
+    }
+
+    /// A call that policy puts behind `approve-each`: use an approved, unexpired, unused
+    /// approval of exactly this caller, tool and arguments if there is one (one
+    /// transaction: of two identical calls, one uses it and the other does not see it);
+    /// else the pending request for it, made now if there is none (within the caller's
+    /// bounds, as a grant request).
+    pub fn approve_each(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        arguments: &serde_json::Value,
+    ) -> Result<CallApproval, GrantError> {
+        let canonical = crate::canonical::canonical_json(arguments);
+        if canonical.len() > MAX_APPROVAL_ARGS {
+            return Err(invalid(format!(
+                "the arguments are {} bytes as canonical JSON; an approval of one call can show \
+                 an operator at most {MAX_APPROVAL_ARGS}",
+                canonical.len()
+            )));
+        }
+        let digest = crate::canonical::canonical_sha256(arguments);
+        let caller_text = caller.to_string();
+        let now = now();
+        let (expiry, max_pending) = {
+            let limits = self.limits.read();
+            (limits.approval_expiry.as_secs(), limits.max_pending)
+        };
+        let scope_json = serde_json::to_string(&[tool]).unwrap_or_else(|_| "[]".into());
+        let found = self.store.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let matching = |state: &str| -> rusqlite::Result<Option<i64>> {
+                tx.query_row(
+                    "SELECT id FROM grants WHERE caller = ?1 AND kind = 'call' AND tool = ?2 \
+                     AND args_sha256 = ?3 AND state = ?4 AND (?4 != 'approved' OR expires_at > ?5) \
+                     ORDER BY id LIMIT 1",
+                    params![caller_text, tool, digest, state, now],
+                    |r| r.get(0),
+                )
+                .optional()
+            };
+            if let Some(id) = matching("approved")? {
+                let used = tx.execute(
+                    "UPDATE grants SET state = 'used', used_at = ?2 \
+                     WHERE id = ?1 AND state = 'approved' AND expires_at > ?2",
+                    params![id, now],
+                )?;
+                if used == 1 {
+                    tx.commit()?;
+                    return Ok(Some((id, Found::Used)));
+                }
+            }
+            if let Some(id) = matching("pending")? {
+                return Ok(Some((id, Found::Pending)));
+            }
+            let pending: usize = tx.query_row(
+                "SELECT COUNT(*) FROM grants WHERE caller = ?1 AND state = 'pending'",
+                [&caller_text],
+                |r| r.get(0),
+            )?;
+            let recent: usize = tx.query_row(
+                "SELECT COUNT(*) FROM grants WHERE caller = ?1 AND requested_at > ?2",
+                params![caller_text, now.saturating_sub(3600)],
+                |r| r.get(0),
+            )?;
+            if pending >= max_pending || recent >= REQUESTS_PER_HOUR {
+                return Ok(None);
+            }
+            tx.execute(
+                "INSERT INTO grants (caller, kind, reason, scope, duration_secs, state, requested_at, \
+                 tool, arguments, args_sha256) VALUES (?1, 'call', ?2, ?3, ?4, 'pending', ?5, ?6, ?7, ?8)",
+                params![
+                    caller_text,
+                    format!("one call of {tool}"),
+                    scope_json,
+                    expiry,
+                    now,
+                    tool,
+                    canonical,
+                    digest
+                ],
+            )?;
+            let id = tx.last_insert_rowid();
+            tx.commit()?;
+            Ok(Some((id, Found::Requested)))
+        })?;
+        let Some((id, found)) = found else {
+            return Err(GrantError::TooMany {
+                max_pending,
+                per_hour: REQUESTS_PER_HOUR,
+            });
+        };
+        let grant = self.get(id)?.ok_or(GrantError::NotYours(GrantId(id)))?;
+        match found {
+            Found::Used => {
+                self.event(GrantEvent::Used, &grant, &caller_text);
+                Ok(CallApproval::Used(grant))
+            }
+            Found::Requested => {
+                self.event(GrantEvent::Requested, &grant, &caller_text);
+                Ok(CallApproval::Pending(grant))
+            }
+            Found::Pending => Ok(CallApproval::Pending(grant)),
+        }
     }
 
     pub fn get(&self, id: i64) -> Result<Option<Grant>, StoreError> {
@@ -286,7 +434,8 @@ impl Grants {
         let caller_text = caller.to_string();
         let approved: Vec<Grant> = self.store.with(|c| {
             let mut stmt = c.prepare(&format!(
-                "SELECT {COLUMNS} FROM grants WHERE caller = ?1 AND state = 'approved' AND expires_at > ?2"
+                "SELECT {COLUMNS} FROM grants WHERE caller = ?1 AND kind != 'call' \
+                 AND state = 'approved' AND expires_at > ?2"
             ))?;
             stmt.query_map(params![caller_text, now], |r| from_row(r, now))?
                 .collect()
@@ -443,6 +592,203 @@ mod tests {
         assert!(g.revoke_own(&other, GrantId(req.grant_id)).is_err());
         g.revoke_own(&ci, GrantId(req.grant_id)).unwrap();
         assert!(g.covering(&ci, "file.write").unwrap().is_none());
+    }
+
+    fn pending_id(found: CallApproval) -> i64 {
+        match found {
+            CallApproval::Pending(g) => g.grant_id,
+            CallApproval::Used(g) => panic!("used {g:?}"),
+        }
+    }
+
+    #[test]
+    fn an_approval_is_bound_to_caller_tool_and_arguments_and_used_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let alice = Caller::OAuth {
+            client_id: "client-a".into(),
+            subject: "alice".into(),
+        };
+        let args = serde_json::json!({"unit": "nginx.service", "action": "restart"});
+        let id = pending_id(g.approve_each(&alice, "service.action", &args).unwrap());
+        // Asking again for the same call finds the same request: no second one.
+        let same: serde_json::Value =
+            serde_json::from_str(r#"{ "action": "restart", "unit": "nginx.service" }"#).unwrap();
+        assert_eq!(
+            pending_id(g.approve_each(&alice, "service.action", &same).unwrap()),
+            id
+        );
+        let shown = g.get(id).unwrap().unwrap();
+        assert_eq!(shown.kind, GrantKind::Call);
+        assert_eq!(shown.tool.as_deref(), Some("service.action"));
+        assert_eq!(shown.arguments.as_ref(), Some(&args));
+        assert_eq!(
+            shown.args_sha256.as_deref(),
+            Some(crate::canonical::canonical_sha256(&args).as_str())
+        );
+        assert_eq!(shown.duration_secs, 15 * 60);
+        g.approve(id, "local:0", None).unwrap();
+        // Other arguments, another tool, another caller: each needs its own approval.
+        let other_args = serde_json::json!({"unit": "nginx.service", "action": "stop"});
+        assert_ne!(
+            pending_id(
+                g.approve_each(&alice, "service.action", &other_args)
+                    .unwrap()
+            ),
+            id
+        );
+        assert_ne!(
+            pending_id(g.approve_each(&alice, "docker.action", &args).unwrap()),
+            id
+        );
+        let bob = Caller::OAuth {
+            client_id: "client-a".into(),
+            subject: "bob".into(),
+        };
+        assert_ne!(
+            pending_id(g.approve_each(&bob, "service.action", &args).unwrap()),
+            id
+        );
+        // An approval is no grant: it covers nothing behind `grant`.
+        assert!(g.covering(&alice, "service.action").unwrap().is_none());
+        // The identical call uses it, once.
+        match g.approve_each(&alice, "service.action", &same).unwrap() {
+            CallApproval::Used(used) => {
+                assert_eq!(used.grant_id, id);
+                assert_eq!(used.state, GrantState::Used);
+                assert!(used.used_at.is_some());
+            }
+            other => panic!("{other:?}"),
+        }
+        let again = pending_id(g.approve_each(&alice, "service.action", &args).unwrap());
+        assert_ne!(again, id, "a used approval is not used twice");
+        // Used approvals are history, not current.
+        assert!(g.list(None, true).unwrap().iter().all(|x| x.grant_id != id));
+    }
+
+    #[test]
+    fn a_grant_never_stands_in_for_an_approval_of_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let ci = Caller::Bearer("ci".into());
+        let grant = g
+            .request(
+                &ci,
+                GrantKind::RootAccess,
+                "x",
+                vec!["*".into()],
+                Duration::from_secs(60),
+            )
+            .unwrap();
+        g.approve(grant.grant_id, "local:0", None).unwrap();
+        let args = serde_json::json!({});
+        assert!(matches!(
+            g.approve_each(&ci, "file.write", &args).unwrap(),
+            CallApproval::Pending(_)
+        ));
+    }
+
+    #[test]
+    fn two_identical_calls_racing_for_one_approval_run_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = Arc::new(grants(dir.path()));
+        // A second process on the same store races too (a `robota-mcpd --stdio`).
+        let other = Arc::new(grants(dir.path()));
+        let args = serde_json::json!({"path": "/etc/x", "content": "y"});
+        for round in 0..20 {
+            // A caller per round: each round makes requests, within the hourly bound.
+            let c = Caller::Local(round);
+            let id = pending_id(g.approve_each(&c, "file.write", &args).unwrap());
+            g.approve(id, "local:0", None).unwrap();
+            let barrier = Arc::new(std::sync::Barrier::new(8));
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let g = if i % 2 == 0 { g.clone() } else { other.clone() };
+                    let (c, args, barrier) = (c.clone(), args.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        matches!(
+                            g.approve_each(&c, "file.write", &args).unwrap(),
+                            CallApproval::Used(_)
+                        )
+                    })
+                })
+                .collect();
+            let used = handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|&used| used)
+                .count();
+            assert_eq!(used, 1, "round {round}");
+            // The losers made one new pending request between them; withdraw it.
+            for grant in g.list(None, true).unwrap() {
+                g.revoke(grant.grant_id, "local:0").unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn approvals_expire_and_share_the_request_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = grants(dir.path());
+        let c = Caller::Local(1);
+        let args = serde_json::json!({"n": 1});
+        let id = pending_id(g.approve_each(&c, "job.start", &args).unwrap());
+        g.approve(id, "local:0", Some(Duration::from_secs(60)))
+            .unwrap();
+        g.store
+            .with(|conn| conn.execute("UPDATE grants SET expires_at = ?1", [now() - 1]))
+            .unwrap();
+        assert_eq!(g.get(id).unwrap().unwrap().state, GrantState::Expired);
+        assert_ne!(
+            pending_id(g.approve_each(&c, "job.start", &args).unwrap()),
+            id,
+            "an expired approval is not used"
+        );
+        // Pending requests of both kinds count toward one bound.
+        for n in 2..=8 {
+            g.approve_each(&c, "job.start", &serde_json::json!({"n": n}))
+                .unwrap();
+        }
+        assert!(matches!(
+            g.approve_each(&c, "job.start", &serde_json::json!({"n": 99})),
+            Err(GrantError::TooMany { .. })
+        ));
+        assert!(matches!(
+            g.request(
+                &c,
+                GrantKind::Elevation,
+                "x",
+                vec!["a".into()],
+                Duration::from_secs(60)
+            ),
+            Err(GrantError::TooMany { .. })
+        ));
+        // Arguments too large to show an operator cannot be approved one by one.
+        let c2 = Caller::Local(2);
+        let huge = serde_json::json!({"content": "x".repeat(MAX_APPROVAL_ARGS)});
+        assert!(matches!(
+            g.approve_each(&c2, "file.write", &huge),
+            Err(GrantError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn approvals_survive_a_reopened_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Caller::Local(3);
+        let args = serde_json::json!({"a": [1, 2]});
+        let id = {
+            let g = grants(dir.path());
+            let id = pending_id(g.approve_each(&c, "file.write", &args).unwrap());
+            g.approve(id, "local:0", None).unwrap();
+            id
+        };
+        let g = grants(dir.path());
+        match g.approve_each(&c, "file.write", &args).unwrap() {
+            CallApproval::Used(used) => assert_eq!(used.grant_id, id),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -182,7 +182,7 @@ pub struct Jobs {
     store: Arc<Store>,
     metrics: Metrics,
     running: Mutex<HashMap<i64, CancellationToken>>,
-    max_running: usize,
+    max_running: std::sync::atomic::AtomicUsize,
     tracker: TaskTracker,
 }
 
@@ -276,7 +276,7 @@ impl Jobs {
                 store,
                 metrics,
                 running: Mutex::new(HashMap::new()),
-                max_running,
+                max_running: max_running.into(),
                 tracker: TaskTracker::new(),
             }),
             recovered,
@@ -285,6 +285,12 @@ impl Jobs {
 
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// How many jobs may run at once from now on (a reload); running ones carry on.
+    pub fn set_max_running(&self, max: usize) {
+        self.max_running
+            .store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Jobs running in this process.
@@ -304,7 +310,7 @@ impl Jobs {
         let cancel = CancellationToken::new();
         let id = {
             let mut running = self.running.lock();
-            if running.len() >= self.max_running {
+            if running.len() >= self.max_running.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(JobError::Busy(running.len()));
             }
             let id = self.store.with(|c| {
@@ -367,7 +373,12 @@ impl Jobs {
     fn finish(&self, id: i64, kind: JobKind, finish: &Finish) {
         self.running.lock().remove(&id);
         self.metrics.job_finished(kind, finish.state);
-        tracing::info!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished");
+        if finish.state == JobState::Succeeded {
+            tracing::info!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished");
+        } else {
+            // Failed, timed out, cancelled or of unknown outcome: what an operator looks for.
+            tracing::warn!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished without success");
+        }
         if let Err(e) = self.store.with(|c| {
             c.execute(
                 "UPDATE jobs SET state = ?2, finished_at = ?3, exit_code = ?4, detail = ?5 \

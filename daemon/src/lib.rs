@@ -4,12 +4,14 @@
 
 pub mod audit;
 pub mod bearer;
+pub mod canonical;
 pub mod carrier;
 pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod grants;
+pub mod health;
 pub mod host;
 pub mod jobs;
 pub mod logging;

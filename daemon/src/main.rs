@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use robota_mcpd::config::{self, Environment};
 use robota_mcpd::daemon::{self, Plan};
+use robota_mcpd::metrics::Metrics;
 use robota_mcpd::{error_chain, exit, logging, upstream};
 use tokio_util::sync::CancellationToken;
 
@@ -37,34 +38,36 @@ fn main() -> ExitCode {
             Err(_) => code(exit::RUNTIME),
         };
     }
-    let (config, source) = match config::load(args.config.as_deref(), &env) {
-        Ok(loaded) => loaded,
+    let loader = config::Loader {
+        explicit: args.config.clone(),
+        env,
+    };
+    let checking = matches!(args.command, Some(Sub::CheckConfig { .. }));
+    let mut plan = match Plan::load(&loader, Metrics::new()) {
+        Ok(plan) => plan,
         Err(e) => {
             eprintln!("robota-mcpd: {}", error_chain(&e));
-            return code(exit::CONFIG);
+            // For `check-config` anything that stops a start is the configuration's fault.
+            return code(if checking {
+                exit::CONFIG
+            } else {
+                e.exit_code()
+            });
         }
     };
-    let checking = matches!(args.command, Some(Sub::CheckConfig));
-    for warning in &config.warnings {
+    let source = plan
+        .origin
+        .as_ref()
+        .map_or_else(String::new, |o| o.source.to_string());
+    for warning in &plan.config.warnings {
         if checking {
             eprintln!("robota-mcpd: warning ({source}): {warning}");
         } else {
             tracing::warn!(config = %source, key = %warning.path, "{}", warning.problem);
         }
     }
-    let mut plan = match Plan::build(config) {
-        Ok(plan) => plan,
-        Err(e) => {
-            eprintln!(
-                "robota-mcpd: invalid configuration ({source}): {}",
-                error_chain(&e)
-            );
-            return code(exit::CONFIG);
-        }
-    };
-    if checking {
-        eprintln!("robota-mcpd: configuration OK ({source})");
-        return ExitCode::SUCCESS;
+    if let Some(Sub::CheckConfig { as_user, unit }) = &args.command {
+        return deep_check(&plan, as_user.as_deref(), unit.as_deref(), &source);
     }
     // Upstream children start through this very binary, which has the kernel kill them
     // when the daemon dies.
@@ -121,4 +124,81 @@ fn close_inherited_fds() {
 
 fn code(status: i32) -> ExitCode {
     ExitCode::from(u8::try_from(status).unwrap_or(1))
+}
+
+/// `check-config` past the plan: as the daemon's user, in the unit's sandbox.
+fn deep_check(
+    plan: &Plan,
+    as_user: Option<&str>,
+    unit: Option<&std::path::Path>,
+    source: &str,
+) -> ExitCode {
+    use robota_mcpd::daemon::checks::{Sandbox, Subject};
+    let sandbox = match unit {
+        Some(path) => match Sandbox::read(path) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("robota-mcpd: --unit: {e}");
+                return code(exit::USAGE);
+            }
+        },
+        None => Sandbox::installed(),
+    };
+    // Root approves anything: check as the unit's user when a unit is installed.
+    let implicit = (as_user.is_none() && nix::unistd::geteuid().is_root())
+        .then(|| sandbox.as_ref().and_then(|s| s.user.clone()))
+        .flatten();
+    let subject = match (as_user, implicit) {
+        (Some(name), _) => match Subject::lookup(name) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("robota-mcpd: --as-user: {e}");
+                return code(exit::USAGE);
+            }
+        },
+        (None, Some(name)) => match Subject::lookup(&name) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!(
+                    "robota-mcpd: warning: the unit runs as {name:?}, but {e}; access is not checked as that user (give --as-user)"
+                );
+                None
+            }
+        },
+        (None, None) => None,
+    };
+    let found = match plan.deep_check(subject.as_ref(), sandbox.as_ref()) {
+        Ok(found) => found,
+        Err(e) => {
+            eprintln!("robota-mcpd: {}", error_chain(&e));
+            return code(exit::CONFIG);
+        }
+    };
+    for warning in &found.warnings {
+        eprintln!("robota-mcpd: warning ({source}): {warning}");
+    }
+    let whom = subject
+        .as_ref()
+        .map(|s| format!(", as user {} (uid {})", s.name, s.uid))
+        .unwrap_or_default();
+    let unit = sandbox
+        .as_ref()
+        .map(|s| {
+            format!(
+                ", in the sandbox of {}",
+                s.from
+                    .first()
+                    .map_or(String::new(), |p| p.display().to_string())
+            )
+        })
+        .unwrap_or_default();
+    if !found.errors.is_empty() {
+        eprintln!("robota-mcpd: invalid configuration ({source}){whom}{unit}:");
+        for problem in &found.errors {
+            eprintln!("  {problem}");
+        }
+        return code(exit::CONFIG);
+    }
+    eprintln!("robota-mcpd: configuration OK ({source}){whom}{unit}");
+    ExitCode::SUCCESS
 }

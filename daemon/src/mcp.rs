@@ -28,7 +28,7 @@ use crate::catalog::{self, Snapshot, ToolError, ToolOutput, ToolSpec, UPSTREAM_M
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
 use crate::session::{JobOp, RuntimeTools, TurnSubmission};
-use crate::vocab::{Caller, JobId, ToolErrorCode};
+use crate::vocab::{Admitted, Caller, JobId, ToolErrorCode};
 
 /// The protocol revisions served, oldest first.
 pub const SUPPORTED_VERSIONS: [ProtocolVersion; 2] =
@@ -336,7 +336,7 @@ impl<S> Clone for McpServer<S> {
 /// Where `tools/call` leaves an imported tool's result — already checked against the
 /// result limit and shaped for the caller's revision — for the carrier to send as it is,
 /// in place of the placeholder the handler returns. rmcp's result type has no room for
-/// fields it does not know, and an upstream's result keeps them (docs/design.md §13.4).
+/// fields it does not know, and an upstream's result keeps them (docs/design.md §12.4).
 /// A carrier puts one in the request's HTTP parts for every `tools/call`.
 #[derive(Clone, Default)]
 pub struct PassthroughSlot(Arc<Mutex<Option<Map<String, Value>>>>);
@@ -407,10 +407,10 @@ struct Shared<S> {
     wire: Wire,
 }
 
-/// Who the request is from: every carrier puts the admitted caller in the request's HTTP
-/// parts (the line carriers build parts for each message), and the handler reads it from
-/// there and nowhere else.
-pub fn admitted(caller: Caller) -> http::request::Parts {
+/// Who the request is from: every carrier puts the admitted caller (with its token's
+/// scopes, if it has one) in the request's HTTP parts (the line carriers build parts for
+/// each message), and the handler reads it from there and nowhere else.
+pub fn admitted(caller: Admitted) -> http::request::Parts {
     let (mut parts, ()) = http::Request::new(()).into_parts();
     parts.extensions.insert(caller);
     parts
@@ -462,18 +462,28 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         names.clone()
     }
 
-    fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Caller> {
+    fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Admitted> {
         context
             .extensions
             .get::<http::request::Parts>()
-            .and_then(|parts| parts.extensions.get::<Caller>())
+            .and_then(|parts| parts.extensions.get::<Admitted>())
             .cloned()
+    }
+
+    /// The canonical name a `tools/call` of wire name `wire` would run in the current
+    /// catalog generation (`None`: no such tool, or one refused for a collision).
+    pub fn canonical_name(&self, wire: &str) -> Option<String> {
+        match self.names().resolve(wire)? {
+            Target::Runtime(name) => Some(name.clone()),
+            Target::Submission => Some(self.shared.session.submission_tool().name.clone()),
+            Target::Refused(_) => None,
+        }
     }
 
     /// Run a call; returns the canonical name it resolved to (None: not in the catalog).
     async fn dispatch(
         &self,
-        caller: &Caller,
+        caller: &Admitted,
         request: CallToolRequestParams,
         cancel: CancellationToken,
     ) -> (Option<String>, Result<ToolOutput, ToolError>) {
@@ -662,10 +672,11 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
         let modern = context
             .protocol_version()
             .is_some_and(|v| v.as_str() >= ProtocolVersion::V_2026_07_28.as_str());
-        let _inflight =
-            self.shared
-                .inflight
-                .register(caller.clone(), context.id.clone(), cancel.clone());
+        let _inflight = self.shared.inflight.register(
+            caller.caller.clone(),
+            context.id.clone(),
+            cancel.clone(),
+        );
         let (tool, result) = self.dispatch(&caller, request, cancel).await;
         let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
         let metrics = &self.shared.wire.metrics;

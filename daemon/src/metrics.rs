@@ -11,7 +11,7 @@ use prometheus::{
 use crate::vocab::ToolErrorCode;
 use crate::vocab::{Carrier, GrantEvent, Reason};
 use crate::vocab::{ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection};
-use crate::vocab::{JobKind, JobState};
+use crate::vocab::{IntrospectionOutcome, JobKind, JobState, StatePart};
 
 /// Metric handles; cheap to clone.
 #[derive(Clone)]
@@ -27,6 +27,7 @@ struct Inner {
     active_turns: IntGauge,
     throttled: IntCounterVec,
     jwks_fetches: IntCounterVec,
+    introspections: IntCounterVec,
     jwks_refresh_failures: IntCounterVec,
     jwks_last_success: IntGauge,
     jobs_started: IntCounterVec,
@@ -34,6 +35,7 @@ struct Inner {
     jobs_running: IntGauge,
     grant_events: IntCounterVec,
     audit_unpersisted: IntGauge,
+    state_write_failures: IntCounterVec,
     connections: IntCounterVec,
     connections_open: IntGaugeVec,
     rejections: IntCounterVec,
@@ -116,6 +118,11 @@ impl Metrics {
             "Key-set and discovery fetches by outcome (ok, error, rejected).",
             &["outcome"],
         );
+        let introspections = counter(
+            "introspection_requests_total",
+            "Token introspection requests to the issuer by outcome (active, inactive, error).",
+            &["outcome"],
+        );
         let jwks_refresh_failures = counter(
             "jwks_refresh_failures_total",
             "Key-set refreshes that failed (the previous set stays in use), by trigger.",
@@ -173,6 +180,11 @@ impl Metrics {
             "Tools imported from a downstream MCP server, by upstream.",
             &["upstream"],
         );
+        let state_write_failures = counter(
+            "state_write_failures_total",
+            "Writes to the state directory that failed (a full disk, an I/O error), by part (audit, store).",
+            &["part"],
+        );
         let jobs_recovered = IntGauge::new(
             "jobs_recovered_at_start",
             "Jobs found running from a process that had died, marked outcome-unknown at this start.",
@@ -221,7 +233,7 @@ impl Metrics {
             .expect("unique gauge");
         let audit_unpersisted = IntGauge::new(
             "audit_unpersisted_records",
-            "Audit records kept in memory only because the audit file writer fell behind.",
+            "Audit records not in the audit file: waiting because it cannot be written now, or kept in memory only because the writer fell behind or its backlog bound was reached.",
         )
         .expect("valid gauge");
         registry
@@ -242,6 +254,31 @@ impl Metrics {
             // The process collector adds its own `process_` names without our prefix.
             let _ = prometheus::default_registry().register(Box::new(process));
         }
+        // Every series of a closed label set exists from the start, at 0: a rule's
+        // `increase()` then sees the first event too (a series born at 1 shows none).
+        for carrier in Carrier::ALL {
+            throttled.with_label_values(&[carrier.as_str()]);
+            for reason in Reason::ALL {
+                refusals.with_label_values(&[carrier.as_str(), reason.as_str()]);
+            }
+        }
+        for outcome in FetchOutcome::ALL {
+            jwks_fetches.with_label_values(&[outcome.as_str()]);
+        }
+        for kind in JobKind::ALL {
+            for state in JobState::ALL
+                .into_iter()
+                .filter(|s| *s != JobState::Running)
+            {
+                jobs_finished.with_label_values(&[kind.as_str(), state.as_str()]);
+            }
+        }
+        for event in GrantEvent::ALL {
+            grant_events.with_label_values(&[event.as_str()]);
+        }
+        for part in StatePart::ALL {
+            state_write_failures.with_label_values(&[part.as_str()]);
+        }
         Self(Arc::new(Inner {
             registry,
             refusals,
@@ -252,6 +289,7 @@ impl Metrics {
             active_turns,
             throttled,
             jwks_fetches,
+            introspections,
             jwks_refresh_failures,
             jwks_last_success,
             jobs_started,
@@ -259,6 +297,7 @@ impl Metrics {
             jobs_running,
             grant_events,
             audit_unpersisted,
+            state_write_failures,
             connections,
             connections_open,
             rejections,
@@ -352,6 +391,15 @@ impl Metrics {
             .set(i64::try_from(records).unwrap_or(i64::MAX));
     }
 
+    /// Failed writes of `part` since the process started (read at every scrape).
+    pub fn state_write_failures(&self, part: StatePart, total: u64) {
+        let counter = self
+            .0
+            .state_write_failures
+            .with_label_values(&[part.as_str()]);
+        counter.inc_by(total.saturating_sub(counter.get()));
+    }
+
     pub fn job_started(&self, kind: JobKind) {
         self.0
             .jobs_started
@@ -392,6 +440,13 @@ impl Metrics {
     pub fn jwks_fetch(&self, outcome: FetchOutcome) {
         self.0
             .jwks_fetches
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+    }
+
+    pub fn introspection(&self, outcome: IntrospectionOutcome) {
+        self.0
+            .introspections
             .with_label_values(&[outcome.as_str()])
             .inc();
     }
@@ -439,6 +494,16 @@ impl Metrics {
         self.0.tool_calls.with_label_values(&[tool, outcome]).inc();
         let h: Histogram = self.0.tool_duration.with_label_values(&[tool]);
         h.observe(took.as_secs_f64());
+    }
+
+    /// Export the `ok` and `internal` tool-call series of `tools` at 0, so a rule's
+    /// `increase()` sees their first call too.
+    pub fn prime_tools<'a>(&self, tools: impl IntoIterator<Item = &'a str>) {
+        for tool in tools {
+            for outcome in ["ok", ToolErrorCode::Internal.as_str()] {
+                self.0.tool_calls.with_label_values(&[tool, outcome]);
+            }
+        }
     }
 
     pub fn policy_denial(&self, tool: &str, code: ToolErrorCode) {
@@ -522,6 +587,7 @@ mod tests {
         m.tool_call("system.info", None, Duration::from_millis(1));
         m.policy_denial("system.info", ToolErrorCode::PermissionDenied);
         m.jwks_fetch(FetchOutcome::Ok);
+        m.introspection(IntrospectionOutcome::Active);
         m.jwks_refresh_failed(RefreshTrigger::Schedule);
         m.job_started(JobKind::Template);
         m.job_finished(JobKind::Template, JobState::Succeeded);
@@ -595,6 +661,13 @@ mod tests {
                 doc.contains(&format!("`{}`", event.as_str())),
                 "grant event {}",
                 event.as_str()
+            );
+        }
+        for outcome in IntrospectionOutcome::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", outcome.as_str())),
+                "introspection outcome {}",
+                outcome.as_str()
             );
         }
         for decision in Duplicate::ALL {

@@ -9,10 +9,14 @@
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
+
+use crate::health::Health;
+use crate::vocab::StatePart;
 
 /// The database file inside the state directory.
 pub const FILE_NAME: &str = "robota.db";
@@ -72,6 +76,20 @@ const MIGRATIONS: &[&str] = &[
         expires_at INTEGER
     );
     CREATE INDEX grants_by_caller ON grants (caller, state);",
+    // 2: labelled loopback bearers issued with a lifetime, as digests.
+    "CREATE TABLE bearers (
+        label TEXT PRIMARY KEY,
+        digest BLOB NOT NULL,
+        created_at INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL
+    ) WITHOUT ROWID;",
+    // 3: approvals of one exact call (`approve-each`) are grants of kind `call`: the tool,
+    // the canonical arguments and their SHA-256, and when the call used the approval.
+    "ALTER TABLE grants ADD COLUMN tool TEXT;
+    ALTER TABLE grants ADD COLUMN arguments TEXT;
+    ALTER TABLE grants ADD COLUMN args_sha256 TEXT;
+    ALTER TABLE grants ADD COLUMN used_at INTEGER;
+    CREATE INDEX grants_by_call ON grants (caller, tool, args_sha256, state);",
 ];
 
 /// Finished jobs, idempotency records and ended grants older than this are pruned.
@@ -107,6 +125,21 @@ pub enum StoreError {
     Sql(#[from] rusqlite::Error),
 }
 
+/// Whether `e` says the file cannot take a write (rather than a statement being wrong).
+fn cannot_write(e: &rusqlite::Error) -> bool {
+    use rusqlite::ErrorCode as Code;
+    matches!(
+        e.sqlite_error_code(),
+        Some(Code::DiskFull | Code::SystemIoFailure | Code::ReadOnly | Code::CannotOpen)
+    )
+}
+
+/// Whether `e` is the store failing to take a write: what a tool answers `unavailable`
+/// for rather than `internal`.
+pub fn is_write_failure(e: &StoreError) -> bool {
+    matches!(e, StoreError::Sql(e) if cannot_write(e))
+}
+
 /// Unix seconds now.
 pub fn now() -> i64 {
     SystemTime::now()
@@ -117,6 +150,8 @@ pub fn now() -> i64 {
 pub struct Store {
     conn: Mutex<Connection>,
     path: PathBuf,
+    /// Where failed writes are reported.
+    health: Arc<Health>,
 }
 
 impl Store {
@@ -170,6 +205,7 @@ impl Store {
         let store = Self {
             conn: Mutex::new(conn),
             path,
+            health: Arc::default(),
         };
         store.migrate()?;
         Ok(store)
@@ -186,9 +222,16 @@ impl Store {
         let store = Self {
             conn: Mutex::new(conn),
             path: PathBuf::from(":memory:"),
+            health: Arc::default(),
         };
         store.migrate()?;
         Ok(store)
+    }
+
+    /// Report failed writes (a full disk, an I/O error, a read-only file) to `health`.
+    pub fn reporting_to(mut self, health: Arc<Health>) -> Self {
+        self.health = health;
+        self
     }
 
     pub fn path(&self) -> &Path {
@@ -235,7 +278,27 @@ impl Store {
         &self,
         f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
     ) -> Result<T, StoreError> {
-        Ok(f(&mut self.conn.lock())?)
+        let mut conn = self.conn.lock();
+        let before = conn.total_changes();
+        match f(&mut conn) {
+            Ok(value) => {
+                if conn.total_changes() != before
+                    && let Some(fault) = self.health.recovered(StatePart::Store)
+                {
+                    tracing::warn!(path = %self.path.display(), failures = fault.failures, "the store is written again");
+                }
+                Ok(value)
+            }
+            Err(e) => {
+                if cannot_write(&e) {
+                    let error = format!("cannot write {}: {e}", self.path.display());
+                    if self.health.failed(StatePart::Store, &error) {
+                        tracing::error!(error = %e, path = %self.path.display(), "cannot write the store; jobs, grants and idempotency keys cannot be recorded until it works again");
+                    }
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Drop finished jobs (and their output), idempotency records and decided or expired
@@ -251,14 +314,83 @@ impl Store {
                 "DELETE FROM idempotency WHERE created_at < ?1 AND state != 'pending'",
                 [cutoff],
             )?;
-            // Decided grants and grants expired before the cutoff; pending ones stay for
-            // the operator.
+            // Decided grants, approvals used and grants expired before the cutoff; pending
+            // ones stay for the operator.
             c.execute(
                 "DELETE FROM grants WHERE (state IN ('denied', 'revoked') AND decided_at < ?1) \
-                 OR (state = 'approved' AND expires_at < ?1)",
+                 OR (state = 'approved' AND expires_at < ?1) OR (state = 'used' AND used_at < ?1)",
                 [cutoff],
             )?;
             Ok(())
+        })
+    }
+}
+
+// ---- bearers ----------------------------------------------------------------------
+
+/// A labelled bearer kept across restarts: its digest, never its secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptBearer {
+    pub label: String,
+    pub digest: [u8; 32],
+    pub created_at: i64,
+    pub expires_at: i64,
+}
+
+impl Store {
+    /// Keep `bearer` (replacing one of the same label).
+    pub fn bearer_keep(&self, bearer: &KeptBearer) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO bearers (label, digest, created_at, expires_at) \
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![
+                    bearer.label,
+                    &bearer.digest[..],
+                    bearer.created_at,
+                    bearer.expires_at
+                ],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// Forget the bearer labelled `label`; whether there was one.
+    pub fn bearer_forget(&self, label: &str) -> Result<bool, StoreError> {
+        self.with(|c| c.execute("DELETE FROM bearers WHERE label = ?1", [label]))
+            .map(|n| n > 0)
+    }
+
+    /// Forget every kept bearer.
+    pub fn bearers_forget_all(&self) -> Result<(), StoreError> {
+        self.with(|c| c.execute("DELETE FROM bearers", []).map(|_| ()))
+    }
+
+    /// The kept bearers that have not expired by `now` (the expired ones are dropped).
+    pub fn bearers_kept(&self, now: i64) -> Result<Vec<KeptBearer>, StoreError> {
+        self.with(|c| {
+            c.execute("DELETE FROM bearers WHERE expires_at <= ?1", [now])?;
+            let mut stmt = c.prepare(
+                "SELECT label, digest, created_at, expires_at FROM bearers ORDER BY label",
+            )?;
+            let rows = stmt.query_map([], |r| {
+                let digest: Vec<u8> = r.get(1)?;
+                Ok((r.get(0)?, digest, r.get(2)?, r.get(3)?))
+            })?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (label, digest, created_at, expires_at) = row?;
+                // A digest of another length is not ours: skip it rather than trust it.
+                if let Ok(digest) = <[u8; 32]>::try_from(digest.as_slice()) {
+                    out.push(KeptBearer {
+                        label,
+                        digest,
+                        created_at,
+                        expires_at,
+                    });
+                }
+            }
+            Ok(out)
         })
     }
 }
@@ -462,6 +594,30 @@ mod tests {
             std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
             0o600
         );
+    }
+
+    #[test]
+    fn kept_bearers_survive_reopening_until_they_expire() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let bearer = |label: &str, expires_at| KeptBearer {
+            label: label.into(),
+            digest: [7; 32],
+            created_at: 100,
+            expires_at,
+        };
+        store.bearer_keep(&bearer("ci", 1_000)).unwrap();
+        store.bearer_keep(&bearer("old", 200)).unwrap();
+        store.bearer_keep(&bearer("gone", 1_000)).unwrap();
+        assert!(store.bearer_forget("gone").unwrap());
+        assert!(!store.bearer_forget("gone").unwrap());
+        drop(store);
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.bearers_kept(500).unwrap(), [bearer("ci", 1_000)]);
+        assert_eq!(store.bearers_kept(1_000).unwrap(), []);
+        store.bearer_keep(&bearer("a", 2_000)).unwrap();
+        store.bearers_forget_all().unwrap();
+        assert_eq!(store.bearers_kept(0).unwrap(), []);
     }
 
     #[test]

@@ -84,6 +84,9 @@ closed_set! {
         MissingScope = "missing-scope",
         PrincipalNotAllowed = "principal-not-allowed",
         KeysUnavailable = "keys-unavailable",
+        /// Remote: an opaque token could not be checked because the issuer's introspection
+        /// endpoint did not answer usefully (503, not counted toward throttling).
+        IntrospectionUnavailable = "introspection-unavailable",
         WrongHost = "wrong-host",
         WrongOrigin = "wrong-origin",
         BadBearer = "bad-bearer",
@@ -163,6 +166,8 @@ closed_set! {
         Approved = "grant-approved",
         Denied = "grant-denied",
         Revoked = "grant-revoked",
+        /// An approval of one exact call was used by that call (it runs once).
+        Used = "grant-used",
     }
 }
 
@@ -237,6 +242,29 @@ closed_set! {
 }
 
 closed_set! {
+    /// What one introspection request (RFC 7662) to the issuer came to.
+    pub enum IntrospectionOutcome {
+        /// The issuer answered `active: true`.
+        Active = "active",
+        /// The issuer answered `active: false`.
+        Inactive = "inactive",
+        /// No usable answer: network, TLS, status, time-out, or a body that is not an
+        /// introspection answer; also a request not sent because too many were in flight.
+        Error = "error",
+    }
+}
+
+closed_set! {
+    /// How the daemon authenticates to the issuer's introspection endpoint.
+    pub enum ClientAuth {
+        /// HTTP Basic with the form-encoded client id and secret (RFC 6749 §2.3.1).
+        ClientSecretBasic = "client_secret_basic",
+        /// `client_id` and `client_secret` in the form body.
+        ClientSecretPost = "client_secret_post",
+    }
+}
+
+closed_set! {
     /// What started a key-set refresh of the remote verifier.
     pub enum RefreshTrigger {
         /// The start-up load.
@@ -249,6 +277,15 @@ closed_set! {
         Reload = "reload",
         /// `robota-mcpctl keys refresh`.
         Operator = "operator",
+    }
+}
+
+closed_set! {
+    /// A part of the daemon that writes to the state directory (the `part` label, and
+    /// `status.problems[].part`).
+    pub enum StatePart {
+        Audit = "audit",
+        Store = "store",
     }
 }
 
@@ -355,6 +392,43 @@ impl fmt::Display for Caller {
     }
 }
 
+/// An admitted request: its caller, and the scopes of the access token it was admitted
+/// with. Only the remote carrier admits by access token; every other caller has no token
+/// (`scopes` is `None`), so no rule that requires scopes matches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    pub caller: Caller,
+    pub scopes: Option<Vec<String>>,
+}
+
+impl Admitted {
+    /// A caller admitted with an access token carrying `scopes`.
+    pub fn with_token(caller: Caller, scopes: Vec<String>) -> Self {
+        Self {
+            caller,
+            scopes: Some(scopes),
+        }
+    }
+
+    /// Whether the request's token carries every one of `required` (never, without a
+    /// token).
+    pub fn holds_scopes(&self, required: &[String]) -> bool {
+        self.scopes
+            .as_ref()
+            .is_some_and(|held| required.iter().all(|r| held.contains(r)))
+    }
+}
+
+impl From<Caller> for Admitted {
+    /// A caller admitted without an access token (stdio, relay, loopback).
+    fn from(caller: Caller) -> Self {
+        Self {
+            caller,
+            scopes: None,
+        }
+    }
+}
+
 /// A durable job's id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct JobId(pub i64);
@@ -404,6 +478,12 @@ mod tests {
             ),
             of(JobKind::ALL, JobKind::as_str, JobKind::parse),
             of(FetchOutcome::ALL, FetchOutcome::as_str, FetchOutcome::parse),
+            of(
+                IntrospectionOutcome::ALL,
+                IntrospectionOutcome::as_str,
+                IntrospectionOutcome::parse,
+            ),
+            of(ClientAuth::ALL, ClientAuth::as_str, ClientAuth::parse),
             of(
                 RefreshTrigger::ALL,
                 RefreshTrigger::as_str,

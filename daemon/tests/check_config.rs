@@ -63,7 +63,7 @@ fn errors_name_their_key_and_exit_78() {
             "[session]\nsubmission_tool = \"system.info\"\n",
             "collides with the runtime tool \"system.info\"",
         ),
-        ("this is not toml", "<document>"),
+        ("this is not toml", "syntax: key with no value"),
         (
             "[remote]\npublic_url = \"https://h/mcp\"\nissuer = \"https://a\"\nallowed_subjects = [\"*\"]\n",
             "remote: an allowed subject",
@@ -99,12 +99,29 @@ fn errors_name_their_key_and_exit_78() {
     ];
     for (text, needle) in cases {
         let (code, err) = check(text);
+        let err = without_places(&err);
         assert_eq!(code, 78, "{text:?} → {err}");
         assert!(
             err.contains(needle),
             "{text:?}: expected {needle:?} in {err:?}"
         );
     }
+}
+
+/// `err` without the ` (line L, column C)` after each key, so needles can be `key: problem`.
+fn without_places(err: &str) -> String {
+    let mut out = String::new();
+    let mut rest = err;
+    while let Some(at) = rest.find(" (line ") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match rest.find(')') {
+            Some(end) => rest = &rest[end + 1..],
+            None => break,
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 #[test]
@@ -123,7 +140,8 @@ fn a_trusted_public_net_is_a_warning_not_an_error() {
     assert_eq!(code, 0, "{err}");
     assert!(
         err.contains("warning")
-            && err.contains("remote.trusted_proxies[1]: 198.51.100.0/24 holds public addresses"),
+            && without_places(&err)
+                .contains("remote.trusted_proxies[1]: 198.51.100.0/24 holds public addresses"),
         "{err}"
     );
     assert!(err.contains("configuration OK"), "{err}");

@@ -12,7 +12,15 @@ const LEVELS: &[&[&str]] = &[
     // The vocabulary: closed sets, the caller, ids.
     &["vocab"],
     // Values and sinks that know only the vocabulary.
-    &["config", "metrics", "bearer", "notify", "logging"],
+    &[
+        "config",
+        "metrics",
+        "bearer",
+        "canonical",
+        "notify",
+        "logging",
+        "health",
+    ],
     // Durable state and the audit trail; the remote verifier.
     &["store", "audit", "oauth"],
     // Services over the store, and the control socket.

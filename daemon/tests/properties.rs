@@ -647,8 +647,8 @@ proptest! {
     }
 
     /// A valid principal is admitted whatever the throttle says; a throttled failure is
-    /// 429 with `Retry-After >= 1` and no challenge; `keys-unavailable` is never counted
-    /// nor throttled; otherwise a failure is counted, carries a challenge naming the
+    /// 429 with `Retry-After >= 1` and no challenge; `keys-unavailable` and
+    /// `introspection-unavailable` are 503, never counted nor throttled; otherwise a failure is counted, carries a challenge naming the
     /// metadata URL, and keeps its reason.
     #[test]
     fn remote_decide(
@@ -677,9 +677,12 @@ proptest! {
         }
         let r = decide(Err(failure), over_budget, &challenges).unwrap_err();
         prop_assert_eq!(r.reason, reason);
-        if reason == Reason::KeysUnavailable {
+        if matches!(reason, Reason::KeysUnavailable | Reason::IntrospectionUnavailable) {
+            // The issuer's trouble, never the client's: not counted, never throttled.
             prop_assert!(!r.counted && !r.throttled);
             prop_assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+            prop_assert!(r.retry_after.is_some_and(|s| s >= 1));
+            prop_assert!(r.challenge.is_none());
         } else if let Some(seconds) = over_budget {
             prop_assert!(r.counted && r.throttled);
             prop_assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
@@ -1056,6 +1059,7 @@ fn jwt_pre_checks() {
             cache_path: dir.path().join("jwks-cache.json"),
             start_without_keys: false,
             refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
+            introspection: None,
         },
         Metrics::new(),
     )

@@ -31,7 +31,7 @@ impl Ring {
              [loopback]\nlisten = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n{extra}"
         );
         let config = parse(&text, &Environment::default()).expect("config");
-        let plan = Plan::build(config).expect("plan");
+        let plan = Plan::build(config, robota_mcpd::metrics::Metrics::new()).expect("plan");
         let running = tokio::time::timeout(LIMIT, daemon::start(plan))
             .await
             .expect("start within the bound")
@@ -61,7 +61,7 @@ impl Ring {
             .expect("read");
         let response: Response = serde_json::from_str(&answer).expect("a response");
         match response.outcome {
-            Outcome::Ok(reply) => reply,
+            Outcome::Ok(reply) => *reply,
             Outcome::Error(e) => panic!("control error: {e:?}"),
         }
     }
@@ -203,13 +203,14 @@ async fn a_restart_attaches_a_fresh_session_with_new_bearers() {
     assert_eq!(status.generation, 1);
     let after = ring.bearer().await;
     assert_ne!(before, after);
-    // On port 0 the carrier was bound anew: its address is in the restart's status.
+    // The listening socket is kept across the restart, even on port 0.
     let addr: SocketAddr = status
         .carriers
         .iter()
         .find(|c| c.name == "loopback")
         .and_then(|c| c.address.parse().ok())
         .expect("loopback address");
+    assert_eq!(addr, ring.addr("loopback"), "the same socket serves on");
     let host = format!("127.0.0.1:{}", addr.port());
     let (status, _) = exchange(addr, &mcp_head(addr, &host, Some(&before), None), LIST).await;
     assert_eq!(status, 401, "the old host bearer died with its attach");

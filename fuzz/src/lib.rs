@@ -8,17 +8,17 @@ use std::sync::OnceLock;
 use std::time::SystemTime;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
-use robota_mcpd::vocab::Reason;
 use robota_mcpd::carrier::loopback::admission::{Expected, admit};
 use robota_mcpd::carrier::parse_bearer;
 use robota_mcpd::carrier::remote::admission::{Credentials, Route, credentials, route};
 use robota_mcpd::carrier::remote::forwarded::client_address;
-use robota_mcpd::config::{PublicUrl, parse_net};
+use robota_mcpd::config::KeySource;
 use robota_mcpd::config::{Environment, parse};
+use robota_mcpd::config::{PublicUrl, parse_net};
 use robota_mcpd::metrics::Metrics;
 use robota_mcpd::oauth::jwt::SUPPORTED_ALGORITHMS;
-use robota_mcpd::config::KeySource;
 use robota_mcpd::oauth::{JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Verifier};
+use robota_mcpd::vocab::Reason;
 use robota_proto::Request;
 
 /// The one loopback bearer the loopback target's lookup knows.
@@ -230,6 +230,7 @@ fn verifier() -> &'static (tokio::runtime::Runtime, JwtVerifier) {
                 cache_path: dir.join("jwks-cache.json"),
                 start_without_keys: false,
                 refresh: robota_mcpd::config::KeyRefresh::DEFAULT,
+                introspection: None,
             },
             Metrics::new(),
         )

@@ -141,6 +141,10 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         duration_secs: Option<u64>,
     },
+    /// One grant with everything it holds (for a call approval: the arguments).
+    GrantShow {
+        grant_id: i64,
+    },
     GrantDeny {
         grant_id: i64,
     },
@@ -177,7 +181,9 @@ impl Command {
             Command::JobCancel { .. } => &["job_id"],
             Command::GrantsList { .. } => &["all"],
             Command::GrantApprove { .. } => &["grant_id", "duration_secs"],
-            Command::GrantDeny { .. } | Command::GrantRevoke { .. } => &["grant_id"],
+            Command::GrantShow { .. } | Command::GrantDeny { .. } | Command::GrantRevoke { .. } => {
+                &["grant_id"]
+            }
             Command::UpstreamRestart { .. } => &["name"],
             Command::Status
             | Command::BearerList
@@ -203,7 +209,7 @@ impl Response {
     pub fn ok(reply: Reply) -> Self {
         Self {
             v: PROTOCOL_VERSION,
-            outcome: Outcome::Ok(reply),
+            outcome: Outcome::Ok(Box::new(reply)),
         }
     }
 
@@ -221,7 +227,8 @@ impl Response {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
-    Ok(Reply),
+    /// Boxed: a status is large beside an error.
+    Ok(Box<Reply>),
     Error(ErrorReply),
 }
 
@@ -258,9 +265,9 @@ pub enum Reply {
     Grants {
         grants: Vec<GrantRecord>,
     },
-    /// The grant as it is after the decision.
+    /// The grant as it is after the decision (or as `grant-show` finds it).
     Grant {
-        grant: GrantRecord,
+        grant: Box<GrantRecord>,
     },
     /// The connection now carries MCP (see [`Command::Mcp`]).
     Mcp,
@@ -378,13 +385,19 @@ pub struct JobRecord {
 pub enum GrantKind {
     RootAccess,
     Elevation,
+    /// An approval of one exact call (`decision = "approve-each"`): its tool and
+    /// arguments, used once.
+    Call,
 }
 
 impl GrantKind {
+    pub const ALL: [GrantKind; 3] = [GrantKind::RootAccess, GrantKind::Elevation, GrantKind::Call];
+
     pub fn as_str(self) -> &'static str {
         match self {
             GrantKind::RootAccess => "root-access",
             GrantKind::Elevation => "elevation",
+            GrantKind::Call => "call",
         }
     }
 }
@@ -398,9 +411,20 @@ pub enum GrantState {
     Denied,
     Revoked,
     Expired,
+    /// An approval of one call that the call has used.
+    Used,
 }
 
 impl GrantState {
+    pub const ALL: [GrantState; 6] = [
+        GrantState::Pending,
+        GrantState::Approved,
+        GrantState::Denied,
+        GrantState::Revoked,
+        GrantState::Expired,
+        GrantState::Used,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             GrantState::Pending => "pending",
@@ -408,6 +432,7 @@ impl GrantState {
             GrantState::Denied => "denied",
             GrantState::Revoked => "revoked",
             GrantState::Expired => "expired",
+            GrantState::Used => "used",
         }
     }
 }
@@ -433,6 +458,18 @@ pub struct GrantRecord {
     pub decided_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<i64>,
+    /// Kind `call`: the canonical tool name the approval is for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// Kind `call`: the call's arguments, exactly as they are bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<serde_json::Value>,
+    /// Kind `call`: SHA-256 (hex) of the canonical JSON text of `arguments`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_sha256: Option<String>,
+    /// Kind `call`: when the call used the approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_at: Option<i64>,
 }
 
 /// One audit record: a refusal, or a grant request or decision. Never token text, never
@@ -480,6 +517,9 @@ pub struct GrantRef {
     pub caller: String,
     /// Who acted: the caller itself, or the operator as `local:<uid>`.
     pub by: String,
+    /// An approval of one call: the tool it is for (never the arguments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -506,11 +546,13 @@ pub enum ErrorCode {
     Conflict,
     /// The daemon cannot do this now (e.g. it is stopping).
     Unavailable,
+    /// A reload found the configuration invalid; the running one stays.
+    InvalidConfig,
     Internal,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 9] = [
         ErrorCode::PermissionDenied,
         ErrorCode::BadRequest,
         ErrorCode::UnsupportedVersion,
@@ -518,6 +560,7 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::Conflict,
         ErrorCode::Unavailable,
+        ErrorCode::InvalidConfig,
         ErrorCode::Internal,
     ];
 
@@ -530,6 +573,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not-found",
             ErrorCode::Conflict => "conflict",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::InvalidConfig => "invalid-config",
             ErrorCode::Internal => "internal",
         }
     }
@@ -594,12 +638,27 @@ pub struct Status {
     /// The remote carrier's key set, when it is enabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_set: Option<Box<KeySetStatus>>,
+    /// The configuration served now, and whether its file reads differently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigStatus>,
+    /// The state directory (store, audit, key cache).
+    #[serde(default)]
+    pub state_dir: String,
+    /// How the last reload went; none since the process started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reload: Option<ReloadStatus>,
+    /// `ok`, or `degraded` while a part fails (see `problems`).
+    #[serde(default = "ok")]
+    pub health: String,
+    /// What is failing now, when `health` is `degraded`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<Problem>,
     /// The downstream MCP servers, by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub upstreams: Vec<UpstreamStatus>,
 }
 
-/// One downstream MCP server (docs/design.md §13).
+/// One downstream MCP server (docs/design.md §12).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UpstreamStatus {
     /// Its configured name, the prefix of its tools.
@@ -641,6 +700,51 @@ pub struct RefusedTool {
     /// The upstream's own name for it.
     pub tool: String,
     pub reason: String,
+}
+
+fn ok() -> String {
+    "ok".into()
+}
+
+/// The configuration the daemon serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigStatus {
+    /// The file's path, or `embedded default`.
+    pub source: String,
+    /// SHA-256 (hex) of the text served.
+    pub sha256: String,
+    /// When it was read (Unix seconds).
+    pub loaded_at: u64,
+    /// Whether what would be read now differs from what is served (a reload would change
+    /// something); absent when that cannot be read (`read_error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed_on_disk: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_error: Option<String>,
+}
+
+/// The last reload (SIGHUP or `restart`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadStatus {
+    /// When it ended (Unix seconds).
+    pub at: u64,
+    pub ok: bool,
+    /// Why it was refused: every problem, each naming its key.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+}
+
+/// A part of the daemon that is failing now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    /// `audit` (the audit file) or `store` (the job, grant and idempotency store).
+    pub part: String,
+    /// The last error.
+    pub error: String,
+    /// Since when it fails (Unix seconds).
+    pub since: u64,
+    /// Failed writes since then.
+    pub failures: u64,
 }
 
 /// Where the remote verifier's keys come from (`[remote]` `jwks_uri`, `jwks_file`, or
@@ -728,6 +832,9 @@ pub mod exit {
     pub const PERMISSION_DENIED: i32 = 4;
     /// The daemon spoke something we do not understand.
     pub const PROTOCOL: i32 = 5;
+    /// `restart`: the daemon found its configuration invalid and kept the running one
+    /// (the code `robota-mcpd check-config` uses for an invalid configuration).
+    pub const INVALID_CONFIG: i32 = 78;
 }
 
 #[cfg(test)]

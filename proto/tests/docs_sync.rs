@@ -44,7 +44,8 @@ fn all_commands() -> Vec<Command> {
                 grant_id: 7,
                 duration_secs: Some(900),
             }),
-            Command::GrantApprove { .. } => Some(Command::GrantDeny { grant_id: 7 }),
+            Command::GrantApprove { .. } => Some(Command::GrantShow { grant_id: 7 }),
+            Command::GrantShow { .. } => Some(Command::GrantDeny { grant_id: 7 }),
             Command::GrantDeny { .. } => Some(Command::GrantRevoke { grant_id: 7 }),
             Command::GrantRevoke { .. } => Some(Command::Mcp),
             Command::Mcp => Some(Command::Stop),
@@ -85,7 +86,9 @@ fn all_replies() -> Vec<Reply> {
             Reply::Job { .. } => Some(Reply::Grants {
                 grants: vec![grant()],
             }),
-            Reply::Grants { .. } => Some(Reply::Grant { grant: grant() }),
+            Reply::Grants { .. } => Some(Reply::Grant {
+                grant: Box::new(grant()),
+            }),
             Reply::Grant { .. } => Some(Reply::Mcp),
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
@@ -141,6 +144,10 @@ fn grant() -> GrantRecord {
         decided_at: None,
         decided_by: None,
         expires_at: None,
+        tool: None,
+        arguments: None,
+        args_sha256: None,
+        used_at: None,
     }
 }
 
@@ -174,6 +181,11 @@ fn status() -> Status {
         bearer_count: 1,
         refusals_last_hour: Default::default(),
         key_set: None,
+        config: None,
+        state_dir: "/var/lib/robota-mcpd".into(),
+        last_reload: None,
+        health: "ok".into(),
+        problems: Vec::new(),
         upstreams: Vec::new(),
     }
 }
@@ -261,6 +273,7 @@ fn classify(values: &[Value]) -> Examples {
             assert_eq!(response.v, PROTOCOL_VERSION, "{value}");
             match response.outcome {
                 robota_proto::Outcome::Ok(reply) => {
+                    let reply = *reply;
                     seen.ok_kinds.insert(tag_of(&reply, "kind"));
                 }
                 robota_proto::Outcome::Error(error) => {
@@ -310,7 +323,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 18, "the command chain lost a link");
+    assert_eq!(commands.len(), 19, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -357,6 +370,7 @@ fn every_exit_code_is_documented() {
         (exit::NOT_RUNNING, "NOT_RUNNING"),
         (exit::PERMISSION_DENIED, "PERMISSION_DENIED"),
         (exit::PROTOCOL, "PROTOCOL"),
+        (exit::INVALID_CONFIG, "INVALID_CONFIG"),
     ];
     let distinct: BTreeSet<i32> = codes.iter().map(|(code, _)| *code).collect();
     assert_eq!(distinct.len(), codes.len(), "exit codes must be distinct");

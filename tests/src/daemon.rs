@@ -97,10 +97,16 @@ pub fn run_bounded(mut cmd: Command, limit: Duration) -> CtlOutput {
 
 /// `robota-mcpd check-config --config <path>`.
 pub fn check_config(path: &Path) -> CtlOutput {
+    check_config_with(path, &[])
+}
+
+/// `robota-mcpd check-config --config <path> <args…>`.
+pub fn check_config_with(path: &Path, args: &[&str]) -> CtlOutput {
     let mut cmd = Command::new(crate::mcpd_bin());
     cmd.arg("check-config")
         .arg("--config")
         .arg(path)
+        .args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default());
     run_bounded(cmd, CTL_LIMIT)
@@ -570,6 +576,11 @@ impl Daemon {
     /// A new extra bearer with `label`.
     pub fn bearer_labeled(&self, label: &str) -> String {
         self.take_bearer(&["bearer", "issue", "--label", label])
+    }
+
+    /// An extra bearer with a lifetime (`--ttl`): kept across reloads and restarts.
+    pub fn bearer_with_ttl(&self, label: &str, ttl: &str) -> String {
+        self.take_bearer(&["bearer", "issue", "--label", label, "--ttl", ttl])
     }
 
     /// Scans every output the harness captured, the daemon's command line, its notify

@@ -14,6 +14,7 @@ pub mod h2;
 pub mod http;
 pub mod mcp;
 pub mod notify;
+pub mod oidc;
 pub mod procs;
 pub mod remote;
 pub mod secrets;

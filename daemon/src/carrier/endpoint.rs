@@ -7,8 +7,9 @@
 //! JSON-RPC error for a parse error, a batch, a bad id or params), then 400 for an
 //! unsupported `MCP-Protocol-Version` (with the request's id). A
 //! `notifications/cancelled` cancels the same caller's in-flight request and is answered
-//! 202 here; everything else goes to rmcp's stateless service. Every error answer is
-//! counted by reason.
+//! 202 here; a carrier's gate may answer a call itself (the remote carrier's 403 for a
+//! tool that needs scopes the token lacks, before anything runs); everything else goes to
+//! rmcp's stateless service. Every error answer is counted by reason.
 //!
 //! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
 //! for twice its body (ours and the SDK's copy) while it is read, then for
@@ -42,8 +43,13 @@ use crate::config::{HttpLimits, Limits};
 use crate::mcp::{InFlight, McpServer, PassthroughSlot, SUPPORTED_VERSIONS, is_supported_version};
 use crate::metrics::Metrics;
 use crate::session::{RuntimeTools, TurnSubmission};
-use crate::vocab::Caller;
+use crate::vocab::Admitted;
 use crate::vocab::{Listener, Rejection};
+
+/// A carrier's look at a call before it reaches the session: given the canonical tool it
+/// would run (`tools/call`; `job.status` / `job.cancel` for `tasks/get` /
+/// `tasks/cancel`) and the caller, `None` lets it go on, `Some` is the answer instead.
+pub type Gate<'a> = &'a (dyn Fn(&str, &Admitted) -> Option<Response<Body>> + Sync);
 
 const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 
@@ -61,6 +67,8 @@ pub struct Endpoint<S> {
     body_limit: u64,
     body_timeout: Duration,
     inflight: Arc<InFlight>,
+    /// For the canonical names of calls (the gate's input).
+    server: McpServer<S>,
     service: StreamableHttpService<McpServer<S>, NeverSessionManager>,
 }
 
@@ -96,6 +104,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
             .with_cancellation_token(drained.child_token());
         let inflight = server.inflight().clone();
+        let names = server.clone();
         let memory_units = usize::try_from(limits.request_memory)
             .unwrap_or(usize::MAX)
             .div_ceil(UNIT)
@@ -114,6 +123,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
             inflight,
+            server: names,
             service,
         }
     }
@@ -123,8 +133,14 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         response
     }
 
-    /// Serve a request admitted as `caller`.
-    pub async fn serve(&self, req: Request<Incoming>, caller: Caller) -> Response<Body> {
+    /// Serve a request admitted as `caller`, with the carrier's `gate` (if any) asked
+    /// about every call before it runs.
+    pub async fn serve(
+        &self,
+        req: Request<Incoming>,
+        caller: Admitted,
+        gate: Option<Gate<'_>>,
+    ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
         if parts.method != Method::POST {
             let mut response = server::empty(StatusCode::METHOD_NOT_ALLOWED);
@@ -191,9 +207,23 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         }
         if message.method.as_deref() == Some("notifications/cancelled") {
             if let Some(id) = cancelled_request_id(&bytes) {
-                self.inflight.cancel(&caller, &id);
+                self.inflight.cancel(&caller.caller, &id);
             }
             return server::empty(StatusCode::ACCEPTED);
+        }
+        if let Some(gate) = gate {
+            let tool = match message.method.as_deref() {
+                Some("tools/call") => message
+                    .tool
+                    .as_deref()
+                    .and_then(|wire| self.server.canonical_name(wire)),
+                Some("tasks/get") => Some("job.status".to_owned()),
+                Some("tasks/cancel") => Some("job.cancel".to_owned()),
+                _ => None,
+            };
+            if let Some(answer) = tool.and_then(|tool| gate(&tool, &caller)) {
+                return answer;
+            }
         }
         parts.extensions.insert(caller);
         let passthrough = (message.method.as_deref() == Some("tools/call")).then(|| {

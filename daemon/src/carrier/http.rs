@@ -817,7 +817,19 @@ impl RefusalLog {
 
 /// A TLS acceptor from PEM files (certificate chain, private key), offering h2 and
 /// http/1.1 by ALPN.
+/// Why the TLS files cannot be served: the message names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsError(String);
+
 pub fn tls_acceptor(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+    tls_config(cert, key).map_err(TlsError)
+}
+
+fn tls_config(
     cert: &std::path::Path,
     key: &std::path::Path,
 ) -> Result<tokio_rustls::TlsAcceptor, String> {

@@ -26,6 +26,8 @@ pub struct Inspected {
     pub id: Option<Value>,
     /// The `method`, for requests and notifications.
     pub method: Option<String>,
+    /// A `tools/call`'s `name`: the tool's wire name.
+    pub tool: Option<String>,
     /// Parsed-memory estimate in bytes: the text plus [`VALUE_COST`] per JSON value.
     pub cost: usize,
 }
@@ -89,6 +91,7 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
         values: &mut values,
         depth: 0,
         params: false,
+        keep: false,
     }
     .deserialize(&mut de)
     .and_then(|top| de.end().map(|()| top))
@@ -137,8 +140,20 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
             if let Some(why) = params_problem(method, fields.params.as_ref()) {
                 return Err(Invalid::Params { id, why });
             }
+            let tool = match (method.as_str(), fields.params.as_ref()) {
+                ("tools/call", Some(Kind::Object(Some(params)))) => match &params.name {
+                    Some(Kind::Str(name)) => Some(name.clone()),
+                    _ => None,
+                },
+                _ => None,
+            };
             let method = Some(method.clone());
-            Ok(Inspected { id, method, cost })
+            Ok(Inspected {
+                id,
+                method,
+                tool,
+                cost,
+            })
         }
         Some(_) => Err(Invalid::Request {
             id,
@@ -148,6 +163,7 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
         None if id.is_some() && (fields.result ^ fields.error) => Ok(Inspected {
             id: None,
             method: None,
+            tool: None,
             cost,
         }),
         None => Err(Invalid::Request {
@@ -231,6 +247,8 @@ struct Probe<'a> {
     depth: u8,
     /// This value is the message's `params`: note the members methods require.
     params: bool,
+    /// This value is a member of `params`: a string is kept (a tool name, a task id).
+    keep: bool,
 }
 
 impl Probe<'_> {
@@ -239,6 +257,7 @@ impl Probe<'_> {
             values: &mut *self.values,
             depth: self.depth.saturating_add(1),
             params: false,
+            keep: false,
         }
     }
 }
@@ -285,13 +304,16 @@ impl<'de> Visitor<'de> for Probe<'_> {
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Kind, E> {
         *self.values += 1;
-        // Only the message's own members are kept (`jsonrpc`, `id`, `method`); strings
-        // deeper down (arguments, content) are counted, never copied.
-        Ok(Kind::Str(if self.depth == 1 && !self.params {
-            v.to_owned()
-        } else {
-            String::new()
-        }))
+        // Only the message's own members (`jsonrpc`, `id`, `method`) and those of its
+        // `params` (`name`, `taskId`) are kept; strings deeper down (arguments, content)
+        // are counted, never copied.
+        Ok(Kind::Str(
+            if (self.depth == 1 && !self.params) || self.keep {
+                v.to_owned()
+            } else {
+                String::new()
+            },
+        ))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<Kind, A::Error> {
@@ -313,8 +335,10 @@ impl<'de> Visitor<'de> for Probe<'_> {
                     Shorten(&key)
                 )));
             }
+            let in_params = self.params;
             let mut inner = self.inner();
             inner.params = top && key == "params";
+            inner.keep = in_params;
             let value = map.next_value_seed(inner)?;
             if let Some(f) = fields.as_mut() {
                 match (top, key.as_ref()) {
@@ -387,6 +411,19 @@ mod tests {
 
     fn err(body: &str) -> Invalid {
         inspect(body.as_bytes()).expect_err(body)
+    }
+
+    #[test]
+    fn a_tool_calls_name_is_read_and_nothing_deeper() {
+        let r = ok(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"arguments":{"name":"inner","x":"y"},"name":"file.write"}}"#,
+        );
+        assert_eq!(r.tool.as_deref(), Some("file.write"));
+        let r = ok(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"x"}}"#);
+        assert_eq!(r.tool, None);
+        let r =
+            ok(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a\u002eb"}}"#);
+        assert_eq!(r.tool.as_deref(), Some("a.b"), "the name is read unescaped");
     }
 
     #[test]

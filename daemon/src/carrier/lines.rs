@@ -168,7 +168,8 @@ impl Slots {
 /// also gets a passthrough slot.
 fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthrough: &Passthrough) {
     use rmcp::model::{ClientNotification, ClientRequest, GetExtensions, JsonRpcMessage};
-    let mut parts = crate::mcp::admitted(caller.clone());
+    // A line carrier's caller holds no token.
+    let mut parts = crate::mcp::admitted(caller.clone().into());
     match message {
         JsonRpcMessage::Request(req) => {
             if matches!(req.request, ClientRequest::CallToolRequest(_)) {

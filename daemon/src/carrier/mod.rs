@@ -10,6 +10,66 @@ pub mod remote;
 pub mod scrape;
 pub mod stdio;
 
+use std::net::SocketAddr;
+
+use crate::vocab::Listener;
+
+/// The TCP sockets of the daemon's listeners, by configured address, kept across
+/// restarts: a carrier whose address did not change serves on the same socket again, so
+/// its port stays and a client connecting during a restart waits in the backlog instead of
+/// being refused.
+#[derive(Default)]
+/// Keyed by listener and configured address: two listeners configured on port 0 are two
+/// sockets, and each keeps its port across reloads.
+pub struct Sockets {
+    kept: parking_lot::Mutex<
+        std::collections::HashMap<(Listener, SocketAddr), std::net::TcpListener>,
+    >,
+}
+
+impl Sockets {
+    /// A listener on `addr`: the kept socket if there is one, else a new one (kept).
+    pub fn listener(
+        &self,
+        name: Listener,
+        addr: SocketAddr,
+    ) -> std::io::Result<tokio::net::TcpListener> {
+        let mut kept = self.kept.lock();
+        tokio::net::TcpListener::from_std(kept_socket(&mut kept, name, addr)?.try_clone()?)
+    }
+
+    /// Bind `addr` now unless it is kept already, so a restart fails before it stops
+    /// anything.
+    pub fn reserve(&self, name: Listener, addr: SocketAddr) -> std::io::Result<()> {
+        kept_socket(&mut self.kept.lock(), name, addr).map(|_| ())
+    }
+
+    /// Close every kept socket but those of `addrs`.
+    pub fn retain(&self, keep: &[(Listener, SocketAddr)]) {
+        self.kept.lock().retain(|key, _| keep.contains(key));
+    }
+}
+
+fn kept_socket(
+    kept: &mut std::collections::HashMap<(Listener, SocketAddr), std::net::TcpListener>,
+    name: Listener,
+    addr: SocketAddr,
+) -> std::io::Result<&std::net::TcpListener> {
+    match kept.entry((name, addr)) {
+        std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            // As `tokio::net::TcpListener::bind` does: SO_REUSEADDR, a backlog of 1024.
+            let socket = match addr {
+                SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+                SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+            };
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)?;
+            Ok(e.insert(socket.listen(1024)?.into_std()?))
+        }
+    }
+}
+
 /// RFC 6750 §2.1 credentials: `Bearer 1*SP b64token`, the scheme case-insensitive.
 /// Returns the token; length limits are each carrier's own.
 pub fn parse_bearer(value: &[u8]) -> Option<&str> {

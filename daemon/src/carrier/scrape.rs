@@ -7,14 +7,16 @@ use http_body_util::BodyExt;
 
 use super::http::{self as server, Body, HeadRefusal};
 use crate::audit::Audit;
+use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::vocab::{Listener, Rejection};
+use crate::vocab::{Listener, Rejection, StatePart};
 
 /// The `/metrics` listener's request handler.
 #[derive(Clone)]
 pub struct Scrape {
     pub metrics: Metrics,
     pub audit: Arc<Audit>,
+    pub health: Arc<Health>,
     /// On a loopback listener, the `Host` values a scrape may carry (its own address, or
     /// `localhost`, with the port); any other name is a page that rebound a name of its
     /// own to this host. `None`: any `Host` (a listener the operator put on a network).
@@ -23,7 +25,12 @@ pub struct Scrape {
 
 impl Scrape {
     /// The handler for a listener bound at `local`.
-    pub fn new(metrics: Metrics, audit: Arc<Audit>, local: std::net::SocketAddr) -> Self {
+    pub fn new(
+        metrics: Metrics,
+        audit: Arc<Audit>,
+        health: Arc<Health>,
+        local: std::net::SocketAddr,
+    ) -> Self {
         let hosts = local.ip().is_loopback().then(|| {
             let port = local.port();
             let own = match local {
@@ -42,6 +49,7 @@ impl Scrape {
         Self {
             metrics,
             audit,
+            health,
             hosts,
         }
     }
@@ -85,7 +93,11 @@ impl server::Handler for Scrape {
             );
             return response;
         }
-        self.metrics.audit_unpersisted(self.audit.dropped());
+        self.metrics.audit_unpersisted(self.audit.unpersisted());
+        for part in StatePart::ALL {
+            self.metrics
+                .state_write_failures(part, self.health.failures_total(part));
+        }
         let mut response = hyper::Response::new(
             http_body_util::Full::new(bytes::Bytes::from(self.metrics.render())).boxed(),
         );

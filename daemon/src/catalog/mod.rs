@@ -312,10 +312,7 @@ impl From<crate::jobs::JobError> for ToolError {
             JobError::NotFound(_) => ToolErrorCode::InvalidArguments,
             JobError::Busy(_) => ToolErrorCode::Busy,
             JobError::Elsewhere(_) => ToolErrorCode::Unavailable,
-            JobError::Store(store) => {
-                tracing::error!(error = %store, "job store failure");
-                ToolErrorCode::Internal
-            }
+            JobError::Store(store) => return ToolError::store(store, "job store"),
         };
         ToolError::new(code, e.to_string())
     }
@@ -328,10 +325,7 @@ impl From<crate::grants::GrantError> for ToolError {
         let code = match &e {
             GrantError::Invalid(_) | GrantError::NotYours(_) => ToolErrorCode::InvalidArguments,
             GrantError::TooMany { .. } => ToolErrorCode::Busy,
-            GrantError::Store(store) => {
-                tracing::error!(error = %store, "grant store failure");
-                ToolErrorCode::Internal
-            }
+            GrantError::Store(store) => return ToolError::store(store, "grant store"),
         };
         ToolError::new(code, e.to_string())
     }

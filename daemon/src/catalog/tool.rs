@@ -29,6 +29,20 @@ pub struct ToolError {
 pub const MAX_ERROR_MESSAGE: usize = 1024;
 
 impl ToolError {
+    /// A store failure as a caller sees it: `unavailable` while the state directory cannot
+    /// take a write (it may work again soon), `internal` otherwise. The detail is logged.
+    pub fn store(e: &crate::store::StoreError, what: &str) -> Self {
+        tracing::error!(error = %e, "{what} failure");
+        if crate::store::is_write_failure(e) {
+            ToolError::new(
+                ToolErrorCode::Unavailable,
+                "the daemon cannot write its state directory now (is its disk full?); try again later",
+            )
+        } else {
+            ToolError::new(ToolErrorCode::Internal, format!("the {what} failed"))
+        }
+    }
+
     pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
         let mut message = message.into();
         if message.len() > MAX_ERROR_MESSAGE {
@@ -59,7 +73,7 @@ pub enum ToolOutput {
     Job(robota_proto::JobRecord),
     /// A downstream server's `tools/call` result, as the JSON object it sent (content,
     /// `structuredContent`, `isError`, `_meta` and fields unknown to us alike), passed on
-    /// as it is (docs/design.md §13.4).
+    /// as it is (docs/design.md §12.4).
     Passthrough(Map<String, Value>),
 }
 

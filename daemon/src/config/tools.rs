@@ -37,6 +37,29 @@ pub struct FileTool {
     pub max_read: u64,
     /// Largest content `file.write` accepts, and largest file it appends to.
     pub max_write: u64,
+    /// How `file.write` makes a new file under each write root (by root path).
+    pub new_files: BTreeMap<PathBuf, NewFiles>,
+}
+
+/// `[tools.file.new_files."<write root>"]`: a new file's permission bits and group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewFiles {
+    pub mode: u32,
+    /// `None`: the group of the directory the file is made in.
+    pub gid: Option<u32>,
+}
+
+/// The permission bits of a new file when its root sets none: readable by everyone who
+/// may enter the directory, as a file made under the usual umask 022 is.
+pub const NEW_FILE_MODE_DEFAULT: u32 = 0o644;
+
+impl Default for NewFiles {
+    fn default() -> Self {
+        Self {
+            mode: NEW_FILE_MODE_DEFAULT,
+            gid: None,
+        }
+    }
 }
 
 impl Default for FileTool {
@@ -46,6 +69,7 @@ impl Default for FileTool {
             write_roots: Vec::new(),
             max_read: FILE_BYTES_DEFAULT,
             max_write: FILE_BYTES_DEFAULT,
+            new_files: BTreeMap::new(),
         }
     }
 }
@@ -93,6 +117,9 @@ pub struct PermissionsTool {
     pub max_duration: Duration,
     /// Pending requests a caller may have at once.
     pub max_pending: usize,
+    /// How long an approval of one exact call (`approve-each`) stays usable once
+    /// approved, unless the operator gives another duration.
+    pub approval_expiry: Duration,
 }
 
 impl Default for PermissionsTool {
@@ -100,6 +127,7 @@ impl Default for PermissionsTool {
         Self {
             max_duration: Duration::from_secs(24 * 3600),
             max_pending: 8,
+            approval_expiry: Duration::from_secs(15 * 60),
         }
     }
 }
@@ -141,6 +169,17 @@ struct RawFile {
     write_roots: Vec<PathBuf>,
     max_read: Option<SizeText>,
     max_write: Option<SizeText>,
+    #[serde(default)]
+    new_files: BTreeMap<PathBuf, RawNewFiles>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNewFiles {
+    /// Octal text, `"0640"`.
+    mode: Option<String>,
+    /// A group name or a numeric gid.
+    group: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -165,6 +204,7 @@ struct RawDocker {
 struct RawPermissions {
     max_duration: Option<DurationText>,
     max_pending: Option<usize>,
+    approval_expiry: Option<DurationText>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -251,12 +291,76 @@ fn roots(key: &str, list: Vec<PathBuf>, issues: &mut Issues) -> Vec<PathBuf> {
     list
 }
 
+/// `[tools.file.new_files]`: each key a write root, each mode owner-read-writable and not
+/// writable by others, each group one that exists.
+fn new_files(
+    write_roots: &[PathBuf],
+    raw: BTreeMap<PathBuf, RawNewFiles>,
+    issues: &mut Issues,
+) -> BTreeMap<PathBuf, NewFiles> {
+    let mut out = BTreeMap::new();
+    for (root, settings) in raw {
+        let key = format!("tools.file.new_files.\"{}\"", root.display());
+        if !write_roots.contains(&root) {
+            issues.add(
+                key.clone(),
+                format!("{} is not one of tools.file.write_roots", root.display()),
+            );
+        }
+        let mut made = NewFiles::default();
+        if let Some(text) = settings.mode {
+            match u32::from_str_radix(text.trim_start_matches("0o"), 8) {
+                Ok(mode) if mode > 0o777 => issues.add(
+                    format!("{key}.mode"),
+                    format!("{text:?}: permission bits only (at most 0777; no setuid, setgid or sticky bit)"),
+                ),
+                Ok(mode) if mode & 0o600 != 0o600 => issues.add(
+                    format!("{key}.mode"),
+                    format!("{text:?}: the owner (the daemon's user) must keep read and write (0600)"),
+                ),
+                Ok(mode) if mode & 0o002 != 0 => issues.add(
+                    format!("{key}.mode"),
+                    format!("{text:?}: new files must not be writable by every user"),
+                ),
+                Ok(mode) => made.mode = mode,
+                Err(_) => issues.add(
+                    format!("{key}.mode"),
+                    format!("{text:?} is not an octal mode such as \"0640\""),
+                ),
+            }
+        }
+        if let Some(group) = settings.group {
+            let found = match group.parse::<u32>() {
+                Ok(gid) => Ok(Some(gid)),
+                Err(_) => nix::unistd::Group::from_name(&group)
+                    .map(|g| g.map(|g| g.gid.as_raw()))
+                    .map_err(|e| e.desc().to_owned()),
+            };
+            match found {
+                Ok(Some(gid)) => made.gid = Some(gid),
+                Ok(None) => issues.add(
+                    format!("{key}.group"),
+                    format!("there is no group {group:?}"),
+                ),
+                Err(e) => issues.add(
+                    format!("{key}.group"),
+                    format!("cannot look up group {group:?}: {e}"),
+                ),
+            }
+        }
+        out.insert(root, made);
+    }
+    out
+}
+
 pub(super) fn validate(
     raw: RawTools,
     jobs: BTreeMap<String, RawJob>,
     issues: &mut Issues,
 ) -> ToolsConfig {
+    let new_files = new_files(&raw.file.write_roots, raw.file.new_files, issues);
     let file = FileTool {
+        new_files,
         read_roots: roots("tools.file.read_roots", raw.file.read_roots, issues),
         write_roots: roots("tools.file.write_roots", raw.file.write_roots, issues),
         max_read: size_within(
@@ -320,14 +424,32 @@ pub(super) fn validate(
             format!("must be between 1 and 1024, got {max_pending}"),
         );
     }
+    let max_duration = positive(
+        "tools.permissions.max_duration".into(),
+        raw.permissions.max_duration,
+        PermissionsTool::default().max_duration,
+        issues,
+    );
+    let approval_expiry = raw
+        .permissions
+        .approval_expiry
+        .map_or(PermissionsTool::default().approval_expiry, |d| d.0);
+    if approval_expiry.as_secs() == 0
+        || approval_expiry.subsec_nanos() != 0
+        || approval_expiry > max_duration
+    {
+        issues.add(
+            "tools.permissions.approval_expiry",
+            format!(
+                "must be whole seconds between 1s and max_duration ({})",
+                humantime::format_duration(max_duration)
+            ),
+        );
+    }
     let permissions = PermissionsTool {
-        max_duration: positive(
-            "tools.permissions.max_duration".into(),
-            raw.permissions.max_duration,
-            PermissionsTool::default().max_duration,
-            issues,
-        ),
+        max_duration,
         max_pending,
+        approval_expiry,
     };
     let max_running_jobs = raw.max_running_jobs.unwrap_or(16);
     if max_running_jobs == 0 || max_running_jobs > 1024 {

@@ -249,9 +249,63 @@ pub fn check_caller_pattern(pattern: &str) -> Result<(), String> {
     }
 }
 
+/// Whether caller text (`oauth:client-a/alice`) matches a caller pattern: `*` stands for
+/// any run of characters — `/` included, so `*` and `oauth:*` match every remote caller
+/// and `oauth:client-a/*` every subject of that client, whatever its subject holds — and
+/// `?` for one character; everything else stands for itself.
+pub fn caller_matches(pattern: &str, caller: &str) -> bool {
+    let (p, c): (Vec<char>, Vec<char>) = (pattern.chars().collect(), caller.chars().collect());
+    // Iterative wildcard match: remember the last `*` and where it resumed.
+    let (mut pi, mut ci) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ci < c.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == c[ci]) {
+            pi += 1;
+            ci += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ci));
+            pi += 1;
+        } else if let Some((sp, sc)) = star {
+            pi = sp + 1;
+            ci = sc + 1;
+            star = Some((sp, sc + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&ch| ch == '*')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn caller_patterns_match_across_slashes() {
+        for (pattern, caller) in [
+            ("*", "oauth:client-a/alice"),
+            ("*", "local:0"),
+            ("oauth:*", "oauth:client-a/alice"),
+            ("oauth:*", "oauth:c/a/b"),
+            ("oauth:client-a/*", "oauth:client-a/alice"),
+            ("oauth:client-a/*", "oauth:client-a/team/alice"),
+            ("oauth:*/alice", "oauth:client-a/alice"),
+            ("bearer:ci-*", "bearer:ci-7"),
+            ("local:1?00", "local:1000"),
+            ("local:0", "local:0"),
+        ] {
+            assert!(caller_matches(pattern, caller), "{pattern} {caller}");
+        }
+        for (pattern, caller) in [
+            ("oauth:*", "bearer:x"),
+            ("oauth:client-a/*", "oauth:client-ab/alice"),
+            ("local:0", "local:00"),
+            ("bearer:ci", "bearer:ci2"),
+            ("oauth:*/alice", "oauth:client-a/alice2"),
+        ] {
+            assert!(!caller_matches(pattern, caller), "{pattern} {caller}");
+        }
+    }
 
     #[test]
     fn public_urls() {

@@ -8,7 +8,7 @@ use robota_proto::{BearerInfo, Command, ErrorCode, Reply, Response, Secret};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use super::core::{Core, Op};
+use super::core::{Core, Op, RestartFailure};
 use crate::bearer::{BearerError, HOST_LABEL, unix_secs};
 use crate::control::{ControlApi, ControlReader, Peer};
 use crate::grants::{DecideError, Grant};
@@ -50,6 +50,7 @@ impl ControlApi for Api {
                 grant_id,
                 duration_secs,
             } => grants::approve(core, grant_id, duration_secs, peer),
+            Command::GrantShow { grant_id } => grants::show(core, grant_id),
             Command::GrantDeny { grant_id } => grants::deny(core, grant_id, peer),
             Command::GrantRevoke { grant_id } => grants::revoke(core, grant_id, peer),
             Command::KeysRefresh => keys::refresh(core).await,
@@ -69,10 +70,11 @@ impl ControlApi for Api {
         let core = &self.0;
         let session = core.session.read().clone();
         let ended = core.relays.read().child_token();
+        let served = core.served();
         crate::carrier::relay::serve(
             session,
-            &core.plan.config,
-            core.plan.metrics.clone(),
+            &served.plan.config,
+            core.metrics.clone(),
             reader,
             writer,
             peer.uid,
@@ -89,10 +91,17 @@ fn operator(peer: Peer) -> String {
 
 fn store_failed(e: StoreError) -> Response {
     tracing::error!(error = %e, "store failure");
-    Response::error(
-        ErrorCode::Internal,
-        "the store failed; see the daemon's log",
-    )
+    if crate::store::is_write_failure(&e) {
+        Response::error(
+            ErrorCode::Unavailable,
+            "the daemon cannot write its store now (is the state directory's disk full?); see `robota-mcpctl status`",
+        )
+    } else {
+        Response::error(
+            ErrorCode::Internal,
+            "the store failed; see the daemon's log",
+        )
+    }
 }
 
 /// `audit`: the newest matching records.
@@ -167,7 +176,16 @@ mod lifecycle {
         }
         match rx.await {
             Ok(Ok(status)) => Response::ok(Reply::Restarted { status }),
-            Ok(Err(message)) => Response::error(ErrorCode::Internal, message),
+            Ok(Err(RestartFailure::Refused(problems))) => Response::error(
+                ErrorCode::InvalidConfig,
+                format!(
+                    "the configuration was not reloaded (the running one stays):\n  {}",
+                    problems.join("\n  ")
+                ),
+            ),
+            Ok(Err(RestartFailure::Failed(message))) => {
+                Response::error(ErrorCode::Internal, message)
+            }
             Err(_) => Response::error(
                 ErrorCode::Unavailable,
                 "the daemon stopped during the restart",
@@ -179,40 +197,44 @@ mod lifecycle {
 /// `bearer issue|list|revoke|rotate`: the loopback carrier's bearers.
 mod bearers {
     use super::*;
-    use crate::bearer::BearerStore;
+    use crate::host::BearerOpError;
 
-    /// The loopback carrier's bearers, or the answer that it is disabled.
-    fn store(core: &Core) -> Result<Arc<BearerStore>, Box<Response>> {
-        match &core.loopback {
-            Some(loopback) => Ok(loopback.carrier().bearers()),
-            None => Err(Box::new(Response::error(
-                ErrorCode::Unavailable,
-                "the loopback carrier is disabled",
-            ))),
-        }
+    /// The answer when the loopback carrier is disabled.
+    fn disabled(core: &Core) -> Option<Response> {
+        core.served()
+            .loopback
+            .is_none()
+            .then(|| Response::error(ErrorCode::Unavailable, "the loopback carrier is disabled"))
     }
 
-    fn failed(e: BearerError) -> Response {
-        let code = match e {
-            BearerError::Exists(_) => ErrorCode::Conflict,
-            BearerError::NotFound(_) => ErrorCode::NotFound,
-            BearerError::Full => ErrorCode::Unavailable,
-            BearerError::BadLabel(_) | BearerError::Reserved | BearerError::BadTtl => {
-                ErrorCode::BadRequest
+    fn failed(e: BearerOpError) -> Response {
+        let code = match &e {
+            BearerOpError::Bearer(BearerError::Exists(_)) => ErrorCode::Conflict,
+            BearerOpError::Bearer(BearerError::NotFound(_)) => ErrorCode::NotFound,
+            BearerOpError::Bearer(BearerError::Full) => ErrorCode::Unavailable,
+            BearerOpError::Bearer(
+                BearerError::BadLabel(_) | BearerError::Reserved | BearerError::BadTtl,
+            ) => ErrorCode::BadRequest,
+            BearerOpError::Store(store) => {
+                tracing::error!(error = %store, "cannot keep a bearer in the store");
+                if crate::store::is_write_failure(store) {
+                    ErrorCode::Unavailable
+                } else {
+                    ErrorCode::Internal
+                }
             }
         };
         Response::error(code, e.to_string())
     }
 
     pub(super) fn issue(core: &Core, label: Option<String>, ttl_secs: Option<u64>) -> Response {
-        let bearers = match store(core) {
-            Ok(b) => b,
-            Err(refusal) => return *refusal,
-        };
+        if let Some(refusal) = disabled(core) {
+            return refusal;
+        }
         match (label, ttl_secs) {
             (None, None) => Response::ok(Reply::Bearer {
                 label: HOST_LABEL.into(),
-                secret: Secret(bearers.host_secret()),
+                secret: Secret(core.host.bearers.host_secret()),
                 expires_at: None,
             }),
             (None, Some(_)) => Response::error(
@@ -220,13 +242,16 @@ mod bearers {
                 "the host bearer has no expiry; give --label to mint an extra bearer with a TTL",
             ),
             (Some(label), ttl_secs) => {
-                match bearers.issue(&label, ttl_secs.map(Duration::from_secs)) {
-                    Ok((secret, expires)) => {
-                        tracing::info!(label = %label, "bearer issued");
+                match core
+                    .host
+                    .issue_bearer(&label, ttl_secs.map(Duration::from_secs))
+                {
+                    Ok(issued) => {
+                        tracing::info!(label = %label, kept = issued.durable.is_some(), "bearer issued");
                         Response::ok(Reply::Bearer {
                             label,
-                            secret: Secret(secret),
-                            expires_at: expires.map(unix_secs),
+                            secret: Secret(issued.secret),
+                            expires_at: issued.expires.map(unix_secs),
                         })
                     }
                     Err(e) => failed(e),
@@ -236,29 +261,30 @@ mod bearers {
     }
 
     pub(super) fn list(core: &Core) -> Response {
-        match store(core) {
-            Ok(bearers) => Response::ok(Reply::Bearers {
-                bearers: bearers
-                    .list()
-                    .into_iter()
-                    .map(|b| BearerInfo {
-                        label: b.label,
-                        created_at: unix_secs(b.created),
-                        expires_at: b.expires.map(unix_secs),
-                        last_used_at: b.last_used.map(unix_secs),
-                    })
-                    .collect(),
-            }),
-            Err(refusal) => *refusal,
+        if let Some(refusal) = disabled(core) {
+            return refusal;
         }
+        Response::ok(Reply::Bearers {
+            bearers: core
+                .host
+                .bearers
+                .list()
+                .into_iter()
+                .map(|b| BearerInfo {
+                    label: b.label,
+                    created_at: unix_secs(b.created),
+                    expires_at: b.expires.map(unix_secs),
+                    last_used_at: b.last_used.map(unix_secs),
+                })
+                .collect(),
+        })
     }
 
     pub(super) fn revoke(core: &Core, label: String) -> Response {
-        let bearers = match store(core) {
-            Ok(b) => b,
-            Err(refusal) => return *refusal,
-        };
-        match bearers.revoke(&label) {
+        if let Some(refusal) = disabled(core) {
+            return refusal;
+        }
+        match core.host.revoke_bearer(&label) {
             Ok(()) => {
                 tracing::info!(label = %label, "bearer revoked");
                 Response::ok(Reply::Revoked { label })
@@ -268,17 +294,22 @@ mod bearers {
     }
 
     pub(super) fn rotate(core: &Core) -> Response {
-        match store(core) {
-            Ok(bearers) => {
-                let secret = bearers.rotate();
-                tracing::info!("host bearer rotated");
+        if let Some(refusal) = disabled(core) {
+            return refusal;
+        }
+        match core.host.rotate_bearers() {
+            Ok((secret, revoked)) => {
+                tracing::info!(
+                    revoked = revoked.len(),
+                    "bearers rotated: a new host bearer, every labelled one revoked"
+                );
                 Response::ok(Reply::Bearer {
                     label: HOST_LABEL.into(),
                     secret: Secret(secret),
                     expires_at: None,
                 })
             }
-            Err(refusal) => *refusal,
+            Err(e) => failed(e),
         }
     }
 }
@@ -310,6 +341,15 @@ mod jobs {
 
     pub(super) fn cancel(core: &Core, job_id: JobId, peer: Peer) -> Response {
         match core.host.jobs.cancel(None, job_id) {
+            // The state read before the cancel: it had ended already, nothing was done.
+            Ok(job) if job.state.finished() => Response::error(
+                ErrorCode::Conflict,
+                format!(
+                    "job {} already ended ({}); nothing to cancel",
+                    job_id.0,
+                    job.state.as_str()
+                ),
+            ),
             Ok(job) => {
                 tracing::info!(job_id = job_id.0, by = %operator(peer), "job cancel requested by the operator");
                 Response::ok(Reply::Job { job })
@@ -319,14 +359,20 @@ mod jobs {
     }
 }
 
-/// `grants list|approve|deny|revoke`, as the operator.
+/// `grants list|show|approve|deny|revoke`, as the operator.
 mod grants {
     use super::*;
+
+    /// Arguments of a call approval larger than this (as canonical JSON) are left out of
+    /// `grants-list` (`grant-show` has them), so a list of many stays small.
+    pub(super) const LIST_ARGUMENTS_BYTES: usize = 1024;
 
     /// The control-protocol edge of operator decisions.
     fn decided(result: Result<Grant, DecideError>) -> Response {
         match result {
-            Ok(grant) => Response::ok(Reply::Grant { grant }),
+            Ok(grant) => Response::ok(Reply::Grant {
+                grant: Box::new(grant),
+            }),
             Err(DecideError::NotFound(id)) => {
                 Response::error(ErrorCode::NotFound, format!("there is no grant {id}"))
             }
@@ -342,7 +388,28 @@ mod grants {
 
     pub(super) fn list(core: &Core, all: bool) -> Response {
         match core.host.grants.list(None, !all) {
-            Ok(grants) => Response::ok(Reply::Grants { grants }),
+            Ok(mut grants) => {
+                for grant in &mut grants {
+                    if grant.arguments.as_ref().is_some_and(|a| {
+                        crate::canonical::canonical_json(a).len() > LIST_ARGUMENTS_BYTES
+                    }) {
+                        grant.arguments = None;
+                    }
+                }
+                Response::ok(Reply::Grants { grants })
+            }
+            Err(e) => store_failed(e),
+        }
+    }
+
+    pub(super) fn show(core: &Core, grant_id: i64) -> Response {
+        match core.host.grants.get(grant_id) {
+            Ok(Some(grant)) => Response::ok(Reply::Grant {
+                grant: Box::new(grant),
+            }),
+            Ok(None) => {
+                Response::error(ErrorCode::NotFound, format!("there is no grant {grant_id}"))
+            }
             Err(e) => store_failed(e),
         }
     }
@@ -375,7 +442,8 @@ mod keys {
     use crate::vocab::RefreshTrigger;
 
     pub(super) async fn refresh(core: &Core) -> Response {
-        let Some(remote) = &core.remote else {
+        let served = core.served();
+        let Some(remote) = &served.remote else {
             return Response::error(ErrorCode::Unavailable, "the remote carrier is disabled");
         };
         let verifier = remote.carrier().verifier();

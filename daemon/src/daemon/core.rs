@@ -1,28 +1,37 @@
-//! The running daemon: what was bound, the current session, and the lifecycle — attach
-//! and start, restart (a fresh attach), stop.
+//! The running daemon: what was bound, what is served now (the plan and the carriers built
+//! from it), and the lifecycle — attach and start, reload (a fresh attach on the
+//! configuration as it reads now), stop.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use robota_proto::Status;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::{DaemonError, Plan};
 use crate::audit::Audit;
+use crate::carrier::Sockets;
 use crate::carrier::loopback::LoopbackCarrier;
-use crate::carrier::remote::RemoteCarrier;
+use crate::carrier::remote::throttle::Throttle;
+use crate::carrier::remote::{self, RemoteCarrier};
 use crate::catalog::HostView;
+use crate::config::{Config, ControlConfig};
+use crate::health::Health;
 use crate::host::Host;
+use crate::mcp::Wire;
+use crate::metrics::Metrics;
 use crate::notify;
+use crate::oauth::Verifier;
 use crate::session::Session;
-use crate::transport::McpTransport;
+use crate::transport::{McpTransport, START_BOUND};
 use crate::upstream::Upstreams;
-use crate::vocab::{Carrier, RefreshTrigger};
+use crate::vocab::{Carrier, Listener, RefreshTrigger};
 
-/// How long a reload waits for the key-set fetch it starts.
+/// How long a reload waits for the key-set fetch it starts on a verifier it keeps.
 const RELOAD_KEYS_WAIT: Duration = Duration::from_secs(5);
 /// How long a start or restart waits for the upstreams (each at most its own connect
 /// bound): within the carriers' start bound.
@@ -34,7 +43,15 @@ pub(super) type Remote = McpTransport<Session, RemoteCarrier>;
 /// What the main loop is asked to do by the control plane.
 pub(super) enum Op {
     Stop,
-    Restart(oneshot::Sender<Result<Status, String>>),
+    Restart(oneshot::Sender<Result<Status, RestartFailure>>),
+}
+
+/// Why `restart` did not serve a new configuration.
+pub(super) enum RestartFailure {
+    /// The configuration is invalid: every problem; the running one stays.
+    Refused(Vec<String>),
+    /// The daemon could not go on serving and stops.
+    Failed(String),
 }
 
 /// The daemon's state, as `status` names it.
@@ -66,24 +83,53 @@ pub(super) struct Place {
     pub public_url: Option<String>,
 }
 
+/// What is served now: the plan and the carriers built from it. Replaced whole by a
+/// reload.
+pub(super) struct Served {
+    pub plan: Plan,
+    pub loopback: Option<Arc<Loopback>>,
+    pub remote: Option<Arc<Remote>>,
+}
+
+/// The `/metrics` listener while it serves.
+pub(super) struct Scraper {
+    pub configured: SocketAddr,
+    pub address: String,
+    pub stop: CancellationToken,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// How the last reload went, for `status`.
+#[derive(Clone)]
+pub(super) struct ReloadRecord {
+    pub at: SystemTime,
+    /// Empty when it succeeded; else every problem found, one per line.
+    pub problems: Vec<String>,
+}
+
 /// Everything the control plane and `system.health` read.
 pub(super) struct Core {
-    pub plan: Plan,
+    pub metrics: Metrics,
     pub started: Instant,
     pub audit: Arc<Audit>,
     pub host: Arc<Host>,
+    /// What fails to be written to the state directory now.
+    pub health: Arc<Health>,
     pub state: RwLock<State>,
     pub generation: AtomicU64,
     pub session: RwLock<Option<Arc<Session>>>,
     /// The downstream MCP servers of the current session.
     pub upstreams: RwLock<Option<Arc<Upstreams>>>,
-    pub loopback: Option<Loopback>,
-    pub remote: Option<Remote>,
-    pub metrics_addr: RwLock<Option<String>>,
+    pub served: RwLock<Arc<Served>>,
+    pub sockets: Arc<Sockets>,
+    pub scraper: Mutex<Option<Scraper>>,
+    /// Who may use the control socket: a reload changes it for new connections.
+    pub control: Arc<RwLock<ControlConfig>>,
     pub control_path: String,
     /// Ends every MCP session relayed over the control socket; replaced at each attach.
     pub relays: RwLock<CancellationToken>,
     pub ops: mpsc::Sender<Op>,
+    pub last_reload: Mutex<Option<ReloadRecord>>,
 }
 
 /// The carriers `system.health` reports, without holding the daemon alive.
@@ -103,11 +149,95 @@ impl HostView for Board {
     }
 }
 
+/// What carriers are built from, besides the plan: the parts that outlive a reload.
+pub(super) struct Kept<'a> {
+    pub audit: &'a Arc<Audit>,
+    pub host: &'a Arc<Host>,
+    pub metrics: &'a Metrics,
+    pub sockets: &'a Arc<Sockets>,
+    /// The remote verifier and throttle to keep, when their settings did not change.
+    pub verifier: Option<Arc<dyn Verifier>>,
+    pub throttle: Option<Arc<Throttle>>,
+}
+
+/// The carriers of `plan`, not started. The remote carrier needs `verifier` (the plan's
+/// own, loaded, or the one kept).
+pub(super) fn carriers(
+    plan: &Plan,
+    kept: Kept<'_>,
+) -> (Option<Arc<Loopback>>, Option<Arc<Remote>>) {
+    let config = &plan.config;
+    let wire = Wire {
+        result_limit: config.limits.tool_result,
+        metrics: kept.metrics.clone(),
+    };
+    let loopback = config.loopback.clone().map(|l| {
+        Arc::new(McpTransport::new(
+            Arc::new(LoopbackCarrier::new(
+                l,
+                config.limits,
+                kept.audit.clone(),
+                kept.metrics.clone(),
+                kept.host.bearers.clone(),
+                kept.sockets.clone(),
+            )),
+            wire.clone(),
+        ))
+    });
+    let remote = match (&config.remote, kept.verifier) {
+        (Some(r), Some(verifier)) => {
+            let throttle = kept
+                .throttle
+                .unwrap_or_else(|| Arc::new(Throttle::new(r.throttle)));
+            Some(Arc::new(McpTransport::new(
+                Arc::new(RemoteCarrier::new(
+                    r.clone(),
+                    remote::Parts {
+                        limits: config.limits,
+                        verifier,
+                        throttle,
+                        tls: plan.tls.clone(),
+                        audit: kept.audit.clone(),
+                        metrics: kept.metrics.clone(),
+                        sockets: kept.sockets.clone(),
+                    },
+                )),
+                wire,
+            )))
+        }
+        _ => None,
+    };
+    (loopback, remote)
+}
+
+/// Load a verifier's keys and start its refresh schedule (which ends with it).
+pub(super) async fn ready_verifier(
+    verifier: crate::oauth::JwtVerifier,
+    issuer: &str,
+) -> Result<Arc<dyn Verifier>, crate::oauth::LoadError> {
+    verifier.load().await?;
+    drop(verifier.spawn_schedule());
+    let keys = verifier.key_set();
+    tracing::info!(
+        issuer = %issuer,
+        keys = keys.keys,
+        from = keys.location.as_deref().unwrap_or("-"),
+        cached = keys.from_cache,
+        "remote verifier ready"
+    );
+    Ok(Arc::new(verifier))
+}
+
 impl Core {
+    pub(super) fn served(&self) -> Arc<Served> {
+        self.served.read().clone()
+    }
+
     /// Every listener serving now, in one order for every view of them.
     pub(super) fn places(&self) -> Vec<Place> {
+        let served = self.served();
         let mut out = Vec::new();
-        if let Some(address) = self.loopback.as_ref().and_then(|l| l.address()) {
+        if let Some(address) = served.loopback.as_ref().and_then(|l| l.address()) {
             out.push(Place {
                 name: Carrier::Loopback.as_str(),
                 address,
@@ -115,7 +245,7 @@ impl Core {
                 public_url: None,
             });
         }
-        if let Some(remote) = &self.remote
+        if let Some(remote) = &served.remote
             && let Some(address) = remote.address()
         {
             out.push(Place {
@@ -125,10 +255,10 @@ impl Core {
                 public_url: Some(remote.carrier().public_url().to_owned()),
             });
         }
-        if let Some(address) = self.metrics_addr.read().clone() {
+        if let Some(scraper) = &*self.scraper.lock() {
             out.push(Place {
                 name: "metrics",
-                address,
+                address: scraper.address.clone(),
                 carrier: None,
                 public_url: None,
             });
@@ -149,16 +279,27 @@ impl Core {
             .into_iter()
             .map(|p| format!("{}={}", p.name, p.address))
             .collect();
-        format!("serving {}", places.join(" "))
+        let mut status = format!("serving {}", places.join(" "));
+        if self
+            .last_reload
+            .lock()
+            .as_ref()
+            .is_some_and(|r| !r.problems.is_empty())
+        {
+            status.push_str("; the last reload failed (see `robota-mcpctl status`)");
+        }
+        status
     }
 
-    /// A fresh session, attached to every HTTP carrier and started.
+    /// A fresh session (and host bearer), attached to every HTTP carrier and started.
     pub(super) async fn attach_and_start(self: &Arc<Self>) -> Result<(), DaemonError> {
+        let served = self.served();
         let view = Arc::new(Board(Arc::downgrade(self)));
-        let (session, upstreams) = start_session(&self.plan, &self.host, view).await?;
+        let (session, upstreams) = start_session(&served.plan, &self.host, view).await?;
         *self.upstreams.write() = Some(upstreams);
-        let config = &self.plan.config;
-        if let (Some(loopback), Some(l)) = (&self.loopback, &config.loopback) {
+        let config = &served.plan.config;
+        self.host.bearers.fresh_attach();
+        if let (Some(loopback), Some(l)) = (&served.loopback, &config.loopback) {
             let failed = |source| DaemonError::Loopback {
                 addr: l.listen,
                 source,
@@ -167,7 +308,7 @@ impl Core {
             let addr = loopback.start().await.map_err(failed)?;
             tracing::info!(address = %addr, path = %l.path, "loopback carrier serving");
         }
-        if let (Some(remote), Some(r)) = (&self.remote, &config.remote) {
+        if let (Some(remote), Some(r)) = (&served.remote, &config.remote) {
             let failed = |source| DaemonError::Remote {
                 addr: r.listen,
                 source,
@@ -180,38 +321,212 @@ impl Core {
         Ok(())
     }
 
-    /// A fresh attach: new session, new bearers, relayed sessions ended.
-    pub(super) async fn restart(self: &Arc<Self>) -> Result<(), DaemonError> {
+    /// A reload: the configuration read and checked again first. An invalid one changes
+    /// nothing (every problem is logged and kept for `status`); a valid one is served
+    /// with a fresh attach, on the sockets of the carriers whose address did not change.
+    /// An error is returned only when the daemon cannot go on serving.
+    pub(super) async fn reload(self: &Arc<Self>) -> Result<Result<(), Vec<String>>, DaemonError> {
         *self.state.write() = State::Restarting;
         notify::reloading();
-        tracing::info!("restarting: fresh attach, new bearers");
-        self.reload_keys().await;
+        tracing::info!("reloading: reading the configuration again");
+        let outcome = match self.prepare().await {
+            Err(problems) => {
+                for problem in &problems {
+                    tracing::error!(problem = %problem, "reload refused; the running configuration stays");
+                }
+                Err(problems)
+            }
+            Ok(next) => {
+                self.switch(next).await?;
+                Ok(())
+            }
+        };
+        *self.last_reload.lock() = Some(ReloadRecord {
+            at: SystemTime::now(),
+            problems: outcome.clone().err().unwrap_or_default(),
+        });
+        *self.state.write() = State::Serving;
+        notify::ready(&self.ready_status());
+        Ok(outcome)
+    }
+
+    /// Everything of a reload that can fail, done while the old carriers still serve.
+    async fn prepare(&self) -> Result<Next, Vec<String>> {
+        let served = self.served();
+        let old = &served.plan;
+        let plan = match &old.origin {
+            Some(origin) => Plan::load(&origin.loader, self.metrics.clone()),
+            None => Plan::build(old.config.clone(), self.metrics.clone()).map_err(|error| {
+                super::plan::LoadError::Plan {
+                    origin: crate::config::Source::Embedded,
+                    error,
+                }
+            }),
+        };
+        let mut plan = plan.map_err(|e| problems_of(&e))?;
+        // Upstream children start the way the process was set up to start them.
+        plan.launcher = old.launcher.clone();
+        for warning in &plan.config.warnings {
+            tracing::warn!(key = %warning.path, "{}", warning.problem);
+        }
+        let mut problems = fixed_keys(&old.config, &plan.config);
+        // The sockets of new addresses, bound now: a port taken elsewhere fails the reload
+        // here, before anything stops.
+        for (key, name, addr) in listens(&plan.config) {
+            if let Err(e) = self.sockets.reserve(name, addr) {
+                problems.push(format!("{key}: cannot bind {addr}: {e}"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        // The remote verifier and throttle: kept when their settings are the same.
+        let running = served.remote.as_ref().map(|r| r.carrier().clone());
+        let (verifier, throttle) = match (&plan.config.remote, running) {
+            (None, _) => (None, None),
+            (Some(r), Some(running)) if plan.verifier_settings == old.verifier_settings => {
+                plan.verifier = None;
+                let kept = running.verifier().clone();
+                let refresh = kept.refresh(RefreshTrigger::Reload);
+                match tokio::time::timeout(RELOAD_KEYS_WAIT, refresh).await {
+                    // On failure the verifier has logged why; the keys held stay in use.
+                    Ok(_) => {}
+                    Err(_) => tracing::warn!(
+                        wait = %humantime::format_duration(RELOAD_KEYS_WAIT),
+                        "the key-set fetch of the reload is still running; reloading without waiting for it"
+                    ),
+                }
+                let throttle =
+                    (running.config().throttle == r.throttle).then(|| running.throttle().clone());
+                (Some(kept), throttle)
+            }
+            (Some(r), _) => {
+                let Some(verifier) = plan.verifier.take() else {
+                    return Err(vec!["remote: no verifier was planned".into()]);
+                };
+                if let Err(e) = verifier.read_secrets() {
+                    return Err(vec![format!(
+                        "remote.introspection.client_secret_file: {}",
+                        crate::error_chain(&e)
+                    )]);
+                }
+                match tokio::time::timeout(START_BOUND, ready_verifier(verifier, &r.issuer)).await {
+                    Ok(Ok(v)) => (Some(v), None),
+                    Ok(Err(e)) => {
+                        return Err(vec![format!(
+                            "remote: the new verifier settings have no keys: {}",
+                            crate::error_chain(&e)
+                        )]);
+                    }
+                    Err(_) => {
+                        return Err(vec![format!(
+                            "remote: the new verifier's keys did not load within {}",
+                            humantime::format_duration(START_BOUND)
+                        )]);
+                    }
+                }
+            }
+        };
+        let (loopback, remote) = carriers(
+            &plan,
+            Kept {
+                audit: &self.audit,
+                host: &self.host,
+                metrics: &self.metrics,
+                sockets: &self.sockets,
+                verifier,
+                throttle,
+            },
+        );
+        Ok(Next {
+            served: Served {
+                plan,
+                loopback,
+                remote,
+            },
+        })
+    }
+
+    /// Stop the old carriers, serve `next` on a fresh attach.
+    async fn switch(self: &Arc<Self>, next: Next) -> Result<(), DaemonError> {
+        let config = next.served.plan.config.clone();
         self.stop_carriers().await;
         *self.session.write() = None;
         self.stop_upstreams().await;
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
+        *self.served.write() = Arc::new(next.served);
+        self.settle(&config).await?;
         self.attach_and_start().await?;
+        let keep: Vec<_> = listens(&config)
+            .into_iter()
+            .map(|(_, name, addr)| (name, addr))
+            .collect();
+        self.sockets.retain(&keep);
         self.generation.fetch_add(1, Ordering::Relaxed);
-        *self.state.write() = State::Serving;
-        notify::ready(&self.ready_status());
+        tracing::info!(
+            generation = self.generation.load(Ordering::Relaxed),
+            "reloaded"
+        );
         Ok(())
     }
 
-    /// A reload re-reads the remote verifier's keys (the verifier outlives restarts), while
-    /// the old carriers still serve. A slow issuer delays the restart by at most
-    /// [`RELOAD_KEYS_WAIT`]; the fetch then goes on and `status` shows how it ends.
-    async fn reload_keys(&self) {
-        let Some(remote) = &self.remote else { return };
-        let refresh = remote.carrier().verifier().refresh(RefreshTrigger::Reload);
-        match tokio::time::timeout(RELOAD_KEYS_WAIT, refresh).await {
-            Ok(Ok(())) => {}
-            // The verifier has logged why; the keys held stay in use.
-            Ok(Err(_)) => {}
-            Err(_) => tracing::warn!(
-                wait = %humantime::format_duration(RELOAD_KEYS_WAIT),
-                "the key-set fetch of the reload is still running; restarting without waiting for it"
-            ),
+    /// The process-wide parts a configuration sets: who may use the control socket, the
+    /// job and grant limits, the metrics listener.
+    async fn settle(self: &Arc<Self>, config: &Config) -> Result<(), DaemonError> {
+        *self.control.write() = config.control.clone();
+        self.host
+            .jobs
+            .set_max_running(config.tools.max_running_jobs);
+        self.host
+            .grants
+            .set_limits(config.tools.permissions.clone());
+        let current = self.scraper.lock().as_ref().map(|s| s.configured);
+        if current != config.metrics {
+            self.stop_metrics().await;
+            if let Some(addr) = config.metrics {
+                self.serve_metrics(addr)?;
+            }
         }
+        Ok(())
+    }
+
+    /// Serve `/metrics` on the socket kept for `addr`.
+    pub(super) fn serve_metrics(self: &Arc<Self>, addr: SocketAddr) -> Result<(), DaemonError> {
+        let listener = self
+            .sockets
+            .listener(Listener::Metrics, addr)
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+        let local = listener
+            .local_addr()
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+        tracing::info!(address = %local, "metrics listener serving /metrics");
+        let options = crate::carrier::http::Options {
+            name: Listener::Metrics,
+            bounds: super::METRICS_BOUNDS,
+            tls: None,
+            shared_peers: Vec::new(),
+            ipv6_prefix: 64,
+            metrics: self.metrics.clone(),
+        };
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(crate::carrier::http::serve(
+            listener,
+            options,
+            crate::carrier::scrape::Scrape::new(
+                self.metrics.clone(),
+                self.audit.clone(),
+                self.health.clone(),
+                local,
+            ),
+            stop.clone(),
+        ));
+        *self.scraper.lock() = Some(Scraper {
+            configured: addr,
+            address: local.to_string(),
+            stop,
+            task,
+        });
+        Ok(())
     }
 
     /// Stops the current session's upstreams (their children get SIGTERM, then SIGKILL).
@@ -223,17 +538,78 @@ impl Core {
     }
 
     pub(super) async fn stop_carriers(&self) {
+        let served = self.served();
         let loopback = async {
-            if let Some(l) = &self.loopback {
+            if let Some(l) = &served.loopback {
                 l.stop().await;
             }
         };
         let remote = async {
-            if let Some(r) = &self.remote {
+            if let Some(r) = &served.remote {
                 r.stop().await;
             }
         };
         tokio::join!(loopback, remote);
+    }
+
+    /// Stop the metrics listener (at the end of a stop).
+    pub(super) async fn stop_metrics(&self) {
+        let scraper = self.scraper.lock().take();
+        if let Some(s) = scraper {
+            s.stop.cancel();
+            let _ = s.task.await;
+        }
+    }
+}
+
+/// A reload's next state, ready to switch to.
+struct Next {
+    served: Served,
+}
+
+/// Every TCP address a configuration listens on, with its key.
+/// The TCP listeners a configuration asks for, each with the key that sets it.
+pub(super) fn listens(config: &Config) -> Vec<(&'static str, Listener, SocketAddr)> {
+    let mut out = Vec::new();
+    if let Some(l) = &config.loopback {
+        out.push(("loopback.listen", Listener::Loopback, l.listen));
+    }
+    if let Some(r) = &config.remote {
+        out.push(("remote.listen", Listener::Remote, r.listen));
+    }
+    if let Some(m) = config.metrics {
+        out.push(("metrics.listen", Listener::Metrics, m));
+    }
+    out
+}
+
+/// Keys that belong to the process: a reload cannot change them.
+fn fixed_keys(old: &Config, new: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fixed = |key: &str, a: &std::path::Path, b: &std::path::Path| {
+        if a != b {
+            out.push(format!(
+                "{key}: changed from {} to {}; it takes effect only when the daemon starts again (systemctl restart robota-mcpd)",
+                a.display(),
+                b.display()
+            ));
+        }
+    };
+    fixed("daemon.state_dir", &old.state_dir, &new.state_dir);
+    fixed("daemon.runtime_dir", &old.runtime_dir, &new.runtime_dir);
+    fixed("control.socket", &old.control.socket, &new.control.socket);
+    out
+}
+
+/// Every problem of a configuration that cannot be loaded or planned, one per entry.
+fn problems_of(e: &super::plan::LoadError) -> Vec<String> {
+    use super::plan::LoadError;
+    match e {
+        LoadError::Config(c) if !c.issues().is_empty() => {
+            c.issues().iter().map(ToString::to_string).collect()
+        }
+        LoadError::Plan { error, .. } => vec![crate::error_chain(error)],
+        LoadError::Config(_) => vec![crate::error_chain(e)],
     }
 }
 

@@ -1,9 +1,11 @@
 //! The daemon, in three steps: [`Plan`] (the configuration checked, nothing bound),
 //! bind (store, audit, control socket, metrics listener, carriers), serve (until SIGTERM,
-//! SIGINT or `stop`; SIGHUP or `restart` re-attach a fresh session). `--stdio` is the same
-//! plan served on stdin/stdout.
+//! SIGINT or `stop`; SIGHUP or `restart` reload: the configuration read and planned again,
+//! then served on a fresh attach — or, when it is invalid, nothing changes). `--stdio` is
+//! the same plan served on stdin/stdout.
 
 mod api;
+pub mod checks;
 mod core;
 mod plan;
 mod status;
@@ -12,27 +14,24 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
-use parking_lot::RwLock;
-use tokio::net::TcpListener;
+use parking_lot::{Mutex, RwLock};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use self::api::Api;
-use self::core::{Core, Op, State};
-pub use self::plan::{Plan, PlanError};
+use self::core::{Core, Op, RestartFailure, Served, State};
+pub use self::plan::{LoadError, Origin, Plan, PlanError};
 use crate::audit::Audit;
-use crate::carrier::loopback::LoopbackCarrier;
-use crate::carrier::remote::RemoteCarrier;
+use crate::carrier::Sockets;
 use crate::carrier::stdio::StdioCarrier;
 use crate::catalog::HostView;
 use crate::control;
+use crate::health::Health;
 use crate::host::Host;
 use crate::mcp::Wire;
 use crate::notify;
-use crate::oauth::Verifier;
 use crate::transport::{LifecycleError, McpTransport};
-use crate::vocab::Listener;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -60,6 +59,9 @@ pub enum DaemonError {
     },
     #[error("the remote carrier's verifier has no keys")]
     VerifierKeys(#[source] crate::oauth::jwt::LoadError),
+    /// A file of a secret the configuration names is unusable: the configuration's to fix.
+    #[error("remote.introspection.client_secret_file")]
+    VerifierSecret(#[source] crate::oauth::introspect::SecretFileError),
     #[error("the audit store")]
     Audit(#[source] crate::audit::OpenError),
     #[error("the job, grant and idempotency store")]
@@ -83,6 +85,9 @@ impl DaemonError {
     /// Configuration-class errors get the configuration exit code.
     pub fn exit_code(&self) -> i32 {
         match self {
+            // TLS files that cannot be read may appear later (a certificate not issued
+            // yet): a runtime failure, so the service manager may try again.
+            DaemonError::Plan(PlanError::Tls(_)) => crate::exit::RUNTIME,
             DaemonError::Plan(_)
             | DaemonError::Loopback {
                 source: LifecycleError::WireNames(_),
@@ -94,7 +99,8 @@ impl DaemonError {
             }
             | DaemonError::Stdio {
                 source: LifecycleError::WireNames(_),
-            } => crate::exit::CONFIG,
+            }
+            | DaemonError::VerifierSecret(_) => crate::exit::CONFIG,
 
             _ => crate::exit::RUNTIME,
         }
@@ -167,150 +173,106 @@ struct Bound {
     core: Arc<Core>,
     ops: mpsc::Receiver<Op>,
     control: control::ControlSocket,
-    metrics: Option<TcpListener>,
 }
 
-/// Open the store and audit, bind every listener, start the carriers on a fresh session.
+/// Open the store and audit, bind every listener, start the carriers on a fresh session
+/// and the metrics listener.
 async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
     notify::status("starting");
     let verifier = plan.verifier.take();
     let config = &plan.config;
     let metrics = plan.metrics.clone();
-    let audit = Arc::new(Audit::open(&config.state_dir).map_err(DaemonError::Audit)?);
-    let host = Host::open(config, audit.clone(), metrics.clone()).map_err(DaemonError::Store)?;
+    let health = Arc::new(Health::default());
+    let audit =
+        Arc::new(Audit::open(&config.state_dir, health.clone()).map_err(DaemonError::Audit)?);
+    let host = Host::open(config, audit.clone(), metrics.clone(), health.clone())
+        .map_err(DaemonError::Store)?;
     let control_socket = control::bind(&config.control).map_err(DaemonError::Control)?;
-    let metrics_listener = match config.metrics {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| DaemonError::Metrics { addr, source })?,
-        ),
-        None => None,
-    };
-    let wire = Wire {
-        result_limit: config.limits.tool_result,
-        metrics: metrics.clone(),
-    };
-    let loopback = config.loopback.clone().map(|l| {
-        McpTransport::new(
-            Arc::new(LoopbackCarrier::new(
-                l,
-                config.limits,
-                audit.clone(),
-                metrics.clone(),
-            )),
-            wire.clone(),
-        )
-    });
-    let remote = match (&config.remote, verifier) {
+    let sockets = Arc::new(Sockets::default());
+    if let Some(addr) = config.metrics {
+        sockets
+            .reserve(crate::vocab::Listener::Metrics, addr)
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+    }
+    let verifier = match (&config.remote, verifier) {
         (Some(r), Some(verifier)) => {
-            verifier.load().await.map_err(DaemonError::VerifierKeys)?;
-            // The schedule ends with the verifier.
-            drop(verifier.spawn_schedule());
-            let keys = verifier.key_set();
-            tracing::info!(
-                issuer = %r.issuer,
-                keys = keys.keys,
-                from = keys.location.as_deref().unwrap_or("-"),
-                cached = keys.from_cache,
-                "remote verifier ready"
-            );
-            let verifier: Arc<dyn Verifier> = Arc::new(verifier);
-            Some(McpTransport::new(
-                Arc::new(RemoteCarrier::new(
-                    r.clone(),
-                    config.limits,
-                    verifier,
-                    audit.clone(),
-                    metrics.clone(),
-                )),
-                wire.clone(),
-            ))
+            verifier
+                .read_secrets()
+                .map_err(DaemonError::VerifierSecret)?;
+            Some(
+                core::ready_verifier(verifier, &r.issuer)
+                    .await
+                    .map_err(DaemonError::VerifierKeys)?,
+            )
         }
         _ => None,
     };
+    let (loopback, remote) = core::carriers(
+        &plan,
+        core::Kept {
+            audit: &audit,
+            host: &host,
+            metrics: &metrics,
+            sockets: &sockets,
+            verifier,
+            throttle: None,
+        },
+    );
     let (ops_tx, ops) = mpsc::channel(4);
     let core = Arc::new(Core {
         control_path: control_socket.path().display().to_string(),
-        plan,
+        control: Arc::new(RwLock::new(plan.config.control.clone())),
+        metrics,
         started: Instant::now(),
         audit,
         host,
+        health,
         state: RwLock::new(State::Starting),
         generation: AtomicU64::new(0),
         session: RwLock::new(None),
         upstreams: RwLock::new(None),
-        loopback,
-        remote,
-        metrics_addr: RwLock::new(None),
+        served: RwLock::new(Arc::new(Served {
+            plan,
+            loopback,
+            remote,
+        })),
+        sockets,
+        scraper: Mutex::new(None),
         relays: RwLock::new(CancellationToken::new()),
         ops: ops_tx,
+        last_reload: Mutex::new(None),
     });
-    if let Some(listener) = &metrics_listener {
-        *core.metrics_addr.write() = Some(
-            listener
-                .local_addr()
-                .map_or_else(|_| "unknown".into(), |a| a.to_string()),
-        );
-    }
     core.attach_and_start().await?;
+    if let Some(addr) = core.served().plan.config.metrics {
+        core.serve_metrics(addr)?;
+    }
     Ok(Bound {
         core,
         ops,
         control: control_socket,
-        metrics: metrics_listener,
     })
 }
 
-/// Serve until a stop; restart on SIGHUP or `restart`.
+/// Serve until a stop; reload on SIGHUP or `restart`.
 async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonError> {
     let Bound {
         core,
         mut ops,
         control: control_socket,
-        metrics: metrics_listener,
     } = bound;
-    let metrics = core.plan.metrics.clone();
     let mut sigterm = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut sighup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
 
     let listeners = CancellationToken::new();
     let mut tasks = Vec::new();
-    if let Some(listener) = metrics_listener {
-        let local = listener
-            .local_addr()
-            .map_err(|source| DaemonError::Metrics {
-                addr: core
-                    .plan
-                    .config
-                    .metrics
-                    .unwrap_or(([127, 0, 0, 1], 0).into()),
-                source,
-            })?;
-        tracing::info!(address = %local, "metrics listener serving /metrics");
-        let options = crate::carrier::http::Options {
-            name: Listener::Metrics,
-            bounds: METRICS_BOUNDS,
-            tls: None,
-            shared_peers: Vec::new(),
-            ipv6_prefix: 64,
-            metrics: metrics.clone(),
-        };
-        tasks.push(tokio::spawn(crate::carrier::http::serve(
-            listener,
-            options,
-            crate::carrier::scrape::Scrape::new(metrics.clone(), core.audit.clone(), local),
-            listeners.clone(),
-        )));
-    }
     tracing::info!(path = %core.control_path, "control socket listening");
     tasks.push(tokio::spawn(control::serve(
         control_socket,
-        core.plan.config.control.clone(),
+        core.control.clone(),
         Arc::new(Api(core.clone())),
         core.audit.clone(),
-        metrics,
+        core.metrics.clone(),
         listeners.clone(),
     )));
     tasks.push(tokio::spawn(prune(
@@ -337,34 +299,38 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break Ok(()); }
             () = shutdown.cancelled() => break Ok(()),
             _ = sighup.recv() => {
-                if let Err(e) = core.restart().await {
+                if let Err(e) = core.reload().await {
                     break Err(e);
                 }
             }
             op = ops.recv() => match op {
                 Some(Op::Stop) | None => break Ok(()),
-                Some(Op::Restart(reply)) => {
-                    let result = core.restart().await;
-                    let _ = reply.send(match &result {
-                        Ok(()) => Ok(core.status()),
-                        Err(e) => Err(crate::error_chain(e)),
-                    });
-                    if let Err(e) = result {
+                Some(Op::Restart(reply)) => match core.reload().await {
+                    Ok(Ok(())) => {
+                        let _ = reply.send(Ok(core.status()));
+                    }
+                    Ok(Err(problems)) => {
+                        let _ = reply.send(Err(RestartFailure::Refused(problems)));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(RestartFailure::Failed(crate::error_chain(&e))));
                         break Err(e);
                     }
-                }
+                },
             },
             () = tick => notify::watchdog(),
         }
     };
 
     // The drain, in order: relayed sessions, carriers (each drains its connections under
-    // its grace), the other listeners and tasks, jobs, the audit writer.
+    // its grace), the metrics listener, the other listeners and tasks, jobs, the audit
+    // writer.
     *core.state.write() = State::Stopping;
     notify::stopping();
     core.relays.read().cancel();
     core.stop_carriers().await;
     core.stop_upstreams().await;
+    core.stop_metrics().await;
     listeners.cancel();
     for task in tasks {
         let _ = task.await;
@@ -413,7 +379,8 @@ pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
         source,
     })?;
     let audit = Arc::new(Audit::new());
-    let host = Host::open(config, audit, plan.metrics.clone()).map_err(DaemonError::Store)?;
+    let host = Host::open(config, audit, plan.metrics.clone(), Default::default())
+        .map_err(DaemonError::Store)?;
     let (session, upstreams) = core::start_session(&plan, &host, Arc::new(StdioOnly)).await?;
     let transport = McpTransport::new(
         Arc::new(StdioCarrier {

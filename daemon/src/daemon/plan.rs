@@ -3,9 +3,13 @@
 //! this; a start that passed it can still fail to bind, never on the configuration.
 
 use std::sync::Arc;
+use std::time::SystemTime;
+
+use sha2::Digest;
 
 use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView, Source};
-use crate::config::{Config, ConfigIssue, WireNameProfile};
+use crate::config::Source as ConfigSource;
+use crate::config::{Config, ConfigError, ConfigIssue, Loader, WireNameProfile};
 use crate::host::Host;
 use crate::mcp::{WireError, WireNames};
 use crate::metrics::Metrics;
@@ -36,15 +40,93 @@ pub enum PlanError {
     /// An upstream whose name would put its tools among the first-party tools.
     #[error("{0}")]
     Upstream(ConfigIssue),
+    /// The remote carrier's TLS files: a runtime failure at start (they may yet appear),
+    /// a failed check for `check-config` and a failed reload.
+    #[error("remote.tls")]
+    Tls(#[source] crate::carrier::http::TlsError),
+    /// What the checks past the configuration's text found (policy patterns, job
+    /// executables, write roots); every problem names its key.
+    #[error("{}", list(.0, .1))]
+    Checks(
+        Vec<crate::config::ConfigIssue>,
+        Vec<crate::config::ConfigIssue>,
+    ),
+}
+
+/// One problem on the line, several each on a line of their own; then the warnings.
+fn list(errors: &[crate::config::ConfigIssue], warnings: &[crate::config::ConfigIssue]) -> String {
+    let mut out = match errors {
+        [one] => one.to_string(),
+        many => format!(
+            "{} problems:{}",
+            many.len(),
+            many.iter().map(|i| format!("\n  {i}")).collect::<String>()
+        ),
+    };
+    for warning in warnings {
+        out.push_str(&format!("\n  warning: {warning}"));
+    }
+    out
+}
+
+/// Where the configuration of a plan came from, so a reload reads it the same way.
+#[derive(Clone)]
+pub struct Origin {
+    pub loader: Loader,
+    pub source: ConfigSource,
+    pub sha256: [u8; 32],
+    pub loaded_at: SystemTime,
+    pub text: String,
+}
+
+/// What the remote verifier is built from: a reload whose settings are equal keeps the
+/// running verifier (its keys, cache and schedule).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifierSettings {
+    config: JwtConfig,
+    /// The SHA-256 of `ca_file` as read when the plan was built.
+    ca_file: Option<[u8; 32]>,
+}
+
+/// Why a configuration could not be loaded and planned.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("invalid configuration ({origin})")]
+    Plan {
+        origin: ConfigSource,
+        #[source]
+        error: PlanError,
+    },
+}
+
+impl LoadError {
+    /// The exit code of a start that failed this way.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LoadError::Plan {
+                error: PlanError::Tls(_),
+                ..
+            } => crate::exit::RUNTIME,
+            _ => crate::exit::CONFIG,
+        }
+    }
 }
 
 /// A validated configuration, ready to bind.
 pub struct Plan {
     pub config: Config,
-    /// The registry every part reports to (built here; a listener serves it later).
+    /// Where it came from (none for a plan built from a configuration in memory: a
+    /// reload then plans the same configuration again).
+    pub origin: Option<Origin>,
+    /// The registry every part reports to (a listener serves it later).
     pub metrics: Metrics,
     /// The remote carrier's verifier: every configuration check done, no key loaded.
     pub verifier: Option<JwtVerifier>,
+    pub verifier_settings: Option<VerifierSettings>,
+    /// The remote carrier's TLS acceptor, from its files.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// How upstream children are started: the binary sets this to itself (so a child dies
     /// with the daemon); in-process daemons start them directly.
     pub launcher: Launcher,
@@ -52,22 +134,11 @@ pub struct Plan {
 
 impl Plan {
     /// Check everything: the catalog exactly as it will be served (over a store in
-    /// memory), its wire names on every carrier, the verifier.
-    pub fn build(config: Config) -> Result<Plan, PlanError> {
-        let metrics = Metrics::new();
+    /// memory), its wire names on every carrier, the verifier, the TLS files. Parts that
+    /// report go to `metrics`.
+    pub fn build(config: Config, metrics: Metrics) -> Result<Plan, PlanError> {
         let host = Host::detached(&config)?;
-        // The upstreams as sources without tools (none is started, nothing is read): their
-        // names are checked, and aliases may name their tools.
-        let upstreams = Upstreams::new(
-            &config.upstreams,
-            upstream::Context {
-                launcher: Launcher::Direct,
-                state_dir: None,
-                persist: false,
-                metrics: Metrics::new(),
-            },
-        );
-        let catalog = catalog_over(&config, &host, upstreams.sources())?;
+        let catalog = catalog_over(&config, &host, inert_upstreams(&config).sources())?;
         let snapshot = catalog.snapshot();
         check_upstream_names(&config, &snapshot)?;
         let mut carriers = vec![("stdio", config.stdio.wire_names, &config.stdio.aliases)];
@@ -80,17 +151,46 @@ impl Plan {
         for (carrier, profile, aliases) in carriers {
             check_wire_names(&snapshot, carrier, profile, aliases)?;
         }
-        let verifier = match &config.remote {
-            Some(remote) => Some(JwtVerifier::build(
-                jwt_config(remote, &config.state_dir),
-                metrics.clone(),
-            )?),
+        let mut config = config;
+        let found = super::checks::run(&config, &snapshot, None, None);
+        if !found.errors.is_empty() {
+            let mut warnings = std::mem::take(&mut config.warnings);
+            warnings.extend(found.warnings);
+            return Err(PlanError::Checks(found.errors, warnings));
+        }
+        config.warnings.extend(found.warnings);
+        let (verifier, verifier_settings) = match &config.remote {
+            Some(remote) => {
+                let jwt = jwt_config(remote, &config.state_dir);
+                let settings = VerifierSettings {
+                    config: jwt.clone(),
+                    ca_file: remote
+                        .ca_file
+                        .as_ref()
+                        .and_then(|p| std::fs::read(p).ok())
+                        .map(|bytes| sha2::Sha256::digest(bytes).into()),
+                };
+                (
+                    Some(JwtVerifier::build(jwt, metrics.clone())?),
+                    Some(settings),
+                )
+            }
+            None => (None, None),
+        };
+        let tls = match config.remote.as_ref().and_then(|r| r.tls.as_ref()) {
+            Some(files) => Some(
+                crate::carrier::http::tls_acceptor(&files.cert, &files.key)
+                    .map_err(PlanError::Tls)?,
+            ),
             None => None,
         };
         Ok(Plan {
             config,
+            origin: None,
             metrics,
             verifier,
+            verifier_settings,
+            tls,
             launcher: Launcher::Direct,
         })
     }
@@ -106,6 +206,53 @@ impl Plan {
                 metrics: self.metrics.clone(),
             },
         )
+    }
+
+    /// The plan of what `origin` names, as it reads now.
+    pub fn load(loader: &Loader, metrics: Metrics) -> Result<Plan, LoadError> {
+        let loaded = loader.load()?;
+        let mut plan = Plan::build(loaded.config, metrics).map_err(|mut error| {
+            if let PlanError::Checks(errors, warnings) = &mut error {
+                crate::config::locate_all(&loaded.text, errors);
+                crate::config::locate_all(&loaded.text, warnings);
+            }
+            LoadError::Plan {
+                origin: loaded.source.clone(),
+                error,
+            }
+        })?;
+        crate::config::locate_all(&loaded.text, &mut plan.config.warnings);
+        plan.origin = Some(Origin {
+            loader: loader.clone(),
+            source: loaded.source,
+            sha256: loaded.sha256,
+            loaded_at: SystemTime::now(),
+            text: loaded.text,
+        });
+        Ok(plan)
+    }
+
+    /// The checks that need to know who the daemon runs as and in which sandbox
+    /// (`check-config --as-user`, the installed unit): problems and warnings.
+    pub fn deep_check(
+        &self,
+        subject: Option<&super::checks::Subject>,
+        sandbox: Option<&super::checks::Sandbox>,
+    ) -> Result<super::checks::Findings, PlanError> {
+        let host = Host::detached(&self.config)?;
+        let snapshot = self
+            .catalog(&host, &inert_upstreams(&self.config))?
+            .snapshot();
+        let mut found = super::checks::run(&self.config, &snapshot, subject, sandbox);
+        // Those of the build are in the plan already.
+        let built = super::checks::run(&self.config, &snapshot, None, None);
+        found.errors.retain(|e| !built.errors.contains(e));
+        found.warnings.retain(|w| !built.warnings.contains(w));
+        if let Some(origin) = &self.origin {
+            crate::config::locate_all(&origin.text, &mut found.errors);
+            crate::config::locate_all(&origin.text, &mut found.warnings);
+        }
+        Ok(found)
     }
 
     /// The catalog over the daemon's own services and `upstreams`' tools as they are now.
@@ -125,6 +272,13 @@ impl Plan {
         view: Arc<dyn HostView>,
     ) -> Session {
         let config = &self.config;
+        let snapshot = catalog.snapshot();
+        self.metrics.prime_tools(
+            snapshot
+                .specs()
+                .map(|s| s.name.as_str())
+                .chain([snapshot.submission().name.as_str()]),
+        );
         Session::new(Parts {
             catalog,
             policy: Policy::new(config.policy.clone()),
@@ -136,6 +290,20 @@ impl Plan {
             view,
         })
     }
+}
+
+/// The upstreams as sources without tools (none is started, nothing is read): their
+/// names are checked, and aliases may name their tools.
+fn inert_upstreams(config: &Config) -> Upstreams {
+    Upstreams::new(
+        &config.upstreams,
+        upstream::Context {
+            launcher: Launcher::Direct,
+            state_dir: None,
+            persist: false,
+            metrics: Metrics::new(),
+        },
+    )
 }
 
 /// The first-party tools, the upstreams' and the submission extension, validated.
@@ -170,6 +338,7 @@ fn check_upstream_names(config: &Config, snapshot: &catalog::Snapshot) -> Result
                     "the name is taken by the first-party tools ({} and its kin); choose another",
                     tool.name
                 ),
+                at: None,
             }));
         }
     }
@@ -201,6 +370,15 @@ fn jwt_config(remote: &crate::config::RemoteConfig, state_dir: &std::path::Path)
         cache_path: state_dir.join("jwks-cache.json"),
         start_without_keys: remote.start_without_keys,
         refresh: remote.key_refresh,
+        introspection: remote.introspection.as_ref().map(|i| {
+            crate::oauth::introspect::IntrospectionSettings {
+                endpoint: i.endpoint.clone(),
+                client_id: i.client_id.clone(),
+                client_secret_file: i.client_secret_file.clone(),
+                auth: i.auth,
+                cache: i.cache,
+            }
+        }),
     }
 }
 
@@ -215,7 +393,7 @@ mod tests {
             state_directory: Some("/nonexistent/robota-mcpd".into()),
             ..Environment::default()
         };
-        Plan::build(parse(text, &env).expect("config"))
+        Plan::build(parse(text, &env).expect("config"), Metrics::new())
     }
 
     #[test]

@@ -3,15 +3,17 @@
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
-use robota_proto::{CarrierStatus, Status};
+use robota_proto::{CarrierStatus, ConfigStatus, ReloadStatus, Status};
 
 use super::core::Core;
+use crate::bearer::unix_secs;
 use crate::session::{RuntimeTools, TurnSubmission};
 
 impl Core {
     pub(super) fn status(&self) -> Status {
         let session = self.session.read().clone();
-        let metrics = &self.plan.metrics;
+        let served = self.served();
+        let metrics = &self.metrics;
         let carriers = self
             .places()
             .into_iter()
@@ -23,6 +25,25 @@ impl Core {
                 refused: place.carrier.map_or(0, |c| metrics.refused_count(c)),
             })
             .collect();
+        let config = served.plan.origin.as_ref().map(|origin| {
+            let (changed_on_disk, read_error) = match origin.loader.sha256_now() {
+                Ok(now) => (Some(now != origin.sha256), None),
+                Err(e) => (None, Some(crate::error_chain(&e))),
+            };
+            ConfigStatus {
+                source: origin.source.to_string(),
+                sha256: hex::encode(origin.sha256),
+                loaded_at: unix_secs(origin.loaded_at),
+                changed_on_disk,
+                read_error,
+            }
+        });
+        let last_reload = self.last_reload.lock().clone().map(|r| ReloadStatus {
+            at: unix_secs(r.at),
+            ok: r.problems.is_empty(),
+            problems: r.problems,
+        });
+        let problems = self.health_problems();
         Status {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             pid: std::process::id(),
@@ -32,23 +53,47 @@ impl Core {
             carriers,
             catalog_size: session.as_ref().map_or(0, |s| s.catalog().len()),
             submission_tool: session.as_ref().map_or_else(
-                || self.plan.config.session.submission_tool.clone(),
+                || served.plan.config.session.submission_tool.clone(),
                 |s| s.submission_tool().name.clone(),
             ),
             active_turn: session.as_ref().is_some_and(|s| s.turn_active()),
             running_jobs: self.host.jobs.running_count(),
             pending_grants: self.host.grants.pending_count().unwrap_or(0),
-            bearer_count: self
+            bearer_count: served
                 .loopback
                 .as_ref()
-                .map_or(0, |l| l.carrier().bearers().len()),
+                .map_or(0, |_| self.host.bearers.len()),
             refusals_last_hour: self.audit.last_hour(SystemTime::now()),
-            key_set: self
+            key_set: served
                 .remote
                 .as_ref()
                 .map(|r| Box::new(r.carrier().verifier().key_set())),
+            config,
+            state_dir: served.plan.config.state_dir.display().to_string(),
+            last_reload,
+            health: if problems.is_empty() {
+                "ok"
+            } else {
+                "degraded"
+            }
+            .to_owned(),
+            problems,
             upstreams: self.upstreams_status(),
         }
+    }
+
+    /// The parts failing to write to the state directory now.
+    fn health_problems(&self) -> Vec<robota_proto::Problem> {
+        self.health
+            .faults()
+            .into_iter()
+            .map(|(part, fault)| robota_proto::Problem {
+                part: part.as_str().to_owned(),
+                error: fault.error,
+                since: unix_secs(fault.since),
+                failures: fault.failures,
+            })
+            .collect()
     }
 
     pub(super) fn upstreams_status(&self) -> Vec<robota_proto::UpstreamStatus> {

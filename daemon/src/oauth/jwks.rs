@@ -63,21 +63,31 @@ pub(crate) struct ParsedKeys {
 pub enum FetchError {
     #[error("{url} is not an https URL")]
     NotHttps { url: String },
-    #[error("GET {url} failed")]
+    #[error("{method} {url} failed")]
     Transport {
+        method: &'static str,
         url: String,
         #[source]
         source: reqwest::Error,
     },
-    #[error(
-        "GET {url} did not finish within {}",
-        humantime::format_duration(FETCH_TIMEOUT)
-    )]
-    Timeout { url: String },
-    #[error("GET {url} answered {status}; redirects are not followed")]
-    Redirect { url: String, status: u16 },
-    #[error("GET {url} answered {status}")]
-    Status { url: String, status: u16 },
+    #[error("{method} {url} did not finish within {}", humantime::format_duration(*.limit))]
+    Timeout {
+        method: &'static str,
+        url: String,
+        limit: Duration,
+    },
+    #[error("{method} {url} answered {status}; redirects are not followed")]
+    Redirect {
+        method: &'static str,
+        url: String,
+        status: u16,
+    },
+    #[error("{method} {url} answered {status}")]
+    Status {
+        method: &'static str,
+        url: String,
+        status: u16,
+    },
     #[error("{url}: body larger than {} bytes", MAX_BODY_BYTES)]
     TooLarge { url: String },
     #[error("{url}: not a JSON object")]
@@ -88,8 +98,8 @@ pub enum FetchError {
         found: String,
         expected: String,
     },
-    #[error("{url}: metadata has no https `jwks_uri`")]
-    NoJwksUri { url: String },
+    #[error("{url}: metadata has no https `{member}`")]
+    NoEndpoint { url: String, member: &'static str },
     #[error("{origin}: not a JWK set (an object with a `keys` array)")]
     NotKeySet { origin: String },
     #[error("{origin}: {count} usable keys, at most {} allowed", MAX_KEYS)]
@@ -121,7 +131,7 @@ impl FetchError {
             FetchError::TooLarge { .. }
             | FetchError::NotJson { .. }
             | FetchError::IssuerMismatch { .. }
-            | FetchError::NoJwksUri { .. }
+            | FetchError::NoEndpoint { .. }
             | FetchError::NotKeySet { .. }
             | FetchError::TooManyKeys { .. }
             | FetchError::NoUsableKeys { .. } => FetchOutcome::Rejected,
@@ -503,12 +513,25 @@ impl Fetcher {
     /// Find the issuer's `jwks_uri`: RFC 8414 metadata, then OIDC. The document's `issuer`
     /// must equal `issuer` exactly and its `jwks_uri` must be https.
     pub async fn discover(&self, issuer: &str) -> Result<Url, FetchError> {
+        self.discover_endpoint(issuer, "jwks_uri").await
+    }
+
+    /// An https URL the issuer's metadata names under `member` (`jwks_uri`,
+    /// `introspection_endpoint`): RFC 8414 metadata, then OIDC, each document's `issuer`
+    /// equal to `issuer` exactly.
+    pub async fn discover_endpoint(
+        &self,
+        issuer: &str,
+        member: &'static str,
+    ) -> Result<Url, FetchError> {
         let parsed = https_url(issuer).ok_or_else(|| FetchError::NotHttps {
             url: issuer.to_owned(),
         })?;
         let [oauth_url, oidc_url] = discovery_urls(&parsed);
         let oauth = match self
-            .fetch(&oauth_url, |b, _| metadata_jwks_uri(b, issuer, &oauth_url))
+            .fetch(&oauth_url, |b, _| {
+                metadata_endpoint(b, issuer, &oauth_url, member)
+            })
             .await
         {
             Ok(url) => return Ok(url),
@@ -516,7 +539,9 @@ impl Fetcher {
         };
         tracing::debug!(url = %oauth_url, error = %crate::error_chain(&oauth), "RFC 8414 discovery failed; trying OpenID discovery");
         match self
-            .fetch(&oidc_url, |b, _| metadata_jwks_uri(b, issuer, &oidc_url))
+            .fetch(&oidc_url, |b, _| {
+                metadata_endpoint(b, issuer, &oidc_url, member)
+            })
             .await
         {
             Ok(url) => Ok(url),
@@ -557,37 +582,89 @@ impl Fetcher {
     }
 
     async fn get(&self, url: &Url) -> Result<(Vec<u8>, Freshness), FetchError> {
-        let name = || url.as_str().to_owned();
         if url.scheme() != "https" {
-            return Err(FetchError::NotHttps { url: name() });
+            return Err(FetchError::NotHttps {
+                url: url.as_str().to_owned(),
+            });
         }
+        let request = self
+            .client
+            .get(url.clone())
+            .header(reqwest::header::ACCEPT, "application/json");
+        self.exchange("GET", url, request, FETCH_TIMEOUT).await
+    }
+
+    /// POST a form (`application/x-www-form-urlencoded`) to an https `url`, with an
+    /// optional `Authorization`, bounded like every fetch but to `limit` in all; the body
+    /// of a 200 answer. Neither the form nor the header ever appears in an error.
+    pub async fn post_form(
+        &self,
+        url: &Url,
+        form: String,
+        authorization: Option<reqwest::header::HeaderValue>,
+        limit: Duration,
+    ) -> Result<Vec<u8>, FetchError> {
+        if url.scheme() != "https" {
+            return Err(FetchError::NotHttps {
+                url: url.as_str().to_owned(),
+            });
+        }
+        let mut request = self
+            .client
+            .post(url.clone())
+            .header(reqwest::header::ACCEPT, "application/json")
+            .header(
+                reqwest::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
+            .body(form);
+        if let Some(mut value) = authorization {
+            value.set_sensitive(true);
+            request = request.header(reqwest::header::AUTHORIZATION, value);
+        }
+        self.exchange("POST", url, request, limit)
+            .await
+            .map(|(body, _)| body)
+    }
+
+    /// Send `request`, then read a 200 answer of at most [`MAX_BODY_BYTES`], all within
+    /// `limit`; no redirect is followed.
+    async fn exchange(
+        &self,
+        method: &'static str,
+        url: &Url,
+        request: reqwest::RequestBuilder,
+        limit: Duration,
+    ) -> Result<(Vec<u8>, Freshness), FetchError> {
+        let name = || url.as_str().to_owned();
         let transport = |source: reqwest::Error| {
             if source.is_timeout() {
-                FetchError::Timeout { url: name() }
+                FetchError::Timeout {
+                    method,
+                    url: name(),
+                    limit,
+                }
             } else {
                 FetchError::Transport {
+                    method,
                     url: name(),
-                    source,
+                    source: source.without_url(),
                 }
             }
         };
         let exchange = async {
-            let mut response = self
-                .client
-                .get(url.clone())
-                .header(reqwest::header::ACCEPT, "application/json")
-                .send()
-                .await
-                .map_err(transport)?;
+            let mut response = request.send().await.map_err(transport)?;
             let status = response.status();
             if status.is_redirection() {
                 return Err(FetchError::Redirect {
+                    method,
                     url: name(),
                     status: status.as_u16(),
                 });
             }
             if status != reqwest::StatusCode::OK {
                 return Err(FetchError::Status {
+                    method,
                     url: name(),
                     status: status.as_u16(),
                 });
@@ -608,14 +685,23 @@ impl Fetcher {
             }
             Ok((body, freshness))
         };
-        tokio::time::timeout(FETCH_TIMEOUT, exchange)
+        tokio::time::timeout(limit, exchange)
             .await
-            .map_err(|_| FetchError::Timeout { url: name() })?
+            .map_err(|_| FetchError::Timeout {
+                method,
+                url: name(),
+                limit,
+            })?
     }
 }
 
-/// The `jwks_uri` of an authorization-server metadata document.
-fn metadata_jwks_uri(body: &[u8], issuer: &str, url: &Url) -> Result<Url, FetchError> {
+/// The https URL under `member` of an authorization-server metadata document.
+fn metadata_endpoint(
+    body: &[u8],
+    issuer: &str,
+    url: &Url,
+    member: &'static str,
+) -> Result<Url, FetchError> {
     let doc: Value = serde_json::from_slice(body).map_err(|_| FetchError::NotJson {
         url: url.to_string(),
     })?;
@@ -634,11 +720,12 @@ fn metadata_jwks_uri(body: &[u8], issuer: &str, url: &Url) -> Result<Url, FetchE
             });
         }
     }
-    doc.get("jwks_uri")
+    doc.get(member)
         .and_then(Value::as_str)
         .and_then(https_url)
-        .ok_or_else(|| FetchError::NoJwksUri {
+        .ok_or_else(|| FetchError::NoEndpoint {
             url: url.to_string(),
+            member,
         })
 }
 

@@ -34,6 +34,9 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Notify, watch};
 
+use super::introspect::{
+    self, IntrospectionSettings, Introspector, SecretFileError, SettingsError,
+};
 use super::jwks::{self, CacheDoc, ClientError, FetchError, Fetcher, ParsedKeys, VerifyKey};
 use super::{MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture, b64};
 use crate::config::{KeyRefresh, KeySource};
@@ -56,7 +59,7 @@ pub const SUPPORTED_ALGORITHMS: [Algorithm; 3] =
     [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
 
 /// What the verifier accepts; built by the remote carrier from `[remote]`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JwtConfig {
     /// The exact `iss`, an `https://` URL.
     pub issuer: String,
@@ -78,6 +81,9 @@ pub struct JwtConfig {
     /// a fetch succeeds.
     pub start_without_keys: bool,
     pub refresh: KeyRefresh,
+    /// Opaque (non-JWT) tokens go to the issuer's introspection endpoint; without this
+    /// they are `malformed`.
+    pub introspection: Option<IntrospectionSettings>,
 }
 
 /// Why a [`JwtVerifier`] cannot be built (a configuration error).
@@ -105,6 +111,8 @@ pub enum BuildError {
     CryptoProvider,
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error("introspection")]
+    Introspection(#[from] SettingsError),
 }
 
 /// Why the start-up key load failed.
@@ -166,10 +174,11 @@ struct Inner {
     clock: Clock,
     verified: Mutex<VerifiedCache>,
     signature_checks: AtomicU64,
+    introspector: Option<Introspector>,
 }
 
 /// The claim rules, separate from keys and I/O.
-struct Policy {
+pub(super) struct Policy {
     issuer: String,
     audiences: Vec<String>,
     required_scopes: Vec<String>,
@@ -288,6 +297,15 @@ impl JwtVerifier {
             return Err(BuildError::KeyRefresh(r));
         }
         let fetcher = Fetcher::new(config.ca_file.as_deref(), metrics.clone())?;
+        let clock: Clock = Arc::new(|| tokio::time::Instant::now().into_std());
+        let introspector = match config.introspection {
+            Some(settings) => Some(Introspector::build(
+                settings,
+                &config.issuer,
+                clock.clone(),
+            )?),
+            None => None,
+        };
         let mut algorithms: Vec<Algorithm> = Vec::new();
         for alg in config.algorithms {
             if !algorithms.contains(&alg) {
@@ -317,9 +335,10 @@ impl JwtVerifier {
             keys: RwLock::new(None),
             state: Mutex::new(RefreshState::default()),
             rescheduled: Arc::new(Notify::new()),
-            clock: Arc::new(|| tokio::time::Instant::now().into_std()),
+            clock,
             verified: Mutex::new(VerifiedCache::default()),
             signature_checks: AtomicU64::new(0),
+            introspector,
         })))
     }
 
@@ -328,6 +347,13 @@ impl JwtVerifier {
     /// unless `start_without_keys`.
     pub async fn load(&self) -> Result<(), LoadError> {
         let inner = &self.0;
+        if let Some(introspector) = &inner.introspector {
+            // Not fatal: JWTs are served either way, and an unknown endpoint is looked
+            // up again when an opaque token arrives.
+            if let Some(url) = introspector.endpoint(&inner.fetcher).await {
+                tracing::info!(endpoint = %url, "opaque tokens are checked by introspection");
+            }
+        }
         // A successful start-up load does not start the refetch cooldown: a key rotated
         // just before (or just after) a start is picked up by the first unknown `kid`.
         // A failed one does, so an unreachable issuer is not asked again at once.
@@ -419,6 +445,15 @@ impl JwtVerifier {
         })
     }
 
+    /// Read the files holding secrets (the introspection client secret), at start and
+    /// never by `check-config`.
+    pub fn read_secrets(&self) -> Result<(), SecretFileError> {
+        match &self.0.introspector {
+            Some(introspector) => introspector.read_secret(),
+            None => Ok(()),
+        }
+    }
+
     /// The key set for `status`.
     pub fn key_set(&self) -> KeySetStatus {
         self.0.key_set()
@@ -426,9 +461,12 @@ impl JwtVerifier {
 
     #[cfg(test)]
     pub(crate) fn with_clock(mut self, clock: Clock) -> Self {
-        Arc::get_mut(&mut self.0)
-            .expect("the clock is set before the verifier is shared")
-            .clock = clock;
+        let inner =
+            Arc::get_mut(&mut self.0).expect("the clock is set before the verifier is shared");
+        if let Some(introspector) = &mut inner.introspector {
+            introspector.set_clock(clock.clone());
+        }
+        inner.clock = clock;
         self
     }
 
@@ -736,6 +774,24 @@ impl Inner {
         if let Some(principal) = self.verified.lock().get(&digest, now) {
             return Ok(principal);
         }
+        if !introspect::jwt_shaped(token) {
+            // Opaque: only the issuer can say (a JWT never goes there).
+            return match &self.introspector {
+                Some(introspector) => {
+                    introspector
+                        .check(
+                            &self.fetcher,
+                            &self.metrics,
+                            &self.policy,
+                            token,
+                            &digest,
+                            now,
+                        )
+                        .await
+                }
+                None => Err(Reason::Malformed),
+            };
+        }
         let (header, _, _) = split(token)?;
         let header = parse_header(header, &self.algorithms)?;
         let (set, index) = self.find_key(header.kid.as_deref(), header.alg).await?;
@@ -917,7 +973,7 @@ fn algorithm_name(alg: Algorithm) -> &'static str {
 
 /// A JSON object whose parse fails on a duplicate member (at the top level), so that two
 /// parsers can never read different values from one token.
-struct StrictObject(Map<String, Value>);
+pub(super) struct StrictObject(pub(super) Map<String, Value>);
 
 impl<'de> Deserialize<'de> for StrictObject {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -947,8 +1003,8 @@ impl<'de> Deserialize<'de> for StrictObject {
 }
 
 /// A token whose claims passed.
-struct Checked {
-    principal: Principal,
+pub(super) struct Checked {
+    pub(super) principal: Principal,
     not_before: Option<SystemTime>,
 }
 
@@ -977,7 +1033,7 @@ fn premature(t: SystemTime, now: SystemTime) -> bool {
 /// audiences. A multi-valued `aud` is refused even when it contains ours: such a token is
 /// also good at another resource server, which could replay it to us (the confused-deputy
 /// problem; RFC 8707 audience restriction, RFC 9068 §4).
-fn check_claims(
+pub(super) fn check_claims(
     claims: &Map<String, Value>,
     policy: &Policy,
     now: SystemTime,

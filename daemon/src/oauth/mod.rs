@@ -36,7 +36,8 @@ pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + S
 /// Refusal reasons a verifier may return: `oversize`, `malformed`, `wrong-type`,
 /// `unsupported-algorithm`, `ambiguous-key`, `unknown-key`, `key-mismatch`,
 /// `bad-signature`, `wrong-issuer`, `wrong-audience`, `expired`, `not-yet-valid`,
-/// `missing-scope`, `principal-not-allowed`, `keys-unavailable`.
+/// `missing-scope`, `principal-not-allowed`, `keys-unavailable`,
+/// `introspection-unavailable`.
 pub trait Verifier: Send + Sync + 'static {
     fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a>;
 
@@ -52,6 +53,7 @@ pub trait Verifier: Send + Sync + 'static {
 }
 
 mod b64;
+pub mod introspect;
 pub mod jwks;
 pub mod jwt;
 #[cfg(test)]

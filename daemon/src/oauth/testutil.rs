@@ -178,6 +178,7 @@ pub(crate) fn config(issuer: &str, keys: KeySource, dir: &Path) -> JwtConfig {
         cache_path: dir.join("jwks-cache.json"),
         start_without_keys: false,
         refresh: crate::config::KeyRefresh::DEFAULT,
+        introspection: None,
     }
 }
 
@@ -262,6 +263,8 @@ pub(crate) struct TestServer {
     pub ca_file: PathBuf,
     routes: Arc<Mutex<HashMap<String, Route>>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
+    /// Every request as received (head and body), by path.
+    requests: Arc<Mutex<HashMap<String, Vec<String>>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -306,15 +309,16 @@ impl TestServer {
         let addr = listener.local_addr().unwrap();
         let routes: Arc<Mutex<HashMap<String, Route>>> = Arc::default();
         let hits: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-        let (r, h) = (routes.clone(), hits.clone());
+        let requests: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
+        let (r, h, q) = (routes.clone(), hits.clone(), requests.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                let (acceptor, r, h) = (acceptor.clone(), r.clone(), h.clone());
+                let (acceptor, r, h, q) = (acceptor.clone(), r.clone(), h.clone(), q.clone());
                 tokio::spawn(async move {
-                    let _ = serve(stream, acceptor, r, h).await;
+                    let _ = serve(stream, acceptor, r, h, q).await;
                 });
             }
         });
@@ -323,6 +327,7 @@ impl TestServer {
             ca_file,
             routes,
             hits,
+            requests,
             task,
         }
     }
@@ -343,6 +348,11 @@ impl TestServer {
     pub fn total_hits(&self) -> usize {
         self.hits.lock().values().sum()
     }
+
+    /// The requests to `path` so far, each as its head and body.
+    pub fn requests(&self, path: &str) -> Vec<String> {
+        self.requests.lock().get(path).cloned().unwrap_or_default()
+    }
 }
 
 async fn serve(
@@ -350,6 +360,7 @@ async fn serve(
     acceptor: tokio_rustls::TlsAcceptor,
     routes: Arc<Mutex<HashMap<String, Route>>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
+    requests: Arc<Mutex<HashMap<String, Vec<String>>>>,
 ) -> std::io::Result<()> {
     let mut tls = acceptor.accept(stream).await?;
     let mut head = Vec::new();
@@ -361,9 +372,32 @@ async fn serve(
         }
         head.extend_from_slice(&buf[..n]);
     }
-    let head = String::from_utf8_lossy(&head);
+    // The body, as far as `Content-Length` says.
+    let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0) + 4;
+    let declared = String::from_utf8_lossy(&head[..end])
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0)
+        .min(64 * 1024);
+    while head.len() < end + declared {
+        let n = tls.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
     let path = head.split(' ').nth(1).unwrap_or("").to_owned();
     *hits.lock().entry(path.clone()).or_default() += 1;
+    requests
+        .lock()
+        .entry(path.clone())
+        .or_default()
+        .push(head.clone());
     let route = routes
         .lock()
         .get(&path)

@@ -58,13 +58,9 @@ fn decode_outcome(text: &str) -> Result<ToolOutput, ToolError> {
     ))
 }
 
-/// SHA-256 of the arguments without the key (serde_json maps are sorted, so the text is
-/// canonical for equal arguments).
+/// SHA-256 of the canonical text of the arguments without the key.
 fn args_digest(args: &Args) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(
-        Value::Object(args.clone()).to_string(),
-    ))
+    crate::canonical::canonical_sha256(&Value::Object(args.clone()))
 }
 
 /// Idempotency for replay-safe tools: keys recorded in the store, by caller and tool.
@@ -97,10 +93,7 @@ impl Idempotency {
         let digest = args_digest(&args);
         let caller_text = caller.to_string();
         let store = &*self.store;
-        let internal = |e: crate::store::StoreError| {
-            tracing::error!(error = %e, "idempotency store failure");
-            ToolError::new(ToolErrorCode::Internal, "the idempotency store failed")
-        };
+        let internal = |e: crate::store::StoreError| ToolError::store(&e, "idempotency store");
         let mismatch = || {
             ToolError::new(
                 ToolErrorCode::InvalidArguments,

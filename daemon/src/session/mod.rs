@@ -4,7 +4,8 @@
 //!
 //! Architecture invariant: the session knows nothing about HTTP, stdio, OAuth or MCP
 //! wire names, and does not build its tools. Carriers reach it only through the two role
-//! traits below, with a [`Caller`] they have already admitted and a cancellation token.
+//! traits below, with a caller they have already admitted ([`Admitted`]: the [`Caller`]
+//! and, on the remote carrier, its token's scopes) and a cancellation token.
 
 mod idempotency;
 pub mod policy;
@@ -17,10 +18,11 @@ use tokio_util::sync::CancellationToken;
 use crate::catalog::{
     Args, Catalog, HostView, Lookup, Snapshot, ToolContext, ToolError, ToolOutput, ToolSpec,
 };
-use crate::grants::Grants;
+use crate::config::Decision;
+use crate::grants::{CallApproval, GrantError, Grants};
 use crate::jobs::{JobRecord, Jobs};
 use crate::metrics::Metrics;
-use crate::vocab::{Caller, JobId, ToolErrorCode};
+use crate::vocab::{Admitted, JobId, ToolErrorCode};
 pub use idempotency::Idempotency;
 pub use policy::Policy;
 pub use turn::TurnBackend;
@@ -41,7 +43,7 @@ pub trait RuntimeTools: Send + Sync + 'static {
 
     fn invoke_runtime_tool(
         &self,
-        caller: &Caller,
+        caller: &Admitted,
         name: &str,
         args: Args,
         cancel: CancellationToken,
@@ -51,7 +53,7 @@ pub trait RuntimeTools: Send + Sync + 'static {
     /// tools themselves (policy for `job.status` / `job.cancel`, then the owner).
     fn job(
         &self,
-        caller: &Caller,
+        caller: &Admitted,
         job: JobId,
         op: JobOp,
     ) -> impl Future<Output = Result<JobRecord, ToolError>> + Send;
@@ -64,7 +66,7 @@ pub trait TurnSubmission: Send + Sync + 'static {
 
     fn submit_turn(
         &self,
-        caller: &Caller,
+        caller: &Admitted,
         prompt: String,
         cancel: CancellationToken,
     ) -> impl Future<Output = Result<ToolOutput, ToolError>> + Send;
@@ -124,22 +126,51 @@ impl Session {
         self.turns.active()
     }
 
-    fn permit(&self, caller: &Caller, spec: &ToolSpec) -> Result<(), ToolError> {
+    /// The permission wrapper: policy's decision for this call, with the covering grant
+    /// (`grant`) or an approval of exactly this call (`approve-each`, bound to `args`)
+    /// looked up. Every refusal is counted.
+    fn permit(&self, admitted: &Admitted, spec: &ToolSpec, args: &Args) -> Result<(), ToolError> {
+        let caller = &admitted.caller;
+        let tool = spec.name.as_str();
         let verdict = match self.policy.decide(
-            caller,
-            &spec.name,
+            admitted,
+            tool,
             spec.annotations.allowed_by_default(),
         ) {
-            // Policy wants a grant: an approved, unexpired one of this very caller will do.
-            Err(e) if e.code == ToolErrorCode::InteractivePermissionRequired => {
-                match self.grants.covering(caller, &spec.name) {
-                    Ok(Some(grant)) => {
-                        tracing::debug!(grant_id = grant.grant_id, %caller, tool = %spec.name, "allowed by grant");
+            Decision::Allow => Ok(()),
+            Decision::Deny => Err(policy::denied(caller, tool)),
+            // An approved, unexpired grant of this very caller will do.
+            Decision::Grant => match self.grants.covering(caller, tool) {
+                Ok(Some(grant)) => {
+                    tracing::debug!(grant_id = grant.grant_id, %caller, tool, "allowed by grant");
+                    Ok(())
+                }
+                Ok(None) => Err(policy::needs_grant(caller, tool)),
+                Err(store) => Err(ToolError::store(&store, "grant store")),
+            },
+            // An approval of exactly this call, used now.
+            Decision::ApproveEach => {
+                let arguments = serde_json::Value::Object(args.clone());
+                match self.grants.approve_each(caller, tool, &arguments) {
+                    Ok(CallApproval::Used(grant)) => {
+                        tracing::info!(grant_id = grant.grant_id, %caller, tool, "allowed by an approval of this call");
                         Ok(())
                     }
-                    Ok(None) => Err(e),
-                    Err(store) => {
-                        tracing::error!(error = %store, "cannot read grants");
+                    Ok(CallApproval::Pending(grant)) => {
+                        Err(policy::needs_approval(tool, grant.grant_id))
+                    }
+                    Err(GrantError::Invalid(why)) => Err(ToolError::new(
+                        ToolErrorCode::PermissionDenied,
+                        format!(
+                            "{tool} needs an operator's approval of each call, and this one cannot be approved: {why}"
+                        ),
+                    )),
+                    Err(e @ GrantError::TooMany { .. }) => {
+                        Err(ToolError::new(ToolErrorCode::Busy, e.to_string()))
+                    }
+                    Err(GrantError::Store(store)) => Err(ToolError::store(&store, "grant store")),
+                    Err(e) => {
+                        tracing::error!(error = %crate::error_chain(&e), "cannot record an approval request");
                         Err(ToolError::new(
                             ToolErrorCode::Internal,
                             "the grant store failed",
@@ -147,10 +178,9 @@ impl Session {
                     }
                 }
             }
-            other => other,
         };
         if let Err(err) = &verdict {
-            self.metrics.policy_denial(&spec.name, err.code);
+            self.metrics.policy_denial(tool, err.code);
         }
         verdict
     }
@@ -163,7 +193,7 @@ impl RuntimeTools for Session {
 
     async fn invoke_runtime_tool(
         &self,
-        caller: &Caller,
+        admitted: &Admitted,
         name: &str,
         args: Args,
         cancel: CancellationToken,
@@ -189,7 +219,8 @@ impl RuntimeTools for Session {
         };
         let spec = entry.spec();
         let args = crate::catalog::validate_args(entry, args)?;
-        self.permit(caller, spec)?;
+        self.permit(admitted, spec, &args)?;
+        let caller = &admitted.caller;
         let ctx = ToolContext {
             caller,
             cancel: cancel.clone(),
@@ -211,7 +242,12 @@ impl RuntimeTools for Session {
         }
     }
 
-    async fn job(&self, caller: &Caller, job: JobId, op: JobOp) -> Result<JobRecord, ToolError> {
+    async fn job(
+        &self,
+        admitted: &Admitted,
+        job: JobId,
+        op: JobOp,
+    ) -> Result<JobRecord, ToolError> {
         let tool = match op {
             JobOp::Status => "job.status",
             JobOp::Cancel => "job.cancel",
@@ -223,7 +259,11 @@ impl RuntimeTools for Session {
                 format!("{tool} is not in the catalog"),
             ));
         };
-        self.permit(caller, entry.spec())?;
+        // The arguments the job tool itself would be called with.
+        let mut args = Args::new();
+        args.insert("job_id".into(), job.0.into());
+        self.permit(admitted, entry.spec(), &args)?;
+        let caller = &admitted.caller;
         let record = match op {
             JobOp::Status => self.jobs.visible(Some(caller), job),
             JobOp::Cancel => self.jobs.cancel(Some(caller), job),
@@ -239,13 +279,20 @@ impl TurnSubmission for Session {
 
     async fn submit_turn(
         &self,
-        caller: &Caller,
+        admitted: &Admitted,
         prompt: String,
         cancel: CancellationToken,
     ) -> Result<ToolOutput, ToolError> {
-        self.permit(caller, &self.submission)?;
+        let mut args = Args::new();
+        args.insert("prompt".into(), prompt.into());
+        self.permit(admitted, &self.submission, &args)?;
+        let Some(serde_json::Value::String(prompt)) = args.remove("prompt") else {
+            unreachable!("inserted above")
+        };
         self.turns
-            .run(caller, prompt, cancel, || self.metrics.turn_started())
+            .run(&admitted.caller, prompt, cancel, || {
+                self.metrics.turn_started()
+            })
             .await
     }
 }
@@ -257,6 +304,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::catalog::MAX_ERROR_MESSAGE;
     use crate::config::{Environment, parse};
+    use crate::vocab::Caller;
 
     pub(crate) struct NoCarriers;
     impl HostView for NoCarriers {
@@ -300,7 +348,7 @@ pub(crate) mod tests {
         let s = session("");
         let out = s
             .invoke_runtime_tool(
-                &Caller::Bearer("default".into()),
+                &Caller::Bearer("default".into()).into(),
                 "system.info",
                 Args::new(),
                 CancellationToken::new(),
@@ -317,7 +365,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn unknown_tools_and_bad_arguments_are_visible_errors() {
         let s = session("");
-        let caller = Caller::Local(0);
+        let caller: Admitted = Caller::Local(0).into();
         let err = s
             .invoke_runtime_tool(
                 &caller,
@@ -343,7 +391,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn submission_is_denied_by_default_and_unavailable_without_backend() {
         let s = session("");
-        let caller = Caller::Bearer("default".into());
+        let caller: Admitted = Caller::Bearer("default".into()).into();
         let err = s
             .submit_turn(&caller, "hi".into(), CancellationToken::new())
             .await
@@ -367,7 +415,7 @@ pub(crate) mod tests {
         );
         let ok = s
             .submit_turn(
-                &Caller::Local(0),
+                &Caller::Local(0).into(),
                 "0123456789".into(),
                 CancellationToken::new(),
             )
@@ -376,7 +424,7 @@ pub(crate) mod tests {
         assert_eq!(ok, ToolOutput::Text("0123456789".into()));
         let err = s
             .submit_turn(
-                &Caller::Local(0),
+                &Caller::Local(0).into(),
                 "0123456789A".into(),
                 CancellationToken::new(),
             )
@@ -385,13 +433,95 @@ pub(crate) mod tests {
         assert_eq!(err.code, ToolErrorCode::ResultTooLarge);
     }
 
+    /// The approval id a refusal names (`approval N is pending`).
+    fn approval_id(err: &ToolError) -> i64 {
+        assert_eq!(
+            err.code,
+            ToolErrorCode::InteractivePermissionRequired,
+            "{err}"
+        );
+        err.message
+            .split("approval ")
+            .skip(1)
+            .find_map(|rest| rest.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no approval id in {err}"))
+    }
+
+    #[tokio::test]
+    async fn approve_each_runs_the_identical_call_once_after_approval() {
+        let s = session(
+            "[[policy]]\ncallers = [\"*\"]\ntools = [\"agent_submit\"]\ndecision = \"approve-each\"\n\
+             [session.turn]\nargv = [\"/bin/cat\"]\n",
+        );
+        let caller: Admitted = Caller::Bearer("ci".into()).into();
+        let ask = |prompt: &str| s.submit_turn(&caller, prompt.into(), CancellationToken::new());
+        let first = ask("deploy v2").await.unwrap_err();
+        let id = approval_id(&first);
+        assert!(
+            first.message.contains("robota-mcpctl grants show"),
+            "{first}"
+        );
+        // Until an operator approves, the same call finds the same request.
+        assert_eq!(approval_id(&ask("deploy v2").await.unwrap_err()), id);
+        s.grants.approve(id, "local:0", None).unwrap();
+        // Other arguments are another call.
+        assert_ne!(approval_id(&ask("deploy v3").await.unwrap_err()), id);
+        assert_eq!(
+            ask("deploy v2").await.unwrap(),
+            ToolOutput::Text("deploy v2".into())
+        );
+        // Used: the next identical call needs a new approval.
+        assert_ne!(approval_id(&ask("deploy v2").await.unwrap_err()), id);
+        // Another caller never uses this caller's approval.
+        let other: Admitted = Caller::Bearer("other".into()).into();
+        let theirs = approval_id(
+            &s.submit_turn(&other, "x".into(), CancellationToken::new())
+                .await
+                .unwrap_err(),
+        );
+        s.grants.approve(theirs, "local:0", None).unwrap();
+        assert!(ask("x").await.is_err());
+    }
+
+    #[tokio::test]
+    async fn scope_rules_apply_only_to_callers_with_a_token() {
+        let s = session(
+            "[[policy]]\ncallers = [\"*\"]\nscopes = [\"mcp:admin\"]\ntools = [\"system.*\"]\ndecision = \"deny\"\n",
+        );
+        let alice = Caller::OAuth {
+            client_id: "c".into(),
+            subject: "alice".into(),
+        };
+        let s = &s;
+        let call = |who: Admitted| async move {
+            s.invoke_runtime_tool(&who, "system.info", Args::new(), CancellationToken::new())
+                .await
+                .map(drop)
+                .map_err(|e| e.code)
+        };
+        assert_eq!(
+            call(Admitted::with_token(
+                alice.clone(),
+                vec!["mcp:admin".into()]
+            ))
+            .await,
+            Err(ToolErrorCode::PermissionDenied)
+        );
+        assert_eq!(
+            call(Admitted::with_token(alice.clone(), vec![])).await,
+            Ok(())
+        );
+        assert_eq!(call(Caller::Local(0).into()).await, Ok(()));
+        assert_eq!(call(alice.into()).await, Ok(()));
+    }
+
     #[tokio::test]
     async fn error_messages_quoting_caller_input_are_capped() {
         let s = session("");
         let name = "\u{e9}".repeat(300 * 1024);
         let err = s
             .invoke_runtime_tool(
-                &Caller::Local(0),
+                &Caller::Local(0).into(),
                 &name,
                 Args::new(),
                 CancellationToken::new(),
@@ -407,7 +537,7 @@ pub(crate) mod tests {
         assert!(err.message.ends_with('…'));
         let err = s
             .invoke_runtime_tool(
-                &Caller::Local(0),
+                &Caller::Local(0).into(),
                 "system.info",
                 args(serde_json::json!({"\"".repeat(100_000): 1})),
                 CancellationToken::new(),

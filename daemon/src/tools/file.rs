@@ -52,7 +52,7 @@ use sha2::{Digest, Sha256};
 use super::{internal, invalid};
 use crate::catalog::{Annotations, HostTool, ToolFuture, ToolSpec, TypedTool};
 use crate::catalog::{ToolContext, ToolError, ToolOutput};
-use crate::config::{ConfigIssue, FileTool};
+use crate::config::{ConfigIssue, FileTool, NewFiles};
 use crate::vocab::ToolErrorCode;
 
 /// Longest path a caller may name (PATH_MAX).
@@ -66,8 +66,9 @@ const TEMP_NAME_KEEP: usize = 200;
 const RESOLVE_RETRIES: usize = 16;
 /// Permission bits an overwritten file keeps.
 const KEPT_MODE_BITS: u32 = 0o777;
-/// Mode of a new file before the umask.
-const NEW_FILE_MODE: u32 = 0o666;
+/// Mode of a temp file when it is made: owner only, until its identity is set (before
+/// any content is written).
+const TEMP_FILE_MODE: u32 = 0o600;
 
 /// The two tools over the configured roots; each problem with a root is an issue naming
 /// its key (`tools.file.write_roots[0]`).
@@ -95,12 +96,20 @@ impl AsRef<Path> for Root {
 
 /// What the two tools share: the roots and the size caps.
 #[derive(Debug)]
+/// What was kept of a replaced file's identity.
+struct Kept {
+    owner: bool,
+    group: bool,
+}
+
+#[derive(Debug)]
 struct Files {
     /// Read roots, then write roots (write roots are readable too), without repeats.
     readable: Vec<Root>,
     writable: Vec<Root>,
     max_read: u64,
     max_write: u64,
+    new_files: std::collections::BTreeMap<PathBuf, NewFiles>,
 }
 
 impl Files {
@@ -127,6 +136,7 @@ impl Files {
                                 issues.push(ConfigIssue {
                                     path: format!("{key}[{i}]"),
                                     problem: format!("{}: {problem}", path.display()),
+                                    at: None,
                                 });
                                 None
                             }
@@ -152,6 +162,7 @@ impl Files {
             writable,
             max_read: config.max_read,
             max_write: config.max_write,
+            new_files: config.new_files.clone(),
         })
     }
 }
@@ -672,7 +683,7 @@ impl<'d> TempFile<'d> {
                     | OFlag::O_EXCL
                     | OFlag::O_NOFOLLOW
                     | OFlag::O_CLOEXEC,
-                Mode::from_bits_truncate(NEW_FILE_MODE),
+                Mode::from_bits_truncate(TEMP_FILE_MODE),
             ) {
                 Ok(fd) => {
                     return Ok(Self {
@@ -689,25 +700,58 @@ impl<'d> TempFile<'d> {
         Err(last)
     }
 
-    /// Gives the (still empty) temp file the overwritten file's owner and permission
-    /// bits. Returns whether the owner and group could be kept: an unprivileged daemon
-    /// cannot give files away, and the caller is told so.
-    fn keep_identity(&self, old: &FileStat) -> nix::Result<bool> {
+    /// Gives the (still empty) temp file the overwritten file's owner, group and
+    /// permission bits. The bits are always kept; the owner and group as far as the
+    /// daemon may (an unprivileged daemon cannot give a file away, but can give it a
+    /// group it is a member of), and the caller is told which.
+    fn keep_identity(&self, old: &FileStat) -> nix::Result<Kept> {
         let (uid, gid) = (Uid::from_raw(old.st_uid), Gid::from_raw(old.st_gid));
-        let mut kept = true;
+        let mut kept = Kept {
+            owner: true,
+            group: true,
+        };
         if (uid != nix::unistd::geteuid() || gid != nix::unistd::getegid())
             && let Err(e) = nix::unistd::fchown(&self.file, Some(uid), Some(gid))
         {
-            // The group alone may still be possible (a member of that group).
-            kept = false;
-            let group = nix::unistd::fchown(&self.file, None, Some(gid));
-            tracing::warn!(error = %e, group_kept = group.is_ok(), "cannot keep the owner of an overwritten file");
+            kept.owner = uid == nix::unistd::geteuid();
+            kept.group = nix::unistd::fchown(&self.file, None, Some(gid)).is_ok();
+            tracing::warn!(error = %e, owner_kept = kept.owner, group_kept = kept.group, "cannot keep the owner of an overwritten file");
         }
         nix::sys::stat::fchmod(
             &self.file,
             Mode::from_bits_truncate(old.st_mode & KEPT_MODE_BITS),
         )?;
         Ok(kept)
+    }
+
+    /// Gives the (still empty) temp file of a new file the mode and group `made` names;
+    /// with no group named, the group of `dir` when the daemon may give it. Returns the
+    /// group the file has. A group that was named but cannot be given fails the write.
+    fn new_identity(&self, made: &NewFiles, dir: &FileStat) -> Result<u32, String> {
+        let mine = nix::unistd::getegid().as_raw();
+        let gid = match made.gid {
+            Some(gid) if gid != mine => {
+                nix::unistd::fchown(&self.file, None, Some(Gid::from_raw(gid))).map_err(|e| {
+                    format!(
+                        "the new file cannot be given group {gid} (tools.file.new_files): {}; the daemon's user must be a member of it",
+                        e.desc()
+                    )
+                })?;
+                gid
+            }
+            Some(gid) => gid,
+            None if dir.st_gid != mine => {
+                match nix::unistd::fchown(&self.file, None, Some(Gid::from_raw(dir.st_gid))) {
+                    Ok(()) => dir.st_gid,
+                    Err(_) => mine,
+                }
+            }
+            None => mine,
+        };
+        // Not subject to the umask: the root's settings are what the operator asked for.
+        nix::sys::stat::fchmod(&self.file, Mode::from_bits_truncate(made.mode))
+            .map_err(|e| format!("cannot set the new file's mode: {}", e.desc()))?;
+        Ok(gid)
     }
 
     /// Renames the temp file to `target`; without `replace`, an existing `target` is kept
@@ -821,12 +865,30 @@ impl Files {
         let mut temp =
             TempFile::create(dir.as_fd(), name).map_err(|e| host_error(&t, e, "write"))?;
         // Owner and mode before the content: the bytes never sit in a file more open than
-        // the one they replace.
-        let owner_kept = match &current {
-            Some(c) => temp
-                .keep_identity(&c.stat)
-                .map_err(|e| host_error(&t, e, "write"))?,
-            None => true,
+        // the one they replace, or than its root's settings ask for.
+        let identity = match &current {
+            Some(c) => {
+                let kept = temp
+                    .keep_identity(&c.stat)
+                    .map_err(|e| host_error(&t, e, "write"))?;
+                json!({
+                    "owner_kept": kept.owner && kept.group,
+                    "kept": {"owner": kept.owner, "group": kept.group, "mode": true},
+                })
+            }
+            None => {
+                let made = self
+                    .new_files
+                    .get(&t.root.path)
+                    .cloned()
+                    .unwrap_or_default();
+                let dir_stat =
+                    nix::sys::stat::fstat(&dir).map_err(|e| host_error(&t, e, "write"))?;
+                let gid = temp
+                    .new_identity(&made, &dir_stat)
+                    .map_err(|m| unavailable(format!("{}: {m}", t.shown)))?;
+                json!({"created": {"mode": format!("{:04o}", made.mode), "gid": gid}})
+            }
         };
         temp.file
             .write_all(&new)
@@ -859,13 +921,16 @@ impl Files {
             )
         })?;
         drop(temp);
-        Ok(json!({
+        let mut answer = json!({
             "path": t.shown,
             "size": new.len(),
             "sha256": sha256_hex(&new),
             "mode": req.mode.as_str(),
-            "owner_kept": owner_kept,
-        }))
+        });
+        if let (Some(out), Some(extra)) = (answer.as_object_mut(), identity.as_object()) {
+            out.extend(extra.clone());
+        }
+        Ok(answer)
     }
 
     /// The regular file `name` in `dir` as it is now, `None` when there is none. Reads its
@@ -1001,7 +1066,7 @@ impl TypedTool for WriteTool {
         ToolSpec::typed::<Self::Args>(
             "file.write",
             format!(
-                "Write a regular file under this host's write roots, atomically: readers see the old or the new content, never a mix. {roots} `mode` is `create` (default; the file must not exist), `overwrite` or `append` (both create a missing file). At most {max} bytes of content, and of the file after an append. `expected_sha256` makes the write conditional on the current content. Symbolic links as the last path component are refused.",
+                "Write a regular file under this host's write roots, atomically: readers see the old or the new content, never a mix. {roots} `mode` is `create` (default; the file must not exist), `overwrite` or `append` (both create a missing file). At most {max} bytes of content, and of the file after an append. `expected_sha256` makes the write conditional on the current content. Symbolic links as the last path component are refused. A replaced file keeps its permission bits, and its owner and group as far as the daemon may (the answer's `kept` says which); a new file gets its root's configured mode and group (the answer's `created`).",
                 max = f.max_write
             ),
             Annotations {
@@ -1050,6 +1115,7 @@ mod tests {
                 write_roots: vec![dir.path().join("rw")],
                 max_read,
                 max_write,
+                new_files: Default::default(),
             })
             .expect("the roots open");
             Tree { dir, files }

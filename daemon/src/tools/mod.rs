@@ -124,8 +124,13 @@ mod tests {
         ));
         let caller = Caller::Local(0);
         let call = async |tool: &str, args: Value| -> Result<ToolOutput, ToolError> {
-            s.invoke_runtime_tool(&caller, tool, object(args), CancellationToken::new())
-                .await
+            s.invoke_runtime_tool(
+                &caller.clone().into(),
+                tool,
+                object(args),
+                CancellationToken::new(),
+            )
+            .await
         };
         // Something for the good values to find: a job and a grant of this caller.
         let Ok(ToolOutput::Job(job)) = call("job.start", json!({"template": "quick"})).await else {

@@ -846,7 +846,7 @@ mod tests {
         assert!(names.contains(&"service.status") && names.contains(&"service.action"));
         let err = s
             .invoke_runtime_tool(
-                &Caller::Bearer("default".into()),
+                &Caller::Bearer("default".into()).into(),
                 "service.status",
                 json!({"unit": "nginx.service"})
                     .as_object()

@@ -94,6 +94,9 @@ enum Expect {
     InvalidOneOf(&'static [&'static str]),
     /// 403, `Bearer error="insufficient_scope", scope=…, resource_metadata=…`.
     Insufficient(&'static str),
+    /// 403, `Bearer resource_metadata=…` only (no `error`, no `scope`: no token of this
+    /// principal would do), reason `principal-not-allowed`.
+    NotAdmitted,
     /// 403 with an empty body (wrong Host / Origin).
     Forbidden(&'static str),
     /// 503, reason `keys-unavailable`.
@@ -111,6 +114,7 @@ impl Expect {
                 std::slice::from_ref(r)
             }
             Expect::InvalidOneOf(rs) => rs,
+            Expect::NotAdmitted => &["principal-not-allowed"],
             Expect::Unavailable => &["keys-unavailable"],
         }
     }
@@ -175,6 +179,10 @@ fn check_answer(resp: &Response, expect: Expect, public_url: &str, case: &str) {
                 ],
                 case,
             );
+        }
+        Expect::NotAdmitted => {
+            resp.assert_empty_refusal(403, case);
+            challenge().assert_exactly(&[("resource_metadata", &meta)], case);
         }
         Expect::Forbidden(_) => resp.assert_empty_refusal(403, case),
         Expect::Unavailable => resp.assert_empty_refusal(503, case),
@@ -737,7 +745,7 @@ async fn bad_token_corpus_reaches_every_reason_with_exact_answers() {
                 .claim("client_id", "client-x")
                 .build(),
         ),
-        Expect::Insufficient("principal-not-allowed"),
+        Expect::NotAdmitted,
     );
     add(
         "allowed subject, other client",

@@ -151,9 +151,21 @@ async fn an_idle_http2_connection_is_closed_and_an_open_stream_keeps_it() {
 async fn stalled_peers_cannot_lock_out_a_scrape() {
     let d = Daemon::start("");
     let addr = d.metrics_addr();
-    // The metrics listener has 8 slots; 16 peers send `P` and stop.
+    // The metrics listener has 8 slots; 16 peers send `P` and stop. A connection whose
+    // bytes the daemon has not read yet is never evicted (it may hold a whole head), so
+    // the first eight are opened and read before the next eight come.
     let mut stalled = Vec::new();
-    for _ in 0..16 {
+    for _ in 0..8 {
+        stalled.push(stall(addr, b"P").await);
+    }
+    assert!(
+        poll_until(QUICK, Duration::from_millis(10), || read_by_server(
+            addr.port()
+        ) == 8)
+        .await,
+        "the daemon never read the first eight peers' byte"
+    );
+    for _ in 0..8 {
         stalled.push(stall(addr, b"P").await);
     }
     // The later eight took the first eight's slots, oldest first.
@@ -163,6 +175,13 @@ async fn stalled_peers_cannot_lock_out_a_scrape() {
             "stalled peer {i} kept its slot"
         );
     }
+    assert!(
+        poll_until(QUICK, Duration::from_millis(10), || read_by_server(
+            addr.port()
+        ) == 8)
+        .await,
+        "the daemon never read the later eight peers' byte"
+    );
     let started = Instant::now();
     let text = d
         .metrics_text()
@@ -180,6 +199,25 @@ async fn stalled_peers_cannot_lock_out_a_scrape() {
         ) >= 8.0,
         "{text}"
     );
+}
+
+/// Established connections the server accepted on 127.0.0.1:`port` with nothing left
+/// unread in their receive queue (from /proc/net/tcp: the server side's local port).
+fn read_by_server(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            f.len() > 4
+                && f[1] == format!("0100007F:{port:04X}")
+                && f[3] == "01"
+                && f[4]
+                    .split_once(':')
+                    .is_some_and(|(_, rx)| rx.trim_start_matches('0').is_empty())
+        })
+        .count()
 }
 
 /// Keeps opening connections to `addr` until `stop`: silent ones and ones that send one

@@ -308,6 +308,102 @@ async fn write_then_read_back_in_every_mode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_files_keep_their_identity_and_new_ones_get_their_roots() {
+    let t = Tree::new();
+    let shared = t.rw.join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::os::unix::fs::chown(&shared, None, Some(4321)).expect("chgrp");
+    // The daemon runs with umask 0077 (as its unit sets); new files must not end 0600.
+    let d = Daemon::start(&t.config(&format!(
+        "[tools.file.new_files.\"{}\"]\nmode = \"0640\"\ngroup = \"65534\"\n",
+        t.rw.display()
+    )));
+    let c = connect(&d).await;
+
+    // A new file: the root's mode and group, and the answer says so.
+    let path = t.rw("made.txt");
+    let w = c
+        .call("file.write", json!({"path": path, "content": "new\n"}))
+        .await
+        .ok("create");
+    let meta = std::fs::metadata(&path).expect("stat");
+    assert_eq!(meta.mode() & 0o7777, 0o640, "{w}");
+    assert_eq!(meta.gid(), 65534, "{w}");
+    assert_eq!(w["created"], json!({"mode": "0640", "gid": 65534}), "{w}");
+    assert!(
+        w.get("owner_kept").is_none(),
+        "a new file kept nothing: {w}"
+    );
+
+    // A replaced file keeps owner, group and mode (the daemon runs as root here).
+    let owned = t.rw("owned.txt");
+    std::fs::write(&owned, "old\n").expect("write");
+    std::os::unix::fs::chown(&owned, Some(1234), Some(4321)).expect("chown");
+    std::fs::set_permissions(&owned, std::fs::Permissions::from_mode(0o604)).expect("chmod");
+    let w = c
+        .call(
+            "file.write",
+            json!({"path": owned, "content": "new\n", "mode": "overwrite"}),
+        )
+        .await
+        .ok("overwrite");
+    let meta = std::fs::metadata(&owned).expect("stat");
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+        (1234, 4321, 0o604)
+    );
+    assert_eq!(
+        w["kept"],
+        json!({"owner": true, "group": true, "mode": true}),
+        "{w}"
+    );
+    assert_eq!(w["owner_kept"], true);
+    d.assert_no_secrets();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_file_without_root_settings_is_0644_in_its_directorys_group() {
+    let t = Tree::new();
+    let shared = t.rw.join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::os::unix::fs::chown(&shared, None, Some(4321)).expect("chgrp");
+    let d = Daemon::start(&t.config(""));
+    let c = connect(&d).await;
+    let path = shared.join("made.txt").display().to_string();
+    let w = c
+        .call("file.write", json!({"path": path, "content": "x"}))
+        .await
+        .ok("create");
+    let meta = std::fs::metadata(&path).expect("stat");
+    assert_eq!((meta.mode() & 0o7777, meta.gid()), (0o644, 4321), "{w}");
+    assert_eq!(w["created"], json!({"mode": "0644", "gid": 4321}), "{w}");
+    // A settings table for a path that is not a write root is refused.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("c.toml");
+    std::fs::write(
+        &bad,
+        format!(
+            "{}\n[tools.file.new_files.\"/elsewhere\"]\nmode = \"0666\"\n",
+            t.config("")
+        ),
+    )
+    .expect("write");
+    let out = check_config(&bad);
+    out.expect_code(EXIT_CONFIG, "new_files of a path that is no write root");
+    assert!(
+        out.stderr.contains("is not one of tools.file.write_roots"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("must not be writable by every user"),
+        "{}",
+        out.stderr
+    );
+    d.assert_no_secrets();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn escapes_and_special_files_are_refused() {
     let t = Tree::new();
     let secret = t.outside.join("secret").display().to_string();

@@ -260,6 +260,14 @@ async fn jobs_belong_to_their_caller_and_cancel_kills_the_process_group() {
     d.ctl_ok(&["jobs", "cancel", &second_id]);
     let done = wait_finished(&other, second["job_id"].as_i64().unwrap()).await;
     assert_eq!(done["state"], "cancelled");
+    // Cancelling it again is a conflict that names its end, not a success.
+    let again = d.ctl(&["jobs", "cancel", &second_id]);
+    again.expect_code(1, "cancel of a finished job");
+    assert!(
+        again.stderr.contains("conflict") && again.stderr.contains("already ended (cancelled)"),
+        "{}",
+        again.stderr
+    );
     d.ctl(&["jobs", "cancel", "999999"])
         .expect_code(1, "unknown job");
 

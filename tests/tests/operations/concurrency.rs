@@ -64,6 +64,9 @@ struct View {
 /// What the storm saw.
 #[derive(Default, Debug)]
 struct Tally {
+    /// Connections reset outside a restart: only a full listener may do that (it resets
+    /// what it refuses past its bound on refusals answered); checked against its counter.
+    reset_outside_restart: u64,
     /// Refusals answered with their status, by reason.
     refused: BTreeMap<&'static str, u64>,
     /// Requests bound for a refusal whose connection broke first, by reason.
@@ -90,6 +93,8 @@ struct Tally {
 struct Storm {
     view: RwLock<View>,
     restarting: AtomicBool,
+    /// When the last restart was answered.
+    restarted_at: Mutex<Option<Instant>>,
     next_id: AtomicI64,
     ops_done: AtomicU64,
     tally: Mutex<Tally>,
@@ -119,6 +124,17 @@ impl Storm {
         self.restarting.load(Ordering::SeqCst) || self.view().generation != view.generation
     }
 
+    /// Connections that queued on the kept listening socket while a restart switched
+    /// carriers are accepted together once the new carrier serves; past its connection
+    /// cap they are refused (a 503, or a reset past the bound on refusals answered), for a
+    /// moment after the restart has been answered.
+    fn just_restarted(&self) -> bool {
+        self.restarted_at
+            .lock()
+            .expect("restarted_at")
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(2))
+    }
+
     /// One bounded exchange as `v` saw the daemon: the response, or `None` after a
     /// connection error (only a restart may cause one; then wait for it to end, as a
     /// client reconnecting would). Timeouts are recorded as stuck.
@@ -139,7 +155,10 @@ impl Storm {
                         "connection cut"
                     };
                     *t.outcomes.entry(format!("{what}: {how}")).or_default() += 1;
-                    if !stale {
+                    if stale || self.just_restarted() {
+                    } else if e.kind() == std::io::ErrorKind::ConnectionReset {
+                        t.reset_outside_restart += 1;
+                    } else {
                         t.unexpected
                             .push(format!("{what}: connection error outside a restart: {e}"));
                     }
@@ -184,7 +203,15 @@ impl Storm {
             return;
         };
         let mut t = self.tally.lock().expect("tally");
-        if resp.status == status && resp.body.is_empty() {
+        if resp.status == 503 && resp.header("retry-after").is_some() {
+            // Every connection slot was taken (the burst queued on the listening socket
+            // while a restart switched carriers): the listener's own answer, before any
+            // admission, so no refusal is booked for it.
+            *t.refused_unanswered.entry(reason).or_default() += 1;
+            *t.outcomes
+                .entry(format!("{reason}: 503 (listener full)"))
+                .or_default() += 1;
+        } else if resp.status == status && resp.body.is_empty() {
             *t.refused.entry(reason).or_default() += 1;
             *t.outcomes.entry(format!("{reason}: {status}")).or_default() += 1;
         } else {
@@ -416,6 +443,7 @@ async fn restarter(d: Arc<Daemon>, storm: Arc<Storm>, total_ops: u64) {
             bearer: bearer.clone(),
             generation: k + 1,
         };
+        *storm.restarted_at.lock().expect("restarted_at") = Some(Instant::now());
         storm.restarting.store(false, Ordering::SeqCst);
 
         // The new bearer works (retrying while the in-flight slots are all taken).
@@ -503,6 +531,7 @@ async fn callers_refusals_cancellations_and_restarts_add_up() {
             generation: 0,
         }),
         restarting: AtomicBool::new(false),
+        restarted_at: Mutex::new(None),
         next_id: AtomicI64::new(1),
         ops_done: AtomicU64::new(0),
         tally: Mutex::new(Tally::default()),
@@ -668,6 +697,11 @@ async fn callers_refusals_cancellations_and_restarts_add_up() {
             "outcome=\"refused\"",
         ],
     ) as u64;
+    assert!(
+        tally.reset_outside_restart <= full,
+        "{} connections reset outside a restart, but the listener refused only {full}",
+        tally.reset_outside_restart
+    );
     assert!(
         answered <= admitted + full && admitted <= answered + tally.admitted_unanswered,
         "admitted counter {admitted} vs {answered} admitted answers (+{} cut off, {full} refused by a full listener)",

@@ -298,7 +298,7 @@ fn control_frames_are_limited_to_64_kib() {
     let resp: Response = serde_json::from_str(at.trim())
         .unwrap_or_else(|e| panic!("reply to a 64 KiB frame ({e}): {at:?}"));
     assert!(
-        matches!(resp.outcome, Outcome::Ok(Reply::Status(_))),
+        matches!(&resp.outcome, Outcome::Ok(reply) if matches!(**reply, Reply::Status(_))),
         "a frame of exactly 64 KiB is served: {resp:?}"
     );
     let over = control_exchange(&d, &frame(MAX_REQUEST_BYTES + 1));

@@ -31,26 +31,29 @@
 //!   rewritten: `/run/robota-mcpd/control.sock` → its socket, `127.0.0.1:8765` → its
 //!   loopback address, `127.0.0.1:9464` → its metrics address, `/var/lib/robota-mcpd` →
 //!   its state directory, `/etc/robota-mcpd` → a private directory holding a valid
-//!   `config.toml` (the embedded default).
+//!   `config.toml` (the embedded default), `/etc/prometheus` → a private directory.
 //! - Its remote carrier serves `https://mcp.example.com/mcp` (issuer
 //!   `https://auth.example.com`, scope `mcp`, client `ops-agent`) with a certificate from a
 //!   test CA and a test signing key as `jwks_file`; `curl` is a wrapper first on `PATH` that
 //!   adds `--connect-to mcp.example.com:443:<remote address>` and trusts that CA.
 //! - A not-runnable command may have a stand-in that leaves what the reader would have
 //!   afterwards: the token request of `remote-oauth.md` leaves `./token`, signed by the
-//!   test key with the claims that page requires.
+//!   test key with the claims that page requires; the rules install of `prometheus.md`
+//!   copies `docs/prometheus/alerts.yml` to the private `/etc/prometheus/rules/`, where the
+//!   doc's `promtool check rules` (Debian's `prometheus` package) reads it.
 //!
 //! # The other checks
 //!
 //! Every `json` block parses (one or more values); every `toml` block passes
 //! `robota-mcpd check-config`; every `yaml` block and `docs/prometheus/alerts.yml` are
-//! well-formed (a strict YAML subset) and the rules complete; every metric and closed-set
-//! label value named in the docs, the alert rules and the Grafana dashboard is in
-//! `docs/metrics.md`, and every daemon metric has a panel; every refusal reason of
-//! `docs/metrics.md` has a row in the troubleshooting table of `docs/operations.md` and
-//! vice versa; the dashboard is a loadable model; relative links and their anchors
-//! resolve; and the stdio server entries of `docs/clients.md` start servers that answer
-//! `initialize` and `tools/list` while the client keeps its stdin open.
+//! well-formed (a strict YAML subset) and the rules complete; `promtool` checks the rules
+//! and runs their unit tests (`docs/prometheus/alerts.test.yml`), which cover every alert;
+//! every metric and closed-set label value named in the docs, the alert rules, their tests
+//! and the Grafana dashboard is in `docs/metrics.md`, and every daemon metric has a panel;
+//! every refusal reason of `docs/metrics.md` has a row in the troubleshooting table of
+//! `docs/operations.md` and vice versa; the dashboard is a loadable model; relative links
+//! and their anchors resolve; and the stdio server entries of `docs/clients.md` start
+//! servers that answer `initialize` and `tools/list` while the client keeps its stdin open.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
@@ -77,6 +80,11 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 
 /// The token request of `docs/remote-oauth.md` (not runnable; its stand-in writes `./token`).
 const TOKEN_REQUEST: &str = "curl -s -K ./client.curlrc https://auth.example.com/oauth2/token -d grant_type=client_credentials -d scope=mcp --data-urlencode resource=https://mcp.example.com/mcp | jq -r .access_token > ./token";
+
+/// The rules install of `docs/prometheus.md` (not runnable; its stand-in copies the rules
+/// to the private `/etc/prometheus`).
+const RULES_INSTALL: &str =
+    "install -m 0644 docs/prometheus/alerts.yml /etc/prometheus/rules/robota-mcpd.yml";
 
 /// Commands the docs show that cannot run on a build machine, each with the reason.
 /// Review an addition like a code change: a command belongs here only if running it here
@@ -176,6 +184,10 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "needs the robota-mcpd user, which only the package creates",
     ),
     (
+        "robota-mcpd check-config --config /etc/robota-mcpd/config.toml --as-user robota-mcpd",
+        "needs the robota-mcpd user, which only the package creates (operations::check_config runs --as-user nobody)",
+    ),
+    (
         "journalctl -u robota-mcpd -f",
         "follows forever; needs the journal",
     ),
@@ -221,12 +233,8 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
     ("systemctl reload caddy", "needs systemd and Caddy"),
     // docs/prometheus.md
     (
-        "install -m 0644 docs/prometheus/alerts.yml /etc/prometheus/rules/robota-mcpd.yml",
-        "writes a Prometheus installation's configuration",
-    ),
-    (
-        "promtool check rules /etc/prometheus/rules/robota-mcpd.yml",
-        "needs Prometheus's promtool (the rules are checked structurally here instead)",
+        RULES_INSTALL,
+        "writes a Prometheus installation's configuration (stand-in: a private copy)",
     ),
     (
         "systemctl reload prometheus",
@@ -301,12 +309,24 @@ fn default_config() -> String {
     out.stdout
 }
 
+/// A program on the inherited PATH.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
 /// The real `curl`, found on the inherited PATH.
 fn real_curl() -> PathBuf {
-    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .map(|dir| dir.join("curl"))
-        .find(|p| p.is_file())
-        .expect("curl is needed to run the docs' commands; install it")
+    on_path("curl").expect("curl is needed to run the docs' commands; install it")
+}
+
+/// Prometheus's `promtool`, found on the inherited PATH.
+fn promtool() -> PathBuf {
+    on_path("promtool").expect(
+        "promtool is needed to check the alert rules: install Debian's `prometheus` package \
+         (apt-get install --no-install-recommends prometheus; .ci/run installs it)",
+    )
 }
 
 /// Where the current doc daemon listens.
@@ -402,6 +422,12 @@ impl<'a> Scenario<'a> {
             .replace("127.0.0.1:9464", &a.metrics)
             .replace("/var/lib/robota-mcpd", &a.state.display().to_string())
             .replace("/etc/robota-mcpd", &self.etc.display().to_string())
+            .replace("/etc/prometheus", &self.prometheus().display().to_string())
+    }
+
+    /// The private `/etc/prometheus`.
+    fn prometheus(&self) -> PathBuf {
+        self.work.path().join(".etc/prometheus")
     }
 
     fn write_curl_wrapper(&self, a: &Addrs) {
@@ -432,6 +458,15 @@ impl<'a> Scenario<'a> {
                 std::fs::write(&path, format!("{token}\n")).expect("token");
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
                     .expect("chmod token");
+            }
+            if text == RULES_INSTALL {
+                let rules = self.prometheus().join("rules");
+                std::fs::create_dir_all(&rules).expect("mkdir prometheus rules");
+                std::fs::copy(
+                    repo_root().join("docs/prometheus/alerts.yml"),
+                    rules.join("robota-mcpd.yml"),
+                )
+                .expect("copy the alert rules");
             }
             return;
         }
@@ -651,6 +686,31 @@ fn every_json_block_parses() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The docs name files where an operator keeps them (TLS files, a job's program);
+/// check-config reads them, so the snippet is checked with real ones put in their place.
+fn with_tls_files(text: &str, dir: &std::path::Path) -> String {
+    const CERT: &str = "/etc/robota-mcpd/tls/fullchain.pem";
+    const KEY: &str = "/etc/robota-mcpd/tls/privkey.pem";
+    const PROGRAM: &str = "/usr/local/bin/backup";
+    let mut text = text.to_owned();
+    if text.contains(PROGRAM) {
+        use std::os::unix::fs::PermissionsExt;
+        let program = dir.join("backup");
+        std::fs::write(&program, "#!/bin/sh\nexit 0\n").expect("program");
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        text = text.replace(PROGRAM, &program.display().to_string());
+    }
+    if !text.contains(CERT) {
+        return text;
+    }
+    let (cert, key) = robota_e2e::authz::TestCa::new().leaf(&["mcp.example.com"]);
+    let (cert_file, key_file) = (dir.join("fullchain.pem"), dir.join("privkey.pem"));
+    std::fs::write(&cert_file, cert).expect("cert");
+    std::fs::write(&key_file, key).expect("key");
+    text.replace(CERT, &cert_file.display().to_string())
+        .replace(KEY, &key_file.display().to_string())
+}
+
 #[test]
 fn every_toml_block_passes_check_config() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -659,7 +719,7 @@ fn every_toml_block_passes_check_config() {
     for (file, block) in all_blocks().into_iter().filter(|(_, b)| b.lang == "toml") {
         count += 1;
         let path = dir.path().join(format!("snippet-{count}.toml"));
-        std::fs::write(&path, block.text()).expect("write snippet");
+        std::fs::write(&path, with_tls_files(&block.text(), dir.path())).expect("write snippet");
         let out = check_config(&path);
         if out.code() != Some(0) {
             failures.push(format!(
@@ -929,6 +989,85 @@ fn yaml_blocks_and_alert_rules_are_well_formed() {
 }
 
 #[test]
+fn the_alert_rules_pass_promtool() {
+    let promtool = promtool();
+    for args in [
+        ["check", "rules", "docs/prometheus/alerts.yml"],
+        ["test", "rules", "docs/prometheus/alerts.test.yml"],
+    ] {
+        let mut cmd = Command::new(&promtool);
+        cmd.args(args).current_dir(repo_root());
+        let out = run_bounded(cmd, COMMAND_LIMIT);
+        assert_eq!(
+            out.code(),
+            Some(0),
+            "promtool {}: {:?}\nstdout: {}\nstderr: {}",
+            args.join(" "),
+            out.status,
+            out.stdout,
+            out.stderr
+        );
+    }
+
+    // The unit tests load the shipped rules and cover every alert, each with a case that
+    // expects it firing; a case for a name that is no alert would pass unnoticed.
+    let text = read(Path::new("docs/prometheus/alerts.test.yml"));
+    let doc = yaml(&text).unwrap_or_else(|e| panic!("docs/prometheus/alerts.test.yml: {e}"));
+    let rule_files: Vec<_> = doc
+        .get("rule_files")
+        .and_then(Yaml::as_seq)
+        .unwrap_or_default()
+        .iter()
+        .map(Yaml::as_str)
+        .collect();
+    assert_eq!(
+        rule_files,
+        [Some("alerts.yml")],
+        "alerts.test.yml: rule_files"
+    );
+    let alerts: BTreeSet<String> = alert_rules()
+        .iter()
+        .filter_map(|r| r.get("alert")?.as_str().map(str::to_owned))
+        .collect();
+    let mut tested = BTreeSet::new();
+    let mut firing = BTreeSet::new();
+    for case in doc
+        .get("tests")
+        .and_then(Yaml::as_seq)
+        .expect("alerts.test.yml: tests is a list")
+        .iter()
+        .flat_map(|t| {
+            t.get("alert_rule_test")
+                .and_then(Yaml::as_seq)
+                .unwrap_or_default()
+        })
+    {
+        let name = case
+            .get("alertname")
+            .and_then(Yaml::as_str)
+            .expect("alerts.test.yml: every alert_rule_test case has an alertname")
+            .to_owned();
+        if case
+            .get("exp_alerts")
+            .and_then(Yaml::as_seq)
+            .is_some_and(|a| !a.is_empty())
+        {
+            firing.insert(name.clone());
+        }
+        tested.insert(name);
+    }
+    let untested: Vec<_> = alerts.difference(&tested).collect();
+    let never_firing: Vec<_> = alerts.difference(&firing).collect();
+    let unknown: Vec<_> = tested.difference(&alerts).collect();
+    assert!(
+        untested.is_empty() && never_firing.is_empty() && unknown.is_empty(),
+        "docs/prometheus/alerts.test.yml: alerts without a test {untested:?}, \
+         alerts no case expects firing {never_firing:?}, \
+         alertnames that are no alert of alerts.yml {unknown:?}"
+    );
+}
+
+#[test]
 fn metrics_named_in_docs_and_monitoring_files_are_documented() {
     let documented = documented_metrics();
     assert!(
@@ -948,10 +1087,12 @@ fn metrics_named_in_docs_and_monitoring_files_are_documented() {
         .filter(|f| f != Path::new("docs/metrics.md"))
         .map(|f| (f.display().to_string(), read(&f)))
         .collect();
-    sources.push((
-        "docs/prometheus/alerts.yml".into(),
-        read(Path::new("docs/prometheus/alerts.yml")),
-    ));
+    for file in [
+        "docs/prometheus/alerts.yml",
+        "docs/prometheus/alerts.test.yml",
+    ] {
+        sources.push((file.into(), read(Path::new(file))));
+    }
     sources.push((
         "docs/grafana/robota-mcpd.json".into(),
         grafana_exprs(&dashboard).join("\n"),

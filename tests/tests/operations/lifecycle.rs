@@ -311,13 +311,15 @@ fn a_descriptor_left_open_by_whoever_started_the_daemon_is_not_kept() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_invalidates_every_bearer_and_serves_again() {
+async fn restart_keeps_only_bearers_with_a_lifetime_and_the_socket() {
     let d = Daemon::start("");
     let host = d.bearer();
     let ci = d.bearer_labeled("ci");
+    let kept = d.bearer_with_ttl("kept", "30d");
     assert_served(&d, &host, "host bearer before restart").await;
     assert_served(&d, &ci, "ci bearer before restart").await;
     let before = d.status();
+    let addr = d.loopback_addr();
 
     let from = d.notify().lines().len();
     d.ctl_ok(&["restart"]);
@@ -339,12 +341,19 @@ async fn restart_invalidates_every_bearer_and_serves_again() {
         "generation after restart"
     );
     assert_eq!(after.state, "serving");
+    assert_eq!(
+        d.loopback_addr(),
+        addr,
+        "the loopback socket is kept across a restart"
+    );
 
     assert_refused(&d, &host, "old host bearer after restart").await;
     assert_refused(&d, &ci, "extra bearer after restart").await;
+    assert_served(&d, &kept, "a bearer issued with a lifetime lives on").await;
+    let labels = bearer_labels(&d);
     assert!(
-        !bearer_labels(&d).iter().any(|l| l == "ci"),
-        "`bearer list` still shows ci after restart"
+        !labels.iter().any(|l| l == "ci") && labels.iter().any(|l| l == "kept"),
+        "`bearer list` after restart: {labels:?}"
     );
     let fresh = d.bearer();
     assert_ne!(fresh, host, "restart must mint a new host bearer");
@@ -353,11 +362,13 @@ async fn restart_invalidates_every_bearer_and_serves_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bearer_rotate_replaces_only_the_host_bearer() {
+async fn bearer_rotate_replaces_every_bearer() {
     let d = Daemon::start("");
     let old = d.bearer();
     let ci = d.bearer_labeled("ci");
+    let kept = d.bearer_with_ttl("kept", "1h");
     assert_served(&d, &old, "host bearer before rotate").await;
+    assert_served(&d, &kept, "durable bearer before rotate").await;
     let out = d.ctl_ok(&["bearer", "rotate"]);
     if let Some(s) = out.stdout.strip_suffix('\n') {
         d.register_secret(s);
@@ -371,7 +382,16 @@ async fn bearer_rotate_replaces_only_the_host_bearer() {
     );
     assert_refused(&d, &old, "old host bearer after rotate").await;
     assert_served(&d, &new, "new host bearer after rotate").await;
-    assert_served(&d, &ci, "extra bearer after rotate").await;
+    assert_refused(&d, &ci, "extra bearer after rotate").await;
+    assert_refused(&d, &kept, "durable bearer after rotate").await;
+    assert_eq!(
+        bearer_labels(&d),
+        ["default"],
+        "only the new host bearer is listed"
+    );
+    // Nor does the durable one come back with the next attach.
+    d.ctl_ok(&["restart"]);
+    assert_refused(&d, &kept, "durable bearer after rotate and restart").await;
     d.assert_no_secrets();
 }
 

@@ -14,11 +14,11 @@ use std::time::SystemTime;
 use http::{HeaderValue, header};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use self::admission::{Expected, Refusal};
+use super::Sockets;
 use super::endpoint::{self, Endpoint, Site};
 use super::http::{self as server, Body, HeadRefusal};
 use crate::audit::{Audit, Record};
@@ -32,14 +32,15 @@ use crate::vocab::Caller;
 use crate::vocab::Listener;
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
 
-/// The loopback carrier. Each bind mints a fresh bearer store: a restart (fresh attach)
-/// invalidates every bearer.
+/// The loopback carrier, over the daemon's bearers (the host bearer is minted at each
+/// attach, by the daemon) and its kept sockets.
 pub struct LoopbackCarrier {
     config: LoopbackConfig,
     limits: Limits,
     audit: Arc<Audit>,
     metrics: Metrics,
-    bearers: Mutex<Arc<BearerStore>>,
+    bearers: Arc<BearerStore>,
+    sockets: Arc<Sockets>,
 }
 
 impl LoopbackCarrier {
@@ -48,19 +49,17 @@ impl LoopbackCarrier {
         limits: Limits,
         audit: Arc<Audit>,
         metrics: Metrics,
+        bearers: Arc<BearerStore>,
+        sockets: Arc<Sockets>,
     ) -> Self {
         Self {
             config,
             limits,
             audit,
             metrics,
-            bearers: Mutex::new(Arc::new(BearerStore::new())),
+            bearers,
+            sockets,
         }
-    }
-
-    /// The bearers of the current attach.
-    pub fn bearers(&self) -> Arc<BearerStore> {
-        self.bearers.lock().clone()
     }
 }
 
@@ -81,9 +80,8 @@ impl Carrier for LoopbackCarrier {
                 ),
             ));
         }
-        let listener = TcpListener::bind(self.config.listen).await?;
-        *self.bearers.lock() = Arc::new(BearerStore::new());
-        Ok(listener)
+        self.sockets
+            .listener(Listener::Loopback, self.config.listen)
     }
 
     fn address(bound: &TcpListener) -> String {
@@ -118,7 +116,7 @@ impl Carrier for LoopbackCarrier {
         let handler = Loopback {
             shared: Arc::new(Shared {
                 expected,
-                bearers: self.bearers(),
+                bearers: self.bearers.clone(),
                 audit: self.audit.clone(),
                 metrics: self.metrics.clone(),
                 endpoint,
@@ -167,7 +165,9 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
         match admitted {
             Ok(label) => {
                 s.metrics.admitted(CarrierName::Loopback);
-                s.endpoint.serve(req, Caller::Bearer(label)).await
+                s.endpoint
+                    .serve(req, Caller::Bearer(label).into(), None)
+                    .await
             }
             Err(refusal) => {
                 let response = self.refuse(refusal, peer, req.version(), now);

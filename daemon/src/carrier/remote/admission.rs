@@ -129,12 +129,23 @@ impl Challenges {
         )
     }
 
-    fn insufficient_scope(&self) -> String {
+    /// `insufficient_scope` naming `scope` (space-separated): what a new token must carry.
+    fn insufficient_scope(&self, scope: &str) -> String {
+        let scope = if scope.is_empty() {
+            String::new()
+        } else {
+            format!(", scope=\"{scope}\"")
+        };
         format!(
-            "Bearer error=\"insufficient_scope\"{}, resource_metadata=\"{}\"",
-            self.scope_param(),
+            "Bearer error=\"insufficient_scope\"{scope}, resource_metadata=\"{}\"",
             self.metadata_url
         )
+    }
+
+    /// A valid token whose principal is not admitted: no error code a client could cure
+    /// by asking for other scopes, only where the resource's metadata is.
+    fn not_admitted(&self) -> String {
+        format!("Bearer resource_metadata=\"{}\"", self.metadata_url)
     }
 }
 
@@ -184,10 +195,27 @@ pub fn decide(
                 retry_after: Some(crate::oauth::jwt::REFETCH_COOLDOWN.as_secs()),
             });
         }
-        Failure::Token(r @ (Reason::MissingScope | Reason::PrincipalNotAllowed)) => (
-            r,
+        Failure::Token(Reason::IntrospectionUnavailable) => {
+            return Err(Refusal {
+                reason: Reason::IntrospectionUnavailable,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                challenge: None,
+                counted: false,
+                throttled: false,
+                retry_after: Some(crate::oauth::introspect::RETRY_AFTER_SECS),
+            });
+        }
+        Failure::Token(Reason::MissingScope) => (
+            Reason::MissingScope,
             StatusCode::FORBIDDEN,
-            Some(challenges.insufficient_scope()),
+            Some(challenges.insufficient_scope(&challenges.scope)),
+        ),
+        // No new token can cure it: never `insufficient_scope`, which would send an MCP
+        // client round the authorization loop again for the same scopes.
+        Failure::Token(Reason::PrincipalNotAllowed) => (
+            Reason::PrincipalNotAllowed,
+            StatusCode::FORBIDDEN,
+            Some(challenges.not_admitted()),
         ),
         Failure::Token(r) => (
             r,
@@ -215,7 +243,28 @@ pub fn decide(
     })
 }
 
-/// The RFC 9728 protected-resource metadata document.
+/// The step-up answer for a call of a tool that needs scopes an admitted (valid) token
+/// lacks: 403 `insufficient_scope` naming every scope the call needs, so the client can
+/// get a token for exactly that. Audited `missing-scope`; never counted toward
+/// throttling, because the token is valid.
+pub fn step_up(needed: &[String], challenges: &Challenges) -> Refusal {
+    Refusal {
+        reason: Reason::MissingScope,
+        status: StatusCode::FORBIDDEN,
+        challenge: Some(challenges.insufficient_scope(&needed.join(" "))),
+        counted: false,
+        throttled: false,
+        retry_after: None,
+    }
+}
+
+/// The scopes `needed` that the token's `held` scopes lack (empty: none).
+pub fn lacking<'a>(needed: &'a [String], held: &[String]) -> Vec<&'a String> {
+    needed.iter().filter(|s| !held.contains(s)).collect()
+}
+
+/// The RFC 9728 protected-resource metadata document; `scopes` lists every scope the
+/// configuration names.
 pub fn metadata_document(url: &PublicUrl, issuer: &str, scopes: &[String]) -> serde_json::Value {
     serde_json::json!({
         "resource": url.as_str(),
@@ -461,21 +510,31 @@ mod tests {
                     .starts_with(r#"Bearer error="invalid_token""#)
             );
         }
-        for reason in [Reason::MissingScope, Reason::PrincipalNotAllowed] {
-            let r = decide(Err(Failure::Token(reason)), None, &c).unwrap_err();
-            assert_eq!(r.status, StatusCode::FORBIDDEN);
-            assert_eq!(
-                r.challenge.as_deref(),
-                Some(
-                    r#"Bearer error="insufficient_scope", scope="mcp tools", resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
-                )
-            );
-        }
-        let r = decide(Err(Failure::Token(Reason::KeysUnavailable)), Some(5), &c).unwrap_err();
+        let r = decide(Err(Failure::Token(Reason::MissingScope)), None, &c).unwrap_err();
+        assert_eq!(r.status, StatusCode::FORBIDDEN);
         assert_eq!(
-            (r.status, r.counted, r.throttled),
-            (StatusCode::SERVICE_UNAVAILABLE, false, false)
+            r.challenge.as_deref(),
+            Some(
+                r#"Bearer error="insufficient_scope", scope="mcp tools", resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
+            )
         );
+        // A principal no token can make acceptable: 403, and nothing to step up to.
+        let r = decide(Err(Failure::Token(Reason::PrincipalNotAllowed)), None, &c).unwrap_err();
+        assert_eq!((r.status, r.counted), (StatusCode::FORBIDDEN, true));
+        assert_eq!(
+            r.challenge.as_deref(),
+            Some(
+                r#"Bearer resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
+            )
+        );
+        for reason in [Reason::KeysUnavailable, Reason::IntrospectionUnavailable] {
+            let r = decide(Err(Failure::Token(reason)), Some(5), &c).unwrap_err();
+            assert_eq!(
+                (r.reason, r.status, r.counted, r.throttled, r.challenge),
+                (reason, StatusCode::SERVICE_UNAVAILABLE, false, false, None)
+            );
+            assert!(r.retry_after.is_some_and(|s| s >= 1));
+        }
 
         let r = decide(Err(Failure::Token(Reason::Expired)), Some(17), &c).unwrap_err();
         assert_eq!(
@@ -496,6 +555,26 @@ mod tests {
 
         let w = wrong_name(Reason::WrongHost);
         assert_eq!((w.status, w.counted), (StatusCode::FORBIDDEN, false));
+    }
+
+    #[test]
+    fn step_up_names_every_scope_the_call_needs() {
+        let c = challenges();
+        let needed: Vec<String> = vec!["mcp".into(), "mcp:write".into(), "db:read".into()];
+        let held: Vec<String> = vec!["mcp".into()];
+        assert_eq!(lacking(&needed, &held), vec!["mcp:write", "db:read"]);
+        assert!(lacking(&needed, &needed).is_empty());
+        let r = step_up(&needed, &c);
+        assert_eq!(
+            (r.reason, r.status, r.counted, r.throttled),
+            (Reason::MissingScope, StatusCode::FORBIDDEN, false, false)
+        );
+        assert_eq!(
+            r.challenge.as_deref(),
+            Some(
+                r#"Bearer error="insufficient_scope", scope="mcp mcp:write db:read", resource_metadata="https://h/.well-known/oauth-protected-resource/mcp""#
+            )
+        );
     }
 
     #[test]

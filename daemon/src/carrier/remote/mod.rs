@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::admission::{Challenges, Credentials, Failure, Refusal, Route};
 use self::throttle::Throttle;
+use super::Sockets;
 use super::endpoint::{self, Endpoint, Site};
 use super::http::{self as server, Body, HeadRefusal};
 use crate::audit::{Audit, Record};
@@ -36,19 +37,23 @@ use crate::metrics::Metrics;
 use crate::oauth::Verifier;
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::Carrier;
-use crate::vocab::Caller;
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
+use crate::vocab::{Admitted, Caller};
 use crate::vocab::{Listener, Rejection};
 
-/// The remote carrier. The verifier and throttle outlive restarts; the TLS files are
-/// re-read at every bind.
+/// The remote carrier. The verifier and throttle are handed in (they outlive reloads
+/// whose `[remote]` settings for them did not change), and so is the TLS acceptor, read
+/// from the files by the plan, so a reload with bad TLS files fails before anything
+/// stops.
 pub struct RemoteCarrier {
     config: RemoteConfig,
     limits: Limits,
     verifier: Arc<dyn Verifier>,
     throttle: Arc<Throttle>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     audit: Arc<Audit>,
     metrics: Metrics,
+    sockets: Arc<Sockets>,
 }
 
 /// What `bind` produced: the listener and, when terminating TLS here, the acceptor.
@@ -57,31 +62,55 @@ pub struct Bound {
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
+/// What a remote carrier is built from, besides its configuration.
+pub struct Parts {
+    pub limits: Limits,
+    pub verifier: Arc<dyn Verifier>,
+    pub throttle: Arc<Throttle>,
+    /// The acceptor from the TLS files, when the carrier terminates TLS.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    pub audit: Arc<Audit>,
+    pub metrics: Metrics,
+    pub sockets: Arc<Sockets>,
+}
+
 impl RemoteCarrier {
-    pub fn new(
-        config: RemoteConfig,
-        limits: Limits,
-        verifier: Arc<dyn Verifier>,
-        audit: Arc<Audit>,
-        metrics: Metrics,
-    ) -> Self {
+    pub fn new(config: RemoteConfig, parts: Parts) -> Self {
+        let Parts {
+            limits,
+            verifier,
+            throttle,
+            tls,
+            audit,
+            metrics,
+            sockets,
+        } = parts;
         Self {
-            throttle: Arc::new(Throttle::new(config.throttle)),
             config,
             limits,
             verifier,
+            throttle,
+            tls,
             audit,
             metrics,
+            sockets,
         }
+    }
+
+    pub fn config(&self) -> &RemoteConfig {
+        &self.config
     }
 
     pub fn public_url(&self) -> &str {
         self.config.public_url.as_str()
     }
 
-    /// The verifier (it outlives restarts: the daemon refreshes its keys on reload).
     pub fn verifier(&self) -> &Arc<dyn Verifier> {
         &self.verifier
+    }
+
+    pub fn throttle(&self) -> &Arc<Throttle> {
+        &self.throttle
     }
 }
 
@@ -93,15 +122,13 @@ impl Carrier for RemoteCarrier {
     }
 
     async fn bind(&self) -> std::io::Result<Bound> {
-        let tls = match &self.config.tls {
-            Some(files) => Some(
-                server::tls_acceptor(&files.cert, &files.key)
-                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
-            ),
-            None => None,
-        };
-        let listener = TcpListener::bind(self.config.listen).await?;
-        Ok(Bound { listener, tls })
+        let listener = self
+            .sockets
+            .listener(Listener::Remote, self.config.listen)?;
+        Ok(Bound {
+            listener,
+            tls: self.tls.clone(),
+        })
     }
 
     fn address(bound: &Bound) -> String {
@@ -134,7 +161,8 @@ impl Carrier for RemoteCarrier {
             &drained,
         );
         let metadata =
-            admission::metadata_document(url, &self.config.issuer, &self.config.scopes).to_string();
+            admission::metadata_document(url, &self.config.issuer, &self.config.scopes_supported)
+                .to_string();
         let handler = Remote {
             shared: Arc::new(Shared {
                 challenges: Challenges {
@@ -220,7 +248,19 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                     client_id: principal.client_id,
                     subject: principal.subject,
                 };
-                s.endpoint.serve(req, caller).await
+                // Step-up: a call whose tool needs scopes this token lacks is answered
+                // 403 with every scope it needs, before it reaches the session.
+                let gate = |tool: &str, admitted: &Admitted| {
+                    let needed = c.config.scopes_for(tool);
+                    let held = admitted.scopes.as_deref().unwrap_or_default();
+                    if admission::lacking(&needed, held).is_empty() {
+                        return None;
+                    }
+                    let refusal = admission::step_up(&needed, &s.challenges);
+                    Some(self.refuse(refusal, client, version))
+                };
+                let admitted = Admitted::with_token(caller, principal.scopes);
+                s.endpoint.serve(req, admitted, Some(&gate)).await
             }
             Err(refusal) => {
                 let response = self.refuse(refusal, client, version);

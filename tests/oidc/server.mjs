@@ -1,0 +1,104 @@
+// The real authorization server of the end-to-end tests: oidc-provider (a certified
+// OpenID Provider), configured by tests/src/oidc.rs and started on a loopback port.
+//
+//   node server.mjs CONFIG.json
+//
+// CONFIG holds: `cert`, `key` (PEM files of the HTTPS listener), `port` (0: any), `keys`
+// (a JWK file of the signing key: read if it exists, else made and written, so a restart
+// signs with the same key), `resource` (the daemon's public URL), `scopes` (the
+// resource's scopes), `ttl` (access-token lifetime, seconds), `clients` (client_id,
+// client_secret, `format`: "jwt" or "opaque"), `introspector` (client_id,
+// client_secret: the daemon's own client).
+//
+// It listens on 127.0.0.1 only, prints one line `{"issuer": …, "port": …}` once it
+// serves, and exits when its standard input closes (the test that started it is gone).
+
+import crypto from 'node:crypto';
+import fs from 'node:fs';
+import https from 'node:https';
+
+import Provider, { errors } from 'oidc-provider';
+
+const config = JSON.parse(fs.readFileSync(process.argv[2], 'utf8'));
+
+function signingKey() {
+  if (fs.existsSync(config.keys)) {
+    return JSON.parse(fs.readFileSync(config.keys, 'utf8'));
+  }
+  const { privateKey } = crypto.generateKeyPairSync('ec', { namedCurve: 'P-256' });
+  const jwk = { ...privateKey.export({ format: 'jwk' }), kid: 'es256-1', alg: 'ES256', use: 'sig' };
+  fs.writeFileSync(config.keys, JSON.stringify(jwk), { mode: 0o600 });
+  return jwk;
+}
+
+const formats = new Map(config.clients.map((c) => [c.client_id, c.format]));
+
+const server = https.createServer({
+  cert: fs.readFileSync(config.cert),
+  key: fs.readFileSync(config.key),
+});
+
+server.listen(config.port, '127.0.0.1', () => {
+  const { port } = server.address();
+  const issuer = `https://127.0.0.1:${port}`;
+  const provider = new Provider(issuer, {
+    clients: [
+      ...config.clients.map((c) => ({
+        client_id: c.client_id,
+        client_secret: c.client_secret,
+        grant_types: ['client_credentials'],
+        redirect_uris: [],
+        response_types: [],
+        token_endpoint_auth_method: 'client_secret_basic',
+        id_token_signed_response_alg: 'ES256',
+        scope: config.scopes.join(' '),
+      })),
+      {
+        client_id: config.introspector.client_id,
+        client_secret: config.introspector.client_secret,
+        grant_types: [],
+        redirect_uris: [],
+        response_types: [],
+        token_endpoint_auth_method: 'client_secret_basic',
+        id_token_signed_response_alg: 'ES256',
+      },
+    ],
+    jwks: { keys: [signingKey()] },
+    cookies: { keys: [crypto.randomBytes(32).toString('hex')] },
+    scopes: config.scopes,
+    features: {
+      devInteractions: { enabled: false },
+      clientCredentials: { enabled: true },
+      introspection: { enabled: true },
+      revocation: { enabled: true },
+      resourceIndicators: {
+        enabled: true,
+        defaultResource: () => config.resource,
+        useGrantedResource: () => true,
+        // RFC 8707: tokens for the daemon's public URL; JWT (RFC 9068) access tokens for
+        // some clients, opaque ones (checked by introspection) for others.
+        getResourceServerInfo: (_ctx, resource, client) => {
+          if (resource !== config.resource) {
+            throw new errors.InvalidTarget();
+          }
+          return {
+            scope: config.scopes.join(' '),
+            audience: resource,
+            accessTokenTTL: config.ttl,
+            accessTokenFormat: formats.get(client.clientId) === 'jwt' ? 'jwt' : 'opaque',
+            jwt: { sign: { alg: 'ES256' } },
+          };
+        },
+      },
+    },
+    // A client-credentials token speaks for its client: its subject is the client id, in
+    // the introspection answer as in the JWT (where oidc-provider does this itself).
+    extraTokenClaims: (_ctx, token) => (token.accountId ? undefined : { sub: token.clientId }),
+  });
+  server.on('request', provider.callback());
+  process.stdout.write(`${JSON.stringify({ issuer, port })}\n`);
+});
+
+process.stdin.on('end', () => process.exit(0));
+process.stdin.on('error', () => process.exit(0));
+process.stdin.resume();

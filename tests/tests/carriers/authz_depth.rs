@@ -1,0 +1,594 @@
+//! Authorization depth on the remote carrier, against a real authorization server nobody
+//! here wrote (`oidc-provider`, see `robota_e2e::oidc`): discovery, JWKS and RFC 9068 JWT
+//! access tokens; opaque tokens checked by RFC 7662 introspection with the daemon's own
+//! client credentials, cached (never past the token's `exp`), `active: false` after RFC
+//! 7009 revocation, an rmcp session on one cached answer, the client secret file refused
+//! when others can read it, opaque tokens `malformed` without introspection; the issuer going
+//! away (503 `introspection-unavailable`, never counted) and coming back; a client that
+//! steps up after the 403 `insufficient_scope` challenge of a tool that needs more, with
+//! nothing run before; a principal no token can cure; and `approve-each` approvals of one
+//! exact call — shown to the operator, used once even by two racing identical calls,
+//! durable across a daemon restart, audited.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use rmcp::RoleClient;
+use rmcp::model::{ClientConfig, ProtocolVersion};
+use rmcp::service::{ClientLifecycleMode, ClientServiceExt, RunningService};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use robota_e2e::http::{Response, exchange, tool_error_code, tools_call, tools_list};
+use robota_e2e::oidc::{Client, INTROSPECTOR, JWT_CLIENT, OPAQUE_CLIENT, Oidc, STRANGER};
+use robota_e2e::remote::{
+    Challenge, PUBLIC_HOST, PUBLIC_URL, RemoteConfig, metadata_url, remote_mcp,
+};
+use robota_e2e::{Daemon, metric_sum, within};
+use serde_json::{Value, json};
+
+/// The `[remote]` section against `oidc`: scope `mcp` for every request, the JWT and the
+/// opaque client allowed, `lines` added.
+fn remote(oidc: &Oidc, lines: &[&str]) -> String {
+    let config = RemoteConfig {
+        public_url: PUBLIC_URL.into(),
+        issuer: oidc.issuer().into(),
+        jwks_uri: None,
+        jwks_file: None,
+        ca_file: Some(oidc.ca_file().display().to_string()),
+        audiences: None,
+        scopes: vec!["mcp".into()],
+        allowed_subjects: Vec::new(),
+        allowed_clients: vec![JWT_CLIENT.id.into(), OPAQUE_CLIENT.id.into()],
+        algorithms: None,
+        trusted_proxies: None,
+        start_without_keys: None,
+        throttle: None,
+        max_addresses: None,
+        ipv6_prefix: None,
+        key_refresh: Vec::new(),
+        tls: None,
+        lines: lines.iter().map(|l| l.to_string()).collect(),
+    };
+    config.toml()
+}
+
+/// A daemon whose remote carrier trusts `oidc`, with `extra` configuration; the
+/// introspection client secret is registered, so the suite's scan fails if it leaks.
+fn daemon(oidc: &Oidc, remote_lines: &[&str], extra: &str, state: Option<&Path>) -> Daemon {
+    let mut builder = Daemon::builder()
+        .extra(remote(oidc, remote_lines))
+        .extra(extra);
+    if let Some(dir) = state {
+        builder = builder.state_dir(dir);
+    }
+    let d = builder.start();
+    d.register_secret(INTROSPECTOR.secret);
+    for client in [JWT_CLIENT, OPAQUE_CLIENT, STRANGER] {
+        d.register_secret(client.secret);
+    }
+    d
+}
+
+async fn token(oidc: &Oidc, d: &Daemon, client: Client, scope: &str) -> String {
+    let t = oidc.token(client, scope).await;
+    d.register_secret(&t);
+    t
+}
+
+async fn call(d: &Daemon, token: &str, message: &Value) -> Response {
+    exchange(d.remote_addr(), &remote_mcp(Some(token), message)).await
+}
+
+fn challenge(resp: &Response) -> Challenge {
+    Challenge::parse(
+        resp.header("www-authenticate")
+            .unwrap_or_else(|| panic!("no challenge: {}", resp.describe())),
+    )
+}
+
+/// An rmcp client session on the remote listener (as behind a proxy: the `Host` header
+/// names the public authority) with `token`.
+async fn rmcp_session(addr: SocketAddr, token: &str) -> RunningService<RoleClient, ClientConfig> {
+    let headers = HashMap::from([(
+        http::header::HOST,
+        http::HeaderValue::from_static(PUBLIC_HOST),
+    )]);
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .auth_header(token)
+        .custom_headers(headers);
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("reqwest client");
+    let transport = StreamableHttpClientTransport::with_client(http, config);
+    within(
+        Duration::from_secs(20),
+        "rmcp session over the remote carrier",
+        ClientConfig::default()
+            .with_protocol_version(ProtocolVersion::V_2025_11_25)
+            .serve_with_lifecycle(transport, ClientLifecycleMode::Initialize),
+    )
+    .await
+    .expect("rmcp session")
+}
+
+/// The audit records with `reason` (JSON, oldest first).
+fn audited(d: &Daemon, reason: &str) -> Vec<Value> {
+    d.ctl_ok(&["--json", "audit", "--reason", reason])
+        .stdout
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("audit line"))
+        .collect()
+}
+
+fn metric(d: &Daemon, parts: &[&str]) -> f64 {
+    metric_sum(&d.metrics_text().expect("metrics"), parts)
+}
+
+fn introspections(d: &Daemon, outcome: &str) -> f64 {
+    metric(
+        d,
+        &[
+            "robota_mcpd_introspection_requests_total",
+            &format!("outcome=\"{outcome}\""),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn jwt_and_opaque_tokens_of_a_real_provider() {
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let list = tools_list(1);
+
+    // A JWT access token: verified with the keys found by discovery; never introspected.
+    let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    assert_eq!(jwt.split('.').count(), 3, "a JWT");
+    let resp = call(&d, &jwt, &list).await;
+    assert_eq!(resp.status, 200, "{}", resp.describe());
+    assert_eq!(introspections(&d, "active"), 0.0);
+
+    // An opaque token: introspected once, then answered from the cache.
+    let opaque = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+    assert!(!opaque.contains('.'), "opaque");
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let resp = call(&d, &opaque, &list).await;
+        took.push(started.elapsed());
+        assert_eq!(resp.status, 200, "{}", resp.describe());
+    }
+    assert_eq!(introspections(&d, "active"), 1.0);
+    eprintln!(
+        "opaque tools/list: {:?} with introspection, then {:?} from the cache",
+        took[0],
+        &took[1..]
+    );
+    // An rmcp client with the same opaque token: its whole session (initialize, the
+    // initialized notification, tools/list) is admitted from the one cached answer.
+    let client = rmcp_session(d.remote_addr(), &opaque).await;
+    let tools = within(
+        Duration::from_secs(20),
+        "tools/list",
+        client.list_all_tools(),
+    )
+    .await
+    .expect("tools/list");
+    assert!(!tools.is_empty(), "tools listed");
+    within(Duration::from_secs(20), "close", client.cancel())
+        .await
+        .expect("close");
+    assert_eq!(introspections(&d, "active"), 1.0);
+
+    // Revoked at the provider (RFC 7009): `active: false`, a 401, audited `expired`.
+    let revoked = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+    oidc.revoke(OPAQUE_CLIENT, &revoked).await;
+    assert_eq!(oidc.introspect(&revoked).await, json!({"active": false}));
+    let before = audited(&d, "expired").len();
+    let resp = call(&d, &revoked, &list).await;
+    resp.assert_empty_refusal(401, "revoked opaque token");
+    assert_eq!(challenge(&resp).get("error"), Some("invalid_token"));
+    assert_eq!(audited(&d, "expired").len(), before + 1);
+    assert_eq!(introspections(&d, "inactive"), 1.0);
+
+    // A token of a client the daemon does not allow: 403, and no scope to step up to.
+    let stranger = token(&oidc, &d, STRANGER, "mcp").await;
+    let resp = call(&d, &stranger, &list).await;
+    resp.assert_empty_refusal(403, "stranger");
+    let c = challenge(&resp);
+    assert_eq!(c.get("error"), None, "{:?}", c.params);
+    assert_eq!(c.get("scope"), None, "{:?}", c.params);
+    assert_eq!(
+        c.get("resource_metadata"),
+        Some(metadata_url(PUBLIC_URL).as_str())
+    );
+    assert_eq!(audited(&d, "principal-not-allowed").len(), 1);
+
+    // The daemon's own client secret and the tokens reach no log line (the harness scans
+    // every captured output for them when the daemon is dropped).
+    assert!(!d.stderr_text().contains(INTROSPECTOR.secret));
+}
+
+#[tokio::test]
+async fn the_issuer_going_away_is_503_uncounted_then_recovery() {
+    let mut oidc = Oidc::start(300);
+    let extra = format!(
+        "{}\n[remote.throttle]\nfailures = 2\nwindow = \"60s\"\n",
+        oidc.introspection_section("60s")
+    );
+    let d = daemon(&oidc, &[], &extra, None);
+    let list = tools_list(1);
+    let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    let unused = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+
+    oidc.stop();
+    // Every answer is 503 with Retry-After, however many: none counts toward throttling.
+    for i in 0..3 {
+        let resp = call(&d, &unused, &list).await;
+        resp.assert_empty_refusal(503, "issuer down");
+        assert!(
+            resp.header("retry-after")
+                .and_then(|s| s.parse::<u64>().ok())
+                .is_some_and(|s| s >= 1),
+            "attempt {i}: {}",
+            resp.describe()
+        );
+    }
+    let unavailable = audited(&d, "introspection-unavailable");
+    assert_eq!(unavailable.len(), 3, "{unavailable:?}");
+    assert!(unavailable.iter().all(|r| r["throttled"] == false));
+    assert!(introspections(&d, "error") >= 3.0);
+    // JWTs need no issuer round trip: the held keys verify them.
+    assert_eq!(call(&d, &jwt, &list).await.status, 200);
+    // The first counted failure is a plain 401 (two are allowed per window; after three
+    // counted 503s it would be 429), so the 503s were not counted. (A JWT-shaped token:
+    // no introspection.)
+    let resp = call(&d, "bad.bad.bad", &list).await;
+    assert_eq!(resp.status, 401, "{}", resp.describe());
+
+    oidc.start_again();
+    // It forgot every token it issued (kept in memory): the old one is inactive now.
+    let resp = call(&d, &unused, &list).await;
+    assert_eq!(resp.status, 401, "{}", resp.describe());
+    let fresh = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+    let resp = call(&d, &fresh, &list).await;
+    assert_eq!(resp.status, 200, "{}", resp.describe());
+}
+
+#[tokio::test]
+async fn a_client_steps_up_after_the_403_and_nothing_ran_before() {
+    let oidc = Oidc::start(300);
+    let root = tempfile::tempdir().expect("root");
+    let extra = format!(
+        "{}\n[remote.tool_scopes]\n\"file.write\" = [\"mcp:write\"]\n\"pg.*\" = [\"db:read\"]\n\
+         [tools.file]\nwrite_roots = [{root:?}]\n\
+         [[policy]]\ncallers = [\"oauth:*\"]\ntools = [\"file.write\"]\ndecision = \"allow\"\n",
+        oidc.introspection_section("60s"),
+        root = root.path().display().to_string(),
+    );
+    let d = daemon(&oidc, &[], &extra, None);
+
+    // The metadata lists every configured scope.
+    let meta = exchange(
+        d.remote_addr(),
+        &robota_e2e::http::Request::new("GET", "/.well-known/oauth-protected-resource/mcp")
+            .header("Host", robota_e2e::remote::PUBLIC_HOST)
+            .header("Connection", "close"),
+    )
+    .await;
+    let doc: Value = serde_json::from_slice(&meta.body).expect("metadata");
+    assert_eq!(
+        doc["scopes_supported"],
+        json!(["mcp", "mcp:write", "db:read"])
+    );
+
+    for (n, client) in [JWT_CLIENT, OPAQUE_CLIENT].into_iter().enumerate() {
+        let path = root.path().join(format!("out-{n}"));
+        let write = tools_call(
+            10,
+            "file.write",
+            json!({"path": path.display().to_string(), "content": "stepped up\n"}),
+        );
+        // The first token carries only `mcp`: enough to list, not to write.
+        let weak = token(&oidc, &d, client, "mcp").await;
+        assert_eq!(call(&d, &weak, &tools_list(1)).await.status, 200);
+        let before = audited(&d, "missing-scope").len();
+        let refused = call(&d, &weak, &write).await;
+        refused.assert_empty_refusal(403, "step-up");
+        let c = challenge(&refused);
+        c.assert_exactly(
+            &[
+                ("error", "insufficient_scope"),
+                ("scope", "mcp mcp:write"),
+                ("resource_metadata", &metadata_url(PUBLIC_URL)),
+            ],
+            "step-up challenge",
+        );
+        assert!(!path.exists(), "the refused call ran");
+        assert_eq!(audited(&d, "missing-scope").len(), before + 1);
+
+        // A scripted MCP client does what the challenge says: a token with exactly the
+        // scopes named, then the same call again.
+        let scope = c.get("scope").expect("scope").to_owned();
+        let strong = token(&oidc, &d, client, &scope).await;
+        let resp = call(&d, &strong, &write).await;
+        assert_eq!(resp.status, 200, "{}", resp.describe());
+        assert_eq!(
+            tool_error_code(&resp.expect_rpc(10)),
+            None,
+            "{}",
+            resp.describe()
+        );
+        assert_eq!(
+            std::fs::read_to_string(&path).expect("written"),
+            "stepped up\n"
+        );
+    }
+    // Step-up refusals are not counted toward throttling: the tokens were valid.
+    assert!(
+        audited(&d, "missing-scope")
+            .iter()
+            .all(|r| r["throttled"] == false)
+    );
+}
+
+/// The approval id a tool error names (`approval N is pending`).
+fn approval_id(rpc: &Value) -> i64 {
+    assert_eq!(
+        tool_error_code(rpc).as_deref(),
+        Some("interactive_permission_required"),
+        "{rpc}"
+    );
+    let message = rpc["result"]["structuredContent"]["message"]
+        .as_str()
+        .expect("message");
+    message
+        .split("approval ")
+        .skip(1)
+        .find_map(|rest| rest.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no approval id in {message}"))
+}
+
+#[tokio::test]
+async fn approve_each_runs_one_exact_call_once() {
+    let oidc = Oidc::start(300);
+    let root = tempfile::tempdir().expect("root");
+    let state = tempfile::tempdir().expect("state");
+    let extra = format!(
+        "[tools.file]\nwrite_roots = [{root:?}]\n\
+         [[policy]]\ncallers = [\"oauth:*\"]\nscopes = [\"mcp:write\"]\ntools = [\"file.write\"]\ndecision = \"approve-each\"\n",
+        root = root.path().display().to_string(),
+    );
+    let d = daemon(&oidc, &[], &extra, Some(state.path()));
+    let path = root.path().join("motd");
+    let args = |content: &str| json!({"path": path.display().to_string(), "content": content, "mode": "overwrite"});
+    let strong = token(&oidc, &d, JWT_CLIENT, "mcp mcp:write").await;
+
+    // This daemon has no `[remote.introspection]`: the provider's opaque tokens are not
+    // tokens it can read (`malformed`), and nothing is asked of the provider.
+    let opaque = token(&oidc, &d, OPAQUE_CLIENT, "mcp mcp:write").await;
+    let before = audited(&d, "malformed").len();
+    let resp = call(&d, &opaque, &tools_list(1)).await;
+    resp.assert_empty_refusal(401, "opaque without introspection");
+    assert_eq!(challenge(&resp).get("error"), Some("invalid_token"));
+    assert_eq!(audited(&d, "malformed").len(), before + 1);
+    assert_eq!(
+        introspections(&d, "active") + introspections(&d, "inactive"),
+        0.0
+    );
+
+    // A token without the rule's scope does not match it: the default denies a write.
+    let weak = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    let resp = call(&d, &weak, &tools_call(1, "file.write", args("x"))).await;
+    assert_eq!(
+        tool_error_code(&resp.expect_rpc(1)).as_deref(),
+        Some("permission_denied")
+    );
+
+    // The call asks; the operator sees the caller, the tool and the arguments.
+    let resp = call(
+        &d,
+        &strong,
+        &tools_call(2, "file.write", args("hello\u{202e}\n")),
+    )
+    .await;
+    let id = approval_id(&resp.expect_rpc(2));
+    assert!(!path.exists());
+    let shown = d.ctl_ok(&["grants", "show", &id.to_string()]).stdout;
+    for needle in [
+        "kind:",
+        "call",
+        "file.write",
+        "oauth:jwt-agent/jwt-agent",
+        &path.display().to_string(),
+        "hello\\u{202e}\\\\n",
+        "pending",
+    ] {
+        assert!(shown.contains(needle), "{needle:?} not in:\n{shown}");
+    }
+    assert!(!shown.contains('\u{202e}'), "shown raw:\n{shown}");
+    let listed = d.ctl_ok(&["--json", "grants", "list"]).stdout;
+    let listed: Value = serde_json::from_str(&listed).expect("json");
+    let entry = listed["grants"]
+        .as_array()
+        .expect("grants")
+        .iter()
+        .find(|g| g["grant_id"] == id)
+        .expect("listed")
+        .clone();
+    assert_eq!(entry["kind"], "call");
+    assert_eq!(entry["tool"], "file.write");
+    assert_eq!(entry["arguments"], args("hello\u{202e}\n"));
+    d.ctl_ok(&["grants", "approve", &id.to_string()]);
+
+    // Other arguments need their own approval.
+    let resp = call(&d, &strong, &tools_call(3, "file.write", args("other"))).await;
+    assert_ne!(approval_id(&resp.expect_rpc(3)), id);
+
+    // Two identical retries at once: exactly one runs.
+    let retry = tools_call(4, "file.write", args("hello\u{202e}\n"));
+    let (a, b) = tokio::join!(call(&d, &strong, &retry), call(&d, &strong, &retry));
+    let codes: Vec<Option<String>> = [a, b]
+        .iter()
+        .map(|r| tool_error_code(&r.expect_rpc(4)))
+        .collect();
+    assert_eq!(
+        codes.iter().filter(|c| c.is_none()).count(),
+        1,
+        "exactly one ran: {codes:?}"
+    );
+    assert!(
+        codes.contains(&Some("interactive_permission_required".to_owned())),
+        "{codes:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&path).expect("written"),
+        "hello\u{202e}\n"
+    );
+    let shown = d.ctl_ok(&["grants", "show", &id.to_string()]).stdout;
+    assert!(shown.contains("used"), "{shown}");
+
+    // Durable: approved, then the daemon stops; the next daemon on the same state runs
+    // the identical call once.
+    let resp = call(
+        &d,
+        &strong,
+        &tools_call(5, "file.write", args("after restart")),
+    )
+    .await;
+    let later = approval_id(&resp.expect_rpc(5));
+    d.ctl_ok(&["grants", "approve", &later.to_string()]);
+    let approved = audited(&d, "grant-approved");
+    assert!(
+        approved
+            .iter()
+            .any(|r| r["grant"]["grant_id"] == later && r["grant"]["tool"] == "file.write"),
+        "{approved:?}"
+    );
+    drop(d);
+    let d = daemon(&oidc, &[], &extra, Some(state.path()));
+    let strong = token(&oidc, &d, JWT_CLIENT, "mcp mcp:write").await;
+    // The client's text of the arguments is its own (member order, whitespace): the
+    // approval binds their canonical JSON.
+    let reordered = format!(
+        "{{\"jsonrpc\":\"2.0\", \"id\":6, \"method\":\"tools/call\", \"params\":{{\"name\":\"file.write\", \
+         \"arguments\":{{ \"mode\": \"overwrite\",\n \"path\": {path}, \"content\": \"after restart\" }}}}}}",
+        path = serde_json::to_string(&path.display().to_string()).expect("path"),
+    );
+    let resp = exchange(
+        d.remote_addr(),
+        &remote_mcp(Some(&strong), &json!({})).body(reordered.into_bytes()),
+    )
+    .await;
+    assert_eq!(
+        tool_error_code(&resp.expect_rpc(6)),
+        None,
+        "{}",
+        resp.describe()
+    );
+    assert_eq!(
+        std::fs::read_to_string(&path).expect("written"),
+        "after restart"
+    );
+    let resp = call(
+        &d,
+        &strong,
+        &tools_call(7, "file.write", args("after restart")),
+    )
+    .await;
+    approval_id(&resp.expect_rpc(7));
+
+    // Every request and decision is on the record (audit survives the restart too).
+    for (reason, at_least) in [
+        ("grant-requested", 4),
+        ("grant-approved", 2),
+        ("grant-used", 2),
+    ] {
+        let records = audited(&d, reason);
+        assert!(records.len() >= at_least, "{reason}: {records:?}");
+        assert!(
+            records.iter().all(|r| r["grant"]["tool"] == "file.write"
+                && r["grant"]["caller"] == "oauth:jwt-agent/jwt-agent"),
+            "{reason}: {records:?}"
+        );
+    }
+    assert!(
+        metric(
+            &d,
+            &["robota_mcpd_grant_events_total", "event=\"grant-used\""]
+        ) >= 1.0,
+        "grant-used counted"
+    );
+}
+
+#[tokio::test]
+async fn an_introspection_answer_is_never_cached_past_exp() {
+    const TTL: u64 = 5;
+    let oidc = Oidc::start(TTL);
+    // Answers may be cached a minute, far past the tokens' five seconds.
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let list = tools_list(1);
+    let answer = oidc.token_response(OPAQUE_CLIENT, "mcp").await;
+    let opaque = answer["access_token"].as_str().expect("token").to_owned();
+    d.register_secret(&opaque);
+    assert_eq!(answer["expires_in"], TTL, "{answer}");
+    // The provider's own `exp` for it (whole seconds since the epoch).
+    let exp = oidc.introspect(&opaque).await["exp"].as_u64().expect("exp");
+    let exp = SystemTime::UNIX_EPOCH + Duration::from_secs(exp);
+    assert_eq!(call(&d, &opaque, &list).await.status, 200);
+
+    // Revoked at the provider: the daemon does not know yet and answers from its cache
+    // (revocation is seen once the cached answer lapses).
+    oidc.revoke(OPAQUE_CLIENT, &opaque).await;
+    if SystemTime::now() + Duration::from_secs(1) < exp {
+        assert_eq!(call(&d, &opaque, &list).await.status, 200, "cached");
+        assert_eq!(introspections(&d, "active"), 1.0);
+    }
+    // At `exp` the cached answer lapses: asked again, refused.
+    let deadline = exp + Duration::from_secs(15);
+    let refused_at = loop {
+        let status = call(&d, &opaque, &list).await.status;
+        if status == 401 {
+            break SystemTime::now();
+        }
+        assert_eq!(status, 200);
+        assert!(
+            SystemTime::now() < deadline,
+            "still admitted 15 s after exp"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let late = refused_at
+        .duration_since(exp)
+        .expect("admitted up to its exp");
+    eprintln!("opaque token refused {late:?} after its exp (answers cacheable 60 s)");
+    assert!(late < Duration::from_secs(3), "refused {late:?} after exp");
+    assert_eq!(introspections(&d, "inactive"), 1.0);
+}
+
+#[tokio::test]
+async fn a_client_secret_file_others_can_read_stops_the_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let oidc = Oidc::start(300);
+    let section = oidc.introspection_section("60s");
+    let file = oidc.secret_file();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let d = Daemon::builder()
+        .extra(remote(&oidc, &[]))
+        .extra(section)
+        .spawn();
+    d.register_secret(INTROSPECTOR.secret);
+    let status = d
+        .wait_exit(Duration::from_secs(20))
+        .expect("robota-mcpd exits");
+    assert_eq!(status.code(), Some(78), "a configuration error");
+    let stderr = d.stderr_text();
+    for needle in ["remote.introspection.client_secret_file", "0644"] {
+        assert!(stderr.contains(needle), "{needle:?} not in:\n{stderr}");
+    }
+    assert!(!stderr.contains(INTROSPECTOR.secret));
+}
