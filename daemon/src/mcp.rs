@@ -336,7 +336,7 @@ impl<S> Clone for McpServer<S> {
 /// Where `tools/call` leaves an imported tool's result — already checked against the
 /// result limit and shaped for the caller's revision — for the carrier to send as it is,
 /// in place of the placeholder the handler returns. rmcp's result type has no room for
-/// fields it does not know, and an upstream's result keeps them (docs/design.md §12.4).
+/// fields it does not know, and an upstream's result keeps them (docs/design.md §13.4).
 /// A carrier puts one in the request's HTTP parts for every `tools/call`.
 #[derive(Clone, Default)]
 pub struct PassthroughSlot(Arc<Mutex<Option<Map<String, Value>>>>);

@@ -658,7 +658,7 @@ pub struct Status {
     pub upstreams: Vec<UpstreamStatus>,
 }
 
-/// One downstream MCP server (docs/design.md §12).
+/// One downstream MCP server (docs/design.md §13).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UpstreamStatus {
     /// Its configured name, the prefix of its tools.

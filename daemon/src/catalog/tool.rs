@@ -73,7 +73,7 @@ pub enum ToolOutput {
     Job(robota_proto::JobRecord),
     /// A downstream server's `tools/call` result, as the JSON object it sent (content,
     /// `structuredContent`, `isError`, `_meta` and fields unknown to us alike), passed on
-    /// as it is (docs/design.md §12.4).
+    /// as it is (docs/design.md §13.4).
     Passthrough(Map<String, Value>),
 }
 

@@ -1,5 +1,5 @@
 //! `[upstreams.<name>]`: downstream MCP servers whose tools join the catalog as
-//! `<name>.<tool>` (docs/design.md §12). A stdio child (`command`) or a fixed local
+//! `<name>.<tool>` (docs/design.md §13). A stdio child (`command`) or a fixed local
 //! Streamable HTTP backend (`url`); every key checked with its key path.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! Downstream MCP servers (docs/design.md §12): each `[upstreams.<name>]` is supervised
+//! Downstream MCP servers (docs/design.md §13): each `[upstreams.<name>]` is supervised
 //! here — a stdio child (shared, or one per call) or an HTTP backend — and is one catalog
 //! [`Source`] whose tools are `<name>.<tool>`. When its tool list changes, the catalog is
 //! rebuilt into a new generation.
