@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2016 # the single-quoted $… are script text matched literally
 # Check a built robota-mcpd .deb by unpacking it (dpkg-deb -I/-c/-e/-x); nothing is installed.
 #
 #   packaging/check-deb.sh PATH.deb
@@ -10,15 +11,33 @@
 # its check-config); the unit, sysusers.d and tmpfiles.d files identical to systemd/; a
 # gzipped, groff-clean man page for each command and subcommand the packaged binaries
 # list; bash/zsh/fish completions for both binaries; the docs; maintainer scripts that
-# parse and do what they should; then check-unit.sh on the unpacked tree (unit verified
-# against the packaged binary and man pages, sysusers/tmpfiles applied to a copy).
+# parse and do what they should, and run for real in scratch roots ($DPKG_ROOT) with and
+# without a (fake) running systemd and with and without systemd-sysusers/-tmpfiles: the
+# user, the state directory's owner and mode, root-owned left-overs given back, prerm
+# stopping the packaged daemon started by hand; then check-unit.sh on the unpacked tree
+# (unit verified against the packaged binary and man pages, sysusers/tmpfiles applied to
+# a copy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 deb=${1:?usage: packaging/check-deb.sh PATH.deb}
 [[ -f $deb ]] || { echo "check-deb: no such file $deb" >&2 && exit 1; }
 scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+# Daemons the script scenarios start, killed on the way out if a check left one running.
+started=()
+cleanup() {
+	local pid
+	for pid in "${started[@]}"; do
+		# Only while it is still ours: the pid of one that exited may be someone else's now.
+		if [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$scratch"/* ]]; then
+			kill -KILL "$pid" 2>/dev/null || true
+		fi
+	done
+	rm -rf "$scratch"
+}
+trap cleanup EXIT
+# The daemon started as its own user must reach its configuration and binary.
+chmod 0755 "$scratch"
 tree=$scratch/tree
 control=$scratch/DEBIAN
 dpkg-deb -x "$deb" "$tree"
@@ -35,6 +54,11 @@ field() { dpkg-deb -f "$deb" "$1"; }
 [[ $(field Package) == robota-mcpd ]] || fail "Package is $(field Package)"
 [[ $(field Version) == "$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"-* ]] ||
 	fail "Version $(field Version) is not the workspace version"
+# The tool families of the catalog, as an operator choosing the package reads them.
+description=$(field Description)
+for family in 'system.*' 'file.*' 'job.*' 'service.*' 'docker.*' 'permissions.*' 'turn-submission tool'; do
+	[[ $description == *"$family"* ]] || fail "the package description does not name $family"
+done
 depends=$(field Depends)
 echo "   Depends: $depends"
 for needed in 'libc6' 'systemd | systemd-sysusers | systemd-standalone-sysusers' 'init-system-helpers'; do
@@ -175,13 +199,15 @@ contains() { # contains SCRIPT TEXT WHY
 	grep -qF -- "$2" "$control/$1" || fail "$1 does not $3 ($2)"
 }
 contains postinst 'systemd-sysusers ${DPKG_ROOT:+--root="$DPKG_ROOT"} robota-mcpd.conf' "create the system user"
-contains postinst 'systemd-tmpfiles --create robota-mcpd.conf' "create the state directory"
+contains postinst 'systemd-tmpfiles ${DPKG_ROOT:+--root="$DPKG_ROOT"} --create robota-mcpd.conf' "create the state directory"
+contains postinst 'install -d -o "$uid" -g "$gid" -m 0700' "create the state directory without systemd-tmpfiles"
+contains postinst 'useradd ${root:+--prefix "$root"} --system' "create the user without systemd-sysusers"
 contains postinst 'deb-systemd-helper enable robota-mcpd.service' "enable the unit"
 contains postinst '/usr/bin/robota-mcpd check-config' "check the configuration before starting"
 contains postinst 'deb-systemd-invoke "$action" robota-mcpd.service' "start or restart the unit"
 contains prerm 'deb-systemd-invoke stop robota-mcpd.service' "stop the unit on remove"
 contains postrm 'deb-systemd-helper purge robota-mcpd.service' "forget the unit on purge"
-contains postrm 'rm -rf /var/lib/robota-mcpd' "remove the state on purge"
+contains postrm 'rm -rf "${DPKG_ROOT:-}/var/lib/robota-mcpd"' "remove the state on purge"
 # Only our postinst starts the daemon, and only after check-config: no debhelper start.
 grep -q -e '_dh_action' -e 'deb-systemd-invoke start' -e 'deb-systemd-invoke restart' "$control/postinst" &&
 	fail "postinst starts the unit without checking the configuration"
@@ -193,10 +219,229 @@ check=$(first_line check-config)
 ((${sysusers:-0} > 0 && ${sysusers:-0} < ${tmpfiles:-0} && ${tmpfiles:-0} < ${check:-0})) ||
 	fail "postinst does not run sysusers, then tmpfiles, then check-config (lines ${sysusers:-?} ${tmpfiles:-?} ${check:-?})"
 
+echo "-- maintainer scripts, run in scratch roots"
+# Each scenario gets a copy of the unpacked tree as $DPKG_ROOT, with a minimal user
+# database. deb-systemd-helper, deb-systemd-invoke and systemctl are stubs that log their
+# arguments (the real ones would act on this machine's systemd). "systemd running" is
+# $DPKG_ROOT/run/systemd/system, as the scripts test it. A second PATH lacks
+# systemd-sysusers and systemd-tmpfiles, for the useradd and install -d fallbacks.
+stubs=$scratch/stubs
+bare=$scratch/bare
+mkdir -p "$stubs" "$bare" "$scratch/roots"
+for tool in deb-systemd-helper deb-systemd-invoke systemctl; do
+	printf '#!/bin/sh\necho "%s $*" >>"$CHECK_DEB_CALLS"\n' "$tool" >"$stubs/$tool"
+	chmod 0755 "$stubs/$tool"
+done
+IFS=: read -ra path_dirs <<<"$PATH"
+for dir in "${path_dirs[@]}"; do
+	for exe in "$dir"/*; do
+		name=${exe##*/}
+		[[ -f $exe && -x $exe && ! -e $bare/$name ]] || continue
+		[[ $name == systemd-sysusers || $name == systemd-tmpfiles ]] || ln -s "$exe" "$bare/$name"
+	done
+done
+with_tools=$stubs:$PATH
+without_tools=$stubs:$bare
+# For the daemon the scenarios start: the packaged configuration's defaults, on ports no
+# other test holds; the directories come from the environment, as the unit passes them.
+printf '[loopback]\nlisten = "127.0.0.1:0"\n\n[metrics]\nlisten = "127.0.0.1:0"\n' >"$scratch/run.toml"
+chmod 0644 "$scratch/run.toml"
+host_state_before=$([[ -e /var/lib/robota-mcpd ]] && echo yes || echo no)
+host_user_before=$(getent passwd robota-mcpd >/dev/null && echo yes || echo no)
+
+new_root() { # new_root NAME [systemd]: a fresh root, its path printed
+	local r=$scratch/roots/$1
+	mkdir -p "$r"
+	cp -a "$tree/." "$r/"
+	mkdir -p "$r/etc"
+	echo 'root:x:0:0:root:/root:/bin/sh' >"$r/etc/passwd"
+	echo 'root:x:0:' >"$r/etc/group"
+	echo 'root:*:19000:0:99999:7:::' >"$r/etc/shadow"
+	echo 'root:*::' >"$r/etc/gshadow"
+	chmod 0640 "$r/etc/shadow" "$r/etc/gshadow"
+	[[ ${2:-} != systemd ]] || mkdir -p "$r/run/systemd/system"
+	echo "$r"
+}
+# maint ROOT PATH SCRIPT ARGS…: run a maintainer script as dpkg would, bounded in time
+# (prerm waits at most 30 s for a daemon); its stderr is shown and kept in $scratch/err,
+# the stubs' calls in $scratch/calls. $wrap, when set, runs before the script.
+wrap=()
+maint() {
+	local r=$1 path=$2 script=$3 status=0
+	shift 3
+	: >"$scratch/calls"
+	"${wrap[@]}" timeout 60 env DPKG_ROOT="$r" DPKG_MAINTSCRIPT_PACKAGE=robota-mcpd \
+		DPKG_MAINTSCRIPT_NAME="$script" CHECK_DEB_CALLS="$scratch/calls" PATH="$path" \
+		sh "$control/$script" "$@" 2>"$scratch/err" || status=$?
+	echo "   ${r##*/}: $script $*"
+	sed 's/^/      | /' "$scratch/err"
+	((status == 0)) || fail "$script $* exited $status in ${r##*/}"
+}
+called() { grep -qxF -- "$1" "$scratch/calls" || fail "no call: $1 (calls: $(paste -sd';' "$scratch/calls"))"; }
+said() { grep -qF -- "$1" "$scratch/err" || fail "the script did not say: $1"; }
+# account ROOT: the user, the group, the state directory; sets uid and gid.
+account() {
+	local r=$1 entry count dir
+	entry=$(awk -F: '$1 == "robota-mcpd"' "$r/etc/passwd")
+	count=$(grep -c '^robota-mcpd:' "$r/etc/passwd" || true)
+	uid=$(cut -d: -f3 <<<"$entry")
+	gid=$(awk -F: '$1 == "robota-mcpd" { print $3 }' "$r/etc/group")
+	if [[ -z $uid || -z $gid ]]; then
+		fail "no robota-mcpd user and group in ${r##*/}"
+		uid=0 gid=0
+		return
+	fi
+	((count == 1)) || fail "$count robota-mcpd users in ${r##*/}"
+	((uid < 1000)) || fail "robota-mcpd is not a system user (uid $uid) in ${r##*/}"
+	[[ $(cut -d: -f4 <<<"$entry") == "$gid" ]] || fail "robota-mcpd's primary group is not robota-mcpd: $entry"
+	[[ $(cut -d: -f6 <<<"$entry") == /var/lib/robota-mcpd ]] || fail "robota-mcpd's home: $entry"
+	[[ $(cut -d: -f7 <<<"$entry") == */nologin ]] || fail "robota-mcpd has a login shell: $entry"
+	dir=$(stat -c '%a %u %g' "$r/var/lib/robota-mcpd" 2>/dev/null || echo missing)
+	[[ $dir == "700 $uid $gid" ]] || fail "/var/lib/robota-mcpd is '$dir', want '700 $uid $gid' in ${r##*/}"
+	[[ -d $r/etc/robota-mcpd ]] || fail "no /etc/robota-mcpd in ${r##*/}"
+	echo "      => $entry; /var/lib/robota-mcpd mode, uid, gid: $dir"
+}
+owned() { # owned PATH UID:GID
+	local got
+	got=$(stat -c '%u:%g' "$1" 2>/dev/null || echo missing)
+	[[ $got == "$2" ]] || fail "${1#"$scratch"/roots/} is owned by $got, want $2"
+}
+# start_daemon ROOT root|user: the packaged binary from ROOT, as the unit runs it (the
+# directories in the environment), as root (a run by hand) or as the root's robota-mcpd
+# user; waits until its control socket answers. Sets daemon_pid.
+start_daemon() {
+	local r=$1 run=$1/run/robota-mcpd i
+	local -a as=()
+	if [[ $2 == user ]]; then
+		# As "Without systemd" in packaging/README.md has it (the run as root made $run
+		# its own, and /run's stand-in with the daemon's umask).
+		rm -rf "$run"
+		install -d -m 0755 "$r/run"
+		install -d -o "$uid" -g "$gid" -m 0755 "$run"
+		as=(setpriv --reuid="$uid" --regid="$gid" --clear-groups)
+	fi
+	"${as[@]}" env -i PATH=/usr/bin:/bin STATE_DIRECTORY="$r/var/lib/robota-mcpd" \
+		RUNTIME_DIRECTORY="$run" "$r/usr/bin/robota-mcpd" --config "$scratch/run.toml" \
+		>"$scratch/daemon.log" 2>&1 &
+	daemon_pid=$!
+	started+=("$daemon_pid")
+	for ((i = 0; i < 200; i++)); do
+		if "$r/usr/bin/robota-mcpctl" --socket "$run/control.sock" status >/dev/null 2>&1; then
+			echo "   ${r##*/}: the packaged daemon runs as $2, pid $daemon_pid"
+			return 0
+		fi
+		kill -0 "$daemon_pid" 2>/dev/null || break
+		sleep 0.1
+	done
+	fail "the packaged daemon did not start as $2: $(tail -n 3 "$scratch/daemon.log")"
+}
+running() { [[ -r /proc/$1/stat && $(sed 's/.*) //; s/ .*//' "/proc/$1/stat" 2>/dev/null) != Z ]]; }
+# After prerm: the daemon has exited, through its SIGTERM drain.
+stopped() {
+	local status=0
+	if running "$daemon_pid"; then
+		fail "prerm remove left the daemon (pid $daemon_pid) running"
+		kill -KILL "$daemon_pid" 2>/dev/null || true
+	fi
+	wait "$daemon_pid" || status=$?
+	((status == 0)) || fail "the daemon exited with status $status after prerm"
+	grep -q 'SIGTERM' "$scratch/daemon.log" || fail "the daemon did not get a SIGTERM"
+	said "stopping robota-mcpd (not run by systemd), pid $daemon_pid"
+}
+state_files=(audit.jsonl robota.db robota.db-wal)
+
+echo "   -- systemd running, with systemd-sysusers and systemd-tmpfiles"
+r=$(new_root systemd systemd)
+maint "$r" "$with_tools" postinst configure
+account "$r"
+called 'deb-systemd-helper enable robota-mcpd.service'
+called 'systemctl --system daemon-reload'
+called 'deb-systemd-invoke start robota-mcpd.service'
+# Left-overs of a run as root, and a symbolic link postinst must not follow.
+for file in "${state_files[@]}"; do
+	install -m 0600 /dev/null "$r/var/lib/robota-mcpd/$file"
+done
+install -m 0600 /dev/null "$scratch/victim"
+ln -s "$scratch/victim" "$r/var/lib/robota-mcpd/jwks-cache.json"
+chown 0:0 "$r/var/lib/robota-mcpd"
+chmod 0755 "$r/var/lib/robota-mcpd"
+maint "$r" "$with_tools" postinst configure 0.0.1
+account "$r"
+for file in "${state_files[@]}"; do
+	owned "$r/var/lib/robota-mcpd/$file" "$uid:$gid"
+	said "/var/lib/robota-mcpd/$file was owned by uid:gid 0:0"
+done
+owned "$scratch/victim" 0:0
+called 'deb-systemd-invoke restart robota-mcpd.service'
+maint "$r" "$with_tools" prerm upgrade 0.0.2
+[[ ! -s $scratch/calls ]] || fail "prerm upgrade did something: $(paste -sd';' "$scratch/calls")"
+maint "$r" "$with_tools" prerm remove
+called 'deb-systemd-invoke stop robota-mcpd.service'
+maint "$r" "$with_tools" postrm remove
+[[ -d $r/var/lib/robota-mcpd ]] || fail "postrm remove deleted the state"
+maint "$r" "$with_tools" postrm purge
+[[ ! -e $r/var/lib/robota-mcpd ]] || fail "postrm purge left /var/lib/robota-mcpd"
+if [[ -x /usr/bin/deb-systemd-helper ]]; then # what the fragment tests
+	called 'deb-systemd-helper purge robota-mcpd.service'
+fi
+
+echo "   -- no systemd running, with systemd-sysusers and systemd-tmpfiles"
+r=$(new_root plain)
+maint "$r" "$with_tools" postinst configure
+account "$r"
+called 'deb-systemd-helper enable robota-mcpd.service'
+grep -q '^deb-systemd-invoke' "$scratch/calls" && fail "postinst started the unit without systemd"
+# A run by hand as root (a container's shell), stopped by prerm: its files are root's.
+start_daemon "$r" root
+maint "$r" "$with_tools" prerm remove
+stopped
+for file in audit.jsonl robota.db; do
+	owned "$r/var/lib/robota-mcpd/$file" 0:0
+done
+# Configured again, the left-overs are the daemon's, and it starts as its own user.
+maint "$r" "$with_tools" postinst configure 0.0.1
+for file in audit.jsonl robota.db; do
+	owned "$r/var/lib/robota-mcpd/$file" "$uid:$gid"
+	said "/var/lib/robota-mcpd/$file was owned by uid:gid 0:0"
+done
+start_daemon "$r" user
+# Without CAP_SYS_PTRACE root cannot read another user's /proc/PID/exe (as in many
+# containers): prerm finds the daemon by its control socket's lock.
+wrap=(setpriv --bounding-set=-sys_ptrace --inh-caps=-sys_ptrace)
+"${wrap[@]}" sh -c "readlink /proc/$daemon_pid/exe" >/dev/null 2>&1 &&
+	echo "   (note: /proc/PID/exe readable without CAP_SYS_PTRACE here; the lock is not what found it)"
+maint "$r" "$with_tools" prerm remove
+wrap=()
+stopped
+maint "$r" "$with_tools" postrm purge
+[[ ! -e $r/var/lib/robota-mcpd && ! -e $r/run/robota-mcpd ]] || fail "postrm purge left the state or runtime directory"
+
+echo "   -- no systemd running, no systemd-sysusers, no systemd-tmpfiles"
+r=$(new_root bare)
+maint "$r" "$without_tools" postinst configure
+account "$r"
+said "systemd-sysusers is missing"
+maint "$r" "$without_tools" postinst configure 0.0.1
+account "$r"
+maint "$r" "$without_tools" prerm remove
+maint "$r" "$without_tools" postrm purge
+[[ ! -e $r/var/lib/robota-mcpd ]] || fail "postrm purge left /var/lib/robota-mcpd"
+
+# $DPKG_ROOT honoured: nothing of this machine's was touched.
+[[ $([[ -e /var/lib/robota-mcpd ]] && echo yes || echo no) == "$host_state_before" ]] ||
+	fail "the scripts made /var/lib/robota-mcpd on this machine"
+[[ $(getent passwd robota-mcpd >/dev/null && echo yes || echo no) == "$host_user_before" ]] ||
+	fail "the scripts made a robota-mcpd user on this machine"
+if command -v shellcheck >/dev/null; then
+	shellcheck -s sh "$control/postinst" "$control/prerm" "$control/postrm" ||
+		fail "shellcheck finds fault with the maintainer scripts"
+fi
+
 echo "-- the unit, from the package"
 status=0
 report=$(packaging/check-unit.sh --binary "$mcpd" --man-dir "$man" --root "$tree" \
 	"$tree/usr/lib/systemd/system/robota-mcpd.service" 2>&1) || status=$?
+# shellcheck disable=SC2001 # a prefix on every line
 sed 's/^/   /' <<<"$report"
 ((status == 0)) || fail "check-unit.sh on the packaged unit"
 

@@ -692,7 +692,12 @@ impl Writer {
         loop {
             match rx.recv_timeout(tick) {
                 Ok(first) => {
-                    for record in std::iter::once(first).chain(rx.try_iter()) {
+                    // What is queued now is one batch: taken first, then serialized, so
+                    // a fast sender cannot make a batch (and the file past compaction)
+                    // grow without end.
+                    let batch: Vec<AuditRecord> =
+                        std::iter::once(first).chain(rx.try_iter()).collect();
+                    for record in batch {
                         self.queue(record);
                     }
                 }

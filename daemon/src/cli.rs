@@ -30,7 +30,7 @@ pub enum Sub {
         /// (default: the installed unit's user when a unit is installed and we are root).
         #[arg(long, value_name = "USER")]
         as_user: Option<String>,
-        /// Check against this systemd unit's sandbox (ProtectSystem=, ReadWritePaths=, …)
+        /// Check against this systemd unit's sandbox (ProtectSystem=, ReadWritePaths=, ...)
         /// instead of the installed robota-mcpd.service and its drop-ins.
         #[arg(long, value_name = "FILE")]
         unit: Option<PathBuf>,

@@ -68,11 +68,11 @@ pub enum DaemonError {
     Store(#[source] crate::store::StoreError),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
-    #[error("cannot create the state directory {path}")]
+    /// The state directory is missing, or this process cannot use it or what is in it.
+    #[error("the state directory {} {problem}", path.display())]
     StateDir {
         path: std::path::PathBuf,
-        #[source]
-        source: std::io::Error,
+        problem: String,
     },
     #[error("the stdio carrier failed to start")]
     Stdio {
@@ -183,6 +183,7 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
     let config = &plan.config;
     let metrics = plan.metrics.clone();
     let health = Arc::new(Health::default());
+    check_state_dir(&config.state_dir)?;
     let audit =
         Arc::new(Audit::open(&config.state_dir, health.clone()).map_err(DaemonError::Audit)?);
     let host = Host::open(config, audit.clone(), metrics.clone(), health.clone())
@@ -341,6 +342,142 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
     result
 }
 
+/// The files an earlier run leaves in the state directory, and whether the daemon writes
+/// them in place (the key cache is only read, and replaced by a rename). The package's
+/// postinst gives the same files back to the daemon's user.
+const STATE_FILES: [(&str, bool); 6] = [
+    (crate::audit::FILE_NAME, true),
+    ("audit.jsonl.tmp", true),
+    (crate::store::FILE_NAME, true),
+    ("robota.db-wal", true),
+    ("robota.db-shm", true),
+    ("jwks-cache.json", false),
+];
+
+/// Before the audit and the store open their files: the state directory exists (created
+/// 0700 if its parent lets this process), this process may create files in it, and it may
+/// read and write what an earlier run left there. Otherwise the error names the cause
+/// (missing, someone else's, root-owned left-overs from a run as root) and the fix, not a
+/// bare `Permission denied` on the first file opened.
+fn check_state_dir(dir: &std::path::Path) -> Result<(), DaemonError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+
+    use nix::fcntl::{AT_FDCWD, AtFlags};
+    use nix::unistd::{AccessFlags, Group, Uid, User, faccessat};
+    let fail = |problem: String| DaemonError::StateDir {
+        path: dir.to_path_buf(),
+        problem,
+    };
+    let uid = nix::unistd::geteuid();
+    let user_of = |uid: u32| match User::from_uid(Uid::from_raw(uid)) {
+        Ok(Some(user)) => format!("{} (uid {uid})", user.name),
+        _ => format!("uid {uid}"),
+    };
+    let me = user_of(uid.as_raw());
+    let name = |found: Option<String>, id: u32| found.unwrap_or_else(|| id.to_string());
+    let owner = name(
+        User::from_uid(uid).ok().flatten().map(|u| u.name),
+        uid.as_raw(),
+    );
+    let gid = nix::unistd::getegid();
+    let group = name(
+        Group::from_gid(gid).ok().flatten().map(|g| g.name),
+        gid.as_raw(),
+    );
+    let mode = |meta: &std::fs::Metadata| meta.permissions().mode() & 0o7777;
+    let may = |path: &std::path::Path, how| faccessat(AT_FDCWD, path, how, AtFlags::AT_EACCESS);
+
+    let meta = match std::fs::metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| {
+                    fail(format!(
+                        "does not exist, and {me}, who runs the daemon, cannot create it ({e}): \
+                         install -d -o {owner} -g {group} -m 0700 {} (the package's postinst does), \
+                         or set [daemon] state_dir",
+                        dir.display()
+                    ))
+                });
+        }
+        Err(e) => return Err(fail(format!("cannot be inspected: {e}"))),
+    };
+    if !meta.is_dir() {
+        return Err(fail("is not a directory".into()));
+    }
+    let chown = format!("chown -R {owner}:{group} {}", dir.display());
+    match may(dir, AccessFlags::W_OK | AccessFlags::X_OK) {
+        Ok(()) => {}
+        Err(nix::errno::Errno::EROFS) => {
+            return Err(fail(
+                "is on a file system that is read-only for this process (under systemd: \
+                 StateDirectory= or ReadWritePaths=)"
+                    .into(),
+            ));
+        }
+        Err(_) if meta.uid() != uid.as_raw() => {
+            return Err(fail(format!(
+                "is owned by {}, not by {me} who runs the daemon, and its mode {:04o} does not \
+                 let the daemon create files in it: {chown}",
+                user_of(meta.uid()),
+                mode(&meta)
+            )));
+        }
+        Err(_) => {
+            return Err(fail(format!(
+                "has mode {:04o}, which does not let {me} who runs the daemon create files in it: \
+                 chmod 0700 {}",
+                mode(&meta),
+                dir.display()
+            )));
+        }
+    }
+    let (mut unusable, mut mine) = (Vec::new(), Vec::new());
+    for (file, written) in STATE_FILES {
+        let path = dir.join(file);
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue; // absent: the daemon creates it
+        };
+        let how = if written {
+            AccessFlags::R_OK | AccessFlags::W_OK
+        } else {
+            AccessFlags::R_OK
+        };
+        if may(&path, how).is_ok() {
+            continue;
+        }
+        let hint = if meta.uid() == 0 {
+            " (left by a run as root?)"
+        } else {
+            ""
+        };
+        unusable.push(format!(
+            "{} is owned by {}, mode {:04o}{hint}",
+            path.display(),
+            user_of(meta.uid()),
+            mode(&meta)
+        ));
+        if meta.uid() == uid.as_raw() {
+            mine.push(path.display().to_string());
+        }
+    }
+    if unusable.is_empty() {
+        return Ok(());
+    }
+    let fix = if mine.len() == unusable.len() {
+        format!("chmod u+rw {}", mine.join(" "))
+    } else {
+        chown
+    };
+    Err(fail(format!(
+        "holds files that {me}, who runs the daemon, cannot read and write: {}: {fix}",
+        unusable.join("; ")
+    )))
+}
+
 /// The store forgets what is older than its retention, hourly (also at start).
 async fn prune(store: Arc<crate::store::Store>, stop: CancellationToken) {
     let mut hourly = tokio::time::interval(crate::store::PRUNE_EVERY);
@@ -374,10 +511,7 @@ impl HostView for StdioOnly {
 /// locking makes that safe); refusals and grant events are logged, not persisted.
 pub async fn run_stdio(plan: Plan) -> Result<(), DaemonError> {
     let config = &plan.config;
-    std::fs::create_dir_all(&config.state_dir).map_err(|source| DaemonError::StateDir {
-        path: config.state_dir.clone(),
-        source,
-    })?;
+    check_state_dir(&config.state_dir)?;
     let audit = Arc::new(Audit::new());
     let host = Host::open(config, audit, plan.metrics.clone(), Default::default())
         .map_err(DaemonError::Store)?;

@@ -326,9 +326,10 @@ fn ctl_sections() -> Roff {
     r.control("SH", ["PERMISSIONS"]);
     r.text([roman(
         "The daemon accepts root, its own user, and the uids and gids listed in [control] \
-         allow_uids and allow_gids of its configuration (the peer's primary gid, as \
-         SO_PEERCRED reports it). The packaged socket is mode 0660, group robota-mcpd. \
-         Refused peers get exit status 4 and leave an audit record.",
+         allow_uids and allow_gids of its configuration (a gid matches the peer's primary \
+         group, as SO_PEERCRED reports it, or any of its supplementary groups, as id -G \
+         shows them). The packaged socket is mode 0660, group robota-mcpd. Refused peers \
+         get exit status 4 and leave an audit record.",
     )]);
     r.extend([see_also(&[("robota-mcpd", "8")])]);
     r

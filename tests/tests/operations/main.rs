@@ -6,5 +6,6 @@ mod concurrency;
 mod control;
 mod docs;
 mod lifecycle;
+mod packaging_start;
 mod reload;
 mod state_disk;
