@@ -433,11 +433,45 @@ fn sha256(text: &str) -> [u8; 32] {
     sha2::Sha256::digest(text.as_bytes()).into()
 }
 
+/// The most a configuration file may hold: far beyond any real one.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
+
+/// Reads a configuration file: a regular file (a FIFO, a device or a directory is refused
+/// without blocking or reading it) of at most [`MAX_CONFIG_BYTES`], in UTF-8. `status`
+/// and every reload read it, so it must never stall or exhaust the daemon.
 fn read(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let fail = |source| ConfigError::Read {
         path: path.to_owned(),
         source,
-    })
+    };
+    let refuse = |why: String| fail(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOCTTY)
+        .open(path)
+        .map_err(fail)?;
+    let meta = file.metadata().map_err(fail)?;
+    if !meta.is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(refuse(format!(
+            "{} bytes, over the {MAX_CONFIG_BYTES} a configuration may hold",
+            meta.len()
+        )));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(fail)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(refuse(format!(
+            "over the {MAX_CONFIG_BYTES} bytes a configuration may hold"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|_| refuse("not UTF-8 text".into()))
 }
 
 /// Parse and validate configuration text. Every syntax error is reported (the parser
@@ -1602,6 +1636,33 @@ mod tests {
 
     fn issues(text: &str) -> Vec<ConfigIssue> {
         parse(text, &env()).expect_err("config should be refused")
+    }
+
+    #[test]
+    fn a_configuration_path_that_is_no_small_regular_file_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, vec![b'#'; MAX_CONFIG_BYTES as usize + 1]).unwrap();
+        for (path, want) in [
+            (fifo.as_path(), "not a regular file"),
+            (Path::new("/dev/zero"), "not a regular file"),
+            (dir.path(), "not a regular file"),
+            (big.as_path(), "over the"),
+        ] {
+            let started = std::time::Instant::now();
+            let e = read(path).expect_err("refused");
+            assert!(
+                crate::error_chain(&e).contains(want),
+                "{path:?}: {}",
+                crate::error_chain(&e)
+            );
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(1),
+                "{path:?} blocked"
+            );
+        }
     }
 
     #[test]

@@ -184,6 +184,29 @@ pub struct Jobs {
     running: Mutex<HashMap<i64, CancellationToken>>,
     max_running: std::sync::atomic::AtomicUsize,
     tracker: TaskTracker,
+    /// Ends of jobs the store could not take yet (a full disk), with when they ended:
+    /// answered from here and written as soon as the store takes them.
+    unrecorded: Arc<Mutex<HashMap<i64, (Finish, i64)>>>,
+}
+
+/// How often, and for how long, the end of a job the store refused is tried again.
+const RECORD_RETRY: Duration = Duration::from_secs(2);
+const RECORD_RETRIES: u32 = 1800;
+
+fn record_end(store: &Store, id: i64, finish: &Finish, at: i64) -> Result<usize, StoreError> {
+    store.with(|c| {
+        c.execute(
+            "UPDATE jobs SET state = ?2, finished_at = ?3, exit_code = ?4, detail = ?5 \
+             WHERE id = ?1 AND state = 'running'",
+            params![
+                id,
+                finish.state.as_str(),
+                at,
+                finish.exit_code,
+                finish.detail
+            ],
+        )
+    })
 }
 
 /// If job `id` is `running` in the store but the process that ran it is gone: kill what is
@@ -278,6 +301,7 @@ impl Jobs {
                 running: Mutex::new(HashMap::new()),
                 max_running: max_running.into(),
                 tracker: TaskTracker::new(),
+                unrecorded: Arc::default(),
             }),
             recovered,
         ))
@@ -379,21 +403,37 @@ impl Jobs {
             // Failed, timed out, cancelled or of unknown outcome: what an operator looks for.
             tracing::warn!(job_id = id, state = finish.state.as_str(), detail = %finish.detail, "job finished without success");
         }
-        if let Err(e) = self.store.with(|c| {
-            c.execute(
-                "UPDATE jobs SET state = ?2, finished_at = ?3, exit_code = ?4, detail = ?5 \
-                 WHERE id = ?1 AND state = 'running'",
-                params![
-                    id,
-                    finish.state.as_str(),
-                    now(),
-                    finish.exit_code,
-                    finish.detail
-                ],
-            )
-        }) {
-            tracing::error!(job_id = id, error = %e, "cannot record the end of a job");
+        let at = now();
+        if let Err(e) = record_end(&self.store, id, finish, at) {
+            tracing::error!(job_id = id, error = %e, "cannot record the end of a job; it is answered from memory and recorded once the store takes it");
+            self.unrecorded.lock().insert(id, (finish.clone(), at));
+            let (store, unrecorded, finish) =
+                (self.store.clone(), self.unrecorded.clone(), finish.clone());
+            let _ = std::thread::Builder::new()
+                .name("job-end-retry".into())
+                .spawn(move || {
+                    for _ in 0..RECORD_RETRIES {
+                        std::thread::sleep(RECORD_RETRY);
+                        if record_end(&store, id, &finish, at).is_ok() {
+                            unrecorded.lock().remove(&id);
+                            tracing::info!(job_id = id, "the end of the job is recorded now");
+                            return;
+                        }
+                    }
+                    tracing::error!(job_id = id, "the end of the job could not be recorded; the next start settles it as outcome-unknown");
+                });
         }
+    }
+
+    /// `job` as it is: an end the store has not taken yet is part of it.
+    fn with_unrecorded(&self, mut job: JobRecord) -> JobRecord {
+        if let Some((finish, at)) = self.unrecorded.lock().get(&job.job_id) {
+            job.state = finish.state;
+            job.finished_at = Some(*at);
+            job.exit_code = finish.exit_code;
+            job.detail = Some(finish.detail.clone());
+        }
+        job
     }
 
     async fn run_process(&self, id: i64, t: &JobTemplate, cancel: &CancellationToken) -> Finish {
@@ -531,14 +571,15 @@ impl Jobs {
         if !self.running.lock().contains_key(&id) {
             settle_orphan(&self.store, id)?;
         }
-        self.store.with(|c| {
+        let job = self.store.with(|c| {
             c.query_row(
                 &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"),
                 [id],
                 job_from_row,
             )
             .optional()
-        })
+        })?;
+        Ok(job.map(|j| self.with_unrecorded(j)))
     }
 
     /// The job, if `caller` may see it: its owner, or the operator (`None`).
@@ -629,14 +670,16 @@ impl Jobs {
     /// The most recent jobs, newest first; only `owner`'s when given.
     pub fn list(&self, owner: Option<&str>, limit: usize) -> Result<Vec<JobRecord>, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.store.with(|c| {
-            let mut stmt = c.prepare(&format!(
-                "SELECT {JOB_COLUMNS} FROM jobs WHERE (?1 IS NULL OR owner = ?1) \
+        self.store
+            .with(|c| {
+                let mut stmt = c.prepare(&format!(
+                    "SELECT {JOB_COLUMNS} FROM jobs WHERE (?1 IS NULL OR owner = ?1) \
                  ORDER BY id DESC LIMIT ?2"
-            ))?;
-            stmt.query_map(params![owner, limit], job_from_row)?
-                .collect()
-        })
+                ))?;
+                stmt.query_map(params![owner, limit], job_from_row)?
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map(|jobs| jobs.into_iter().map(|j| self.with_unrecorded(j)).collect())
     }
 
     /// Daemon shutdown: cancel what runs here and give it a moment to record its end.

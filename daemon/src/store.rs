@@ -301,6 +301,19 @@ impl Store {
         }
     }
 
+    /// A write that changes nothing the daemon keeps (it rewrites the newest migration's
+    /// record with itself): whether the store takes writes again.
+    pub fn probe(&self) -> Result<(), StoreError> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE schema_migrations SET applied_at = applied_at \
+                 WHERE version = (SELECT MAX(version) FROM schema_migrations)",
+                [],
+            )
+            .map(|_| ())
+        })
+    }
+
     /// Drop finished jobs (and their output), idempotency records and decided or expired
     /// grants older than [`RETENTION`]. Run at start and hourly.
     pub fn prune(&self) -> Result<(), StoreError> {

@@ -309,7 +309,10 @@ fn new_files(
         }
         let mut made = NewFiles::default();
         if let Some(text) = settings.mode {
-            match u32::from_str_radix(text.trim_start_matches("0o"), 8) {
+            let digits = text.strip_prefix("0o").unwrap_or(&text);
+            let octal = (1..=4).contains(&digits.len())
+                && digits.bytes().all(|b| (b'0'..=b'7').contains(&b));
+            match u32::from_str_radix(digits, 8).ok().filter(|_| octal).ok_or(()) {
                 Ok(mode) if mode > 0o777 => issues.add(
                     format!("{key}.mode"),
                     format!("{text:?}: permission bits only (at most 0777; no setuid, setgid or sticky bit)"),
@@ -331,7 +334,9 @@ fn new_files(
         }
         if let Some(group) = settings.group {
             let found = match group.parse::<u32>() {
-                Ok(gid) => Ok(Some(gid)),
+                Ok(gid) => nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid))
+                    .map(|g| g.map(|g| g.gid.as_raw()))
+                    .map_err(|e| e.desc().to_owned()),
                 Err(_) => nix::unistd::Group::from_name(&group)
                     .map(|g| g.map(|g| g.gid.as_raw()))
                     .map_err(|e| e.desc().to_owned()),

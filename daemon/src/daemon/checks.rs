@@ -143,6 +143,9 @@ pub struct Sandbox {
     pub protect_home: String,
     pub private_tmp: bool,
     pub writable: Vec<PathBuf>,
+    /// `ReadOnlyPaths=`, `InaccessiblePaths=`, `BindReadOnlyPaths=` and
+    /// `TemporaryFileSystem=` paths: never writable, whatever else says.
+    pub not_writable: Vec<PathBuf>,
     /// `User=`: who the service runs as.
     pub user: Option<String>,
 }
@@ -161,21 +164,29 @@ impl Sandbox {
         Sandbox::read(&unit).ok()
     }
 
-    /// `unit` and the drop-ins of `/etc/systemd/system/<unit>.d/*.conf`, later settings
-    /// winning as systemd applies them.
+    /// `unit` and its drop-ins (`<unit>.d/*.conf` beside it, then
+    /// `/etc/systemd/system/<unit>.d/*.conf`), later settings winning as systemd applies
+    /// them.
     pub fn read(unit: &Path) -> Result<Sandbox, String> {
         let mut files = vec![unit.to_path_buf()];
-        if let Some(name) = unit.file_name() {
-            let dir =
-                Path::new("/etc/systemd/system").join(format!("{}.d", name.to_string_lossy()));
+        let Some(name) = unit.file_name() else {
+            return Err(format!("{} names no unit file", unit.display()));
+        };
+        let dropins = format!("{}.d", name.to_string_lossy());
+        let mut dirs = vec![unit.with_file_name(&dropins)];
+        let etc = Path::new("/etc/systemd/system").join(&dropins);
+        if !dirs.contains(&etc) {
+            dirs.push(etc);
+        }
+        for dir in dirs {
             if let Ok(entries) = std::fs::read_dir(dir) {
-                let mut dropins: Vec<PathBuf> = entries
+                let mut found: Vec<PathBuf> = entries
                     .flatten()
                     .map(|e| e.path())
                     .filter(|p| p.extension().is_some_and(|x| x == "conf"))
                     .collect();
-                dropins.sort();
-                files.extend(dropins);
+                found.sort();
+                files.extend(found);
             }
         }
         let mut sandbox = Sandbox::default();
@@ -205,11 +216,11 @@ impl Sandbox {
                 "ProtectHome" => self.protect_home = value.to_owned(),
                 "PrivateTmp" => self.private_tmp = matches!(value, "yes" | "true" | "1" | "on"),
                 "ReadWritePaths" if value.is_empty() => self.writable.clear(),
-                "ReadWritePaths" => self.writable.extend(
-                    value
-                        .split_whitespace()
-                        .map(|p| PathBuf::from(p.trim_start_matches(['-', '+']))),
-                ),
+                "ReadWritePaths" => self.writable.extend(paths(value)),
+                "ReadOnlyPaths"
+                | "InaccessiblePaths"
+                | "BindReadOnlyPaths"
+                | "TemporaryFileSystem" => self.not_writable.extend(paths(value)),
                 "StateDirectory" => self.writable.extend(
                     value
                         .split_whitespace()
@@ -228,6 +239,15 @@ impl Sandbox {
     }
 
     fn writable(&self, path: &Path) -> bool {
+        let home = ["/home", "/root", "/run/user"]
+            .iter()
+            .any(|h| path.starts_with(h));
+        if home && self.protect_home == "read-only" {
+            return false;
+        }
+        if self.not_writable.iter().any(|p| path.starts_with(p)) {
+            return false;
+        }
         !self.strict() || self.writable.iter().any(|w| path.starts_with(w))
     }
 
@@ -254,6 +274,16 @@ impl Sandbox {
             .collect::<Vec<_>>()
             .join(" + ")
     }
+}
+
+/// The paths of a unit setting: space-separated, each maybe quoted, maybe prefixed `-`
+/// (ignore if missing) or `+`, a `:options` suffix (`BindReadOnlyPaths=`,
+/// `TemporaryFileSystem=`) dropped.
+fn paths(value: &str) -> impl Iterator<Item = PathBuf> + '_ {
+    value.split_whitespace().map(|p| {
+        let p = p.trim_matches(['"', '\'']).trim_start_matches(['-', '+']);
+        PathBuf::from(p.split(':').next().unwrap_or(p))
+    })
 }
 
 /// Every check of this module over a configuration and the catalog it builds.
@@ -576,6 +606,15 @@ mod tests {
         assert!(sandbox.hidden(Path::new("/home/app")).is_some());
         assert!(sandbox.hidden(Path::new("/tmp/x")).is_some());
         assert!(sandbox.hidden(Path::new("/srv/app")).is_none());
+        // Narrower settings win over a ReadWritePaths= above them; quotes are read.
+        sandbox.apply(
+            "[Service]\nReadOnlyPaths=/srv/app/ro\nBindReadOnlyPaths=-/srv/app/bound:/x\nReadWritePaths=\"/srv/quoted\"\nProtectHome=read-only\n",
+        );
+        assert!(!sandbox.writable(Path::new("/srv/app/ro/x")));
+        assert!(!sandbox.writable(Path::new("/srv/app/bound")));
+        assert!(sandbox.writable(Path::new("/srv/app/other")));
+        assert!(sandbox.writable(Path::new("/srv/quoted")));
+        assert!(!sandbox.writable(Path::new("/home/app")));
     }
 
     #[test]

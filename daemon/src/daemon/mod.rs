@@ -280,6 +280,11 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
         core.host.store.clone(),
         listeners.clone(),
     )));
+    tasks.push(tokio::spawn(probe_store(
+        core.host.store.clone(),
+        core.health.clone(),
+        listeners.clone(),
+    )));
 
     *core.state.write() = State::Serving;
     notify::ready(&core.ready_status());
@@ -491,6 +496,27 @@ async fn prune(store: Arc<crate::store::Store>, stop: CancellationToken) {
                     Ok(Err(e)) => tracing::error!(error = %e, "cannot prune the store"),
                     Err(e) => tracing::error!(error = %e, "the store pruner failed"),
                     Ok(Ok(())) => {}
+                }
+            }
+        }
+    }
+}
+
+/// While the store fails, a small write every few seconds finds out when it works again,
+/// so `status` is not left `degraded` on an idle daemon.
+async fn probe_store(
+    store: Arc<crate::store::Store>,
+    health: Arc<Health>,
+    stop: CancellationToken,
+) {
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = every.tick() => {
+                if health.faults().contains_key(&crate::vocab::StatePart::Store) {
+                    let store = store.clone();
+                    let _ = tokio::task::spawn_blocking(move || store.probe()).await;
                 }
             }
         }

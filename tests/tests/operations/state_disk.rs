@@ -8,7 +8,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use robota_e2e::http::{Request, exchange, tools_list};
+use robota_e2e::mcp::McpClient;
 use robota_e2e::{Daemon, metric_sum, poll_until_async};
+use serde_json::json;
 
 /// A small tmpfs mounted on a fresh directory, unmounted when dropped (before the
 /// directory is removed).
@@ -43,6 +45,18 @@ impl Tmpfs {
 
     fn path(&self) -> &Path {
         &self.at
+    }
+
+    /// Fill all but about `room` bytes with `filler`.
+    fn fill_but(&self, room: u64) -> PathBuf {
+        let filler = self.fill();
+        let len = std::fs::metadata(&filler).expect("filler").len();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&filler)
+            .expect("open");
+        file.set_len(len.saturating_sub(room)).expect("truncate");
+        filler
     }
 
     /// Fill every free block with `filler`.
@@ -159,8 +173,15 @@ async fn a_full_state_disk_is_counted_shown_and_survived() {
     )
     .await;
     assert!(healed, "the audit never recovered: {:?}", d.status());
+    // The store recovers on an idle daemon too (it is probed while it fails).
+    let store_ok = poll_until_async(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        || async { d.status().health == "ok" },
+    )
+    .await;
+    assert!(store_ok, "still degraded: {:?}", d.status().problems);
     d.bearer_with_ttl("kept", "1h");
-    assert_eq!(d.status().health, "ok", "{:?}", d.status());
     let metrics = d.metrics_text().expect("metrics");
     assert_eq!(
         metric_sum(&metrics, &["robota_mcpd_audit_unpersisted_records"]),
@@ -196,5 +217,58 @@ async fn a_full_state_disk_is_counted_shown_and_survived() {
         seqs.windows(2).all(|w| w[0] < w[1]),
         "out of order: {seqs:?}"
     );
+    d.assert_no_secrets();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_ends_on_a_full_disk_is_answered_ended_and_recorded_once_there_is_room() {
+    let disk = Tmpfs::mount("4m");
+    let d = Daemon::builder()
+        .state_dir(disk.path())
+        .extra(
+            "[jobs.spew]\nargv = [\"/bin/sh\", \"-c\", \"head -c 3000000 /dev/zero | tr '\\\\000' x; exit 4\"]\noutput_cap = \"8MiB\"\n\n[[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"job.start\"]\ndecision = \"allow\"\n",
+        )
+        .start();
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let filler = disk.fill_but(256 * 1024);
+    let job = client
+        .call("job.start", json!({"template": "spew"}))
+        .await
+        .ok("job.start");
+    let id = job["job_id"].as_i64().expect("job_id");
+    // The job's output fills the disk; its end is still answered.
+    let last = std::sync::Mutex::new(json!(null));
+    let ended = poll_until_async(
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let now = client
+                .call("job.status", json!({"job_id": id}))
+                .await
+                .ok("job.status");
+            let done = now["state"] != "running";
+            *last.lock().expect("last") = now;
+            done
+        },
+    )
+    .await;
+    let last = last.into_inner().expect("last");
+    assert!(ended, "the job never ended: {last}");
+    assert_eq!(last["state"], "failed", "{last}");
+    assert_eq!(last["exit_code"], 4, "{last}");
+    // (Which of its writes the full disk refuses depends on where SQLite's write-ahead
+    // log still has room.)
+    // Room again: with nothing else going on, the end reaches the store and health is ok.
+    std::fs::remove_file(&filler).expect("remove filler");
+    let healed = poll_until_async(
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+        || async { d.status().health == "ok" },
+    )
+    .await;
+    assert!(healed, "still degraded: {:?}", d.status().problems);
+    let listed = d.ctl_ok(&["--json", "jobs", "list"]);
+    let jobs: serde_json::Value = serde_json::from_str(&listed.stdout).expect("json");
+    assert_eq!(jobs["jobs"][0]["state"], "failed", "{jobs}");
     d.assert_no_secrets();
 }
