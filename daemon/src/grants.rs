@@ -289,6 +289,20 @@ impl Grants {
     /// transaction: of two identical calls, one uses it and the other does not see it);
     /// else the pending request for it, made now if there is none (within the caller's
     /// bounds, as a grant request).
+    /// Make the used approval of one call `id` approved again (its call proved it had no
+    /// effect); whether it was used.
+    pub fn give_back(&self, id: i64) -> Result<bool, StoreError> {
+        self.store
+            .with(|c| {
+                c.execute(
+                    "UPDATE grants SET state = 'approved', used_at = NULL \
+                     WHERE id = ?1 AND state = 'used'",
+                    [id],
+                )
+            })
+            .map(|n| n == 1)
+    }
+
     pub fn approve_each(
         &self,
         caller: &Caller,

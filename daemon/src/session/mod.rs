@@ -129,7 +129,14 @@ impl Session {
     /// The permission wrapper: policy's decision for this call, with the covering grant
     /// (`grant`) or an approval of exactly this call (`approve-each`, bound to `args`)
     /// looked up. Every refusal is counted.
-    fn permit(&self, admitted: &Admitted, spec: &ToolSpec, args: &Args) -> Result<(), ToolError> {
+    /// Returns the approval of one call it used, if any, so a call that proves it had no
+    /// effect (its arguments refused by the tool) gives it back.
+    fn permit(
+        &self,
+        admitted: &Admitted,
+        spec: &ToolSpec,
+        args: &Args,
+    ) -> Result<Option<i64>, ToolError> {
         let caller = &admitted.caller;
         let tool = spec.name.as_str();
         let verdict = match self.policy.decide(
@@ -137,13 +144,13 @@ impl Session {
             tool,
             spec.annotations.allowed_by_default(),
         ) {
-            Decision::Allow => Ok(()),
+            Decision::Allow => Ok(None),
             Decision::Deny => Err(policy::denied(caller, tool)),
             // An approved, unexpired grant of this very caller will do.
             Decision::Grant => match self.grants.covering(caller, tool) {
                 Ok(Some(grant)) => {
                     tracing::debug!(grant_id = grant.grant_id, %caller, tool, "allowed by grant");
-                    Ok(())
+                    Ok(None)
                 }
                 Ok(None) => Err(policy::needs_grant(caller, tool)),
                 Err(store) => Err(ToolError::store(&store, "grant store")),
@@ -154,7 +161,7 @@ impl Session {
                 match self.grants.approve_each(caller, tool, &arguments) {
                     Ok(CallApproval::Used(grant)) => {
                         tracing::info!(grant_id = grant.grant_id, %caller, tool, "allowed by an approval of this call");
-                        Ok(())
+                        Ok(Some(grant.grant_id))
                     }
                     Ok(CallApproval::Pending(grant)) => {
                         Err(policy::needs_approval(tool, grant.grant_id))
@@ -219,27 +226,42 @@ impl RuntimeTools for Session {
         };
         let spec = entry.spec();
         let args = crate::catalog::validate_args(entry, args)?;
-        self.permit(admitted, spec, &args)?;
+        let approval = self.permit(admitted, spec, &args)?;
         let caller = &admitted.caller;
         let ctx = ToolContext {
             caller,
             cancel: cancel.clone(),
             host: self.view.as_ref(),
         };
-        if spec.annotations.replay_safe {
+        let result = if spec.annotations.replay_safe {
             // Not raced against the cancel token: a replay-safe write that was already
             // under way would land anyway, and its key must record what really happened.
             // (A dropped request future marks the key's outcome unknown.)
-            return self
-                .idempotency
+            self.idempotency
                 .run(caller, &spec.name, args, |args| entry.call(&ctx, args))
-                .await;
+                .await
+        } else {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
+                result = entry.call(&ctx, args) => result,
+            }
+        };
+        // Arguments the tool refused prove the call had no effect: the approval of it is
+        // not spent on a call that could never run.
+        if let (Some(grant_id), Err(e)) = (approval, &result)
+            && e.code == ToolErrorCode::InvalidArguments
+        {
+            match self.grants.give_back(grant_id) {
+                Ok(true) => tracing::info!(
+                    grant_id,
+                    "the approval is unused again: the call's arguments were refused"
+                ),
+                Ok(false) => {}
+                Err(e) => tracing::error!(grant_id, error = %e, "cannot give an approval back"),
+            }
         }
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => Err(ToolError::new(ToolErrorCode::Cancelled, "the call was cancelled")),
-            result = entry.call(&ctx, args) => result,
-        }
+        result
     }
 
     async fn job(

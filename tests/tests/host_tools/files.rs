@@ -1197,3 +1197,43 @@ async fn a_name_too_long_for_the_filesystem_is_invalid_arguments() {
     assert!(temp_files(&t.rw).is_empty());
     c.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_call_whose_arguments_are_refused_keeps_its_approval() {
+    let t = Tree::new();
+    let d = Daemon::start(&format!(
+        "[tools.file]\nwrite_roots = [\"{}\"]\n\n[[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"file.write\"]\ndecision = \"approve-each\"\n",
+        t.rw.display()
+    ));
+    let c = connect(&d).await;
+    let call = json!({"path": "relative.txt", "content": "x"});
+    let asked = c
+        .call("file.write", call.clone())
+        .await
+        .err("interactive_permission_required", "first call");
+    let id: String = asked
+        .split("approval ")
+        .filter_map(|rest| rest.split_whitespace().next())
+        .find(|word| word.chars().all(|c| c.is_ascii_digit()))
+        .unwrap_or_else(|| panic!("no approval id in {asked}"))
+        .to_owned();
+    d.ctl_ok(&["grants", "approve", &id]);
+    // Approved, it runs and the tool refuses its path: the call had no effect.
+    let refused = c
+        .call("file.write", call.clone())
+        .await
+        .err("invalid_arguments", "the approved call");
+    assert!(refused.contains("absolute"), "{refused}");
+    // So the approval is not spent: it is still approved, not used.
+    let listed = d.ctl_ok(&["--json", "grants", "list", "--all"]);
+    let grants: Value = serde_json::from_str(&listed.stdout).expect("json");
+    let grant = grants["grants"]
+        .as_array()
+        .expect("grants")
+        .iter()
+        .find(|g| g["grant_id"].to_string() == id)
+        .unwrap_or_else(|| panic!("no grant {id}: {grants}"))
+        .clone();
+    assert_eq!(grant["state"], "approved", "{grant}");
+    d.assert_no_secrets();
+}
