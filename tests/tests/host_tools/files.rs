@@ -1231,7 +1231,7 @@ async fn an_approved_call_whose_arguments_are_refused_keeps_its_approval() {
         .as_array()
         .expect("grants")
         .iter()
-        .find(|g| g["grant_id"].to_string() == id)
+        .find(|g| g["grant_id"].as_i64().map(|n| n.to_string()).as_deref() == Some(id.as_str()))
         .unwrap_or_else(|| panic!("no grant {id}: {grants}"))
         .clone();
     assert_eq!(grant["state"], "approved", "{grant}");
