@@ -107,8 +107,12 @@ fn as_user_checks_what_that_user_can_reach() {
 
 #[test]
 fn the_units_sandbox_decides_what_a_write_root_may_be() {
-    // Not under /tmp, which the unit's PrivateTmp= hides (checked below).
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    // Not under /tmp, /var/tmp or a home, which the unit hides (checked below), wherever
+    // the checkout is: /run is none of them.
+    let dir = tempfile::Builder::new()
+        .prefix("robota-e2e-")
+        .tempdir_in("/run")
+        .expect("a directory under /run (the e2e tests run as root)");
     let root = dir.path().join("data");
     std::fs::create_dir(&root).expect("mkdir");
     let text = format!("[tools.file]\nwrite_roots = [\"{}\"]\n", root.display());
