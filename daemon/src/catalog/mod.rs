@@ -377,7 +377,7 @@ fn validate_with(validator: &jsonschema::Validator, args: Args) -> Result<Args, 
         .iter_errors(&value)
         .take(3)
         .map(|e| {
-            let at = e.instance_path.to_string();
+            let at = e.instance_path().to_string();
             if at.is_empty() {
                 e.to_string()
             } else {
