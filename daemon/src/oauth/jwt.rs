@@ -14,8 +14,10 @@
 //! keeps the held set.
 //!
 //! Invariants: no token text in any log line or error; a token's `jku`, `x5u`, `jwk` and
-//! `x5c` are never used; only successes are cached, and a changed key set empties the
-//! cache; at most one key-set fetch is in flight, whatever started it; a request waits at
+//! `x5c` are never used; successes are cached until they expire, and a token whose
+//! signature failed is remembered as forged (by digest, [`FORGED_CACHE_ENTRIES`] at most)
+//! so that replaying it costs a hash, not a signature check; a changed key set empties
+//! both; at most one key-set fetch is in flight, whatever started it; a request waits at
 //! most [`UNKNOWN_KEY_WAIT`] for a fetch.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -54,6 +56,8 @@ pub const REFETCH_COOLDOWN: Duration = Duration::from_secs(30);
 pub const UNKNOWN_KEY_WAIT: Duration = Duration::from_secs(1);
 /// Most tokens remembered as verified.
 pub const VERIFIED_CACHE_ENTRIES: usize = 10_000;
+/// Most tokens remembered as forged (a bad signature against the held key set).
+pub const FORGED_CACHE_ENTRIES: usize = 4_096;
 /// The algorithms this verifier can be configured with.
 pub const SUPPORTED_ALGORITHMS: [Algorithm; 3] =
     [Algorithm::RS256, Algorithm::ES256, Algorithm::EdDSA];
@@ -173,6 +177,8 @@ struct Inner {
     rescheduled: Arc<Notify>,
     clock: Clock,
     verified: Mutex<VerifiedCache>,
+    /// The lane of one for signature checks of suspect tokens ([`Verifier::verify_suspect`]).
+    suspect_lane: tokio::sync::Semaphore,
     signature_checks: AtomicU64,
     introspector: Option<Introspector>,
 }
@@ -337,6 +343,7 @@ impl JwtVerifier {
             rescheduled: Arc::new(Notify::new()),
             clock,
             verified: Mutex::new(VerifiedCache::default()),
+            suspect_lane: tokio::sync::Semaphore::new(1),
             signature_checks: AtomicU64::new(0),
             introspector,
         })))
@@ -766,13 +773,28 @@ impl Inner {
         }
     }
 
-    async fn check(self: &Arc<Self>, token: &str, now: SystemTime) -> Result<Principal, Reason> {
+    /// `suspect`: the token comes from an address over its failure budget, so its
+    /// signature check (if one is needed) waits for the suspect lane and runs off the
+    /// request workers.
+    async fn check(
+        self: &Arc<Self>,
+        token: &str,
+        now: SystemTime,
+        suspect: bool,
+    ) -> Result<Principal, Reason> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(Reason::Oversize);
         }
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        if let Some(principal) = self.verified.lock().get(&digest, now) {
-            return Ok(principal);
+        {
+            let cache = self.verified.lock();
+            if let Some(principal) = cache.get(&digest, now) {
+                return Ok(principal);
+            }
+            // The same bytes failed their signature against the held key set already.
+            if cache.forged(&digest) {
+                return Err(Reason::BadSignature);
+            }
         }
         if !introspect::jwt_shaped(token) {
             // Opaque: only the issuer can say (a JWT never goes there).
@@ -802,20 +824,43 @@ impl Inner {
             .find_map(|(alg, v)| (*alg == key.alg).then_some(v))
             .ok_or(Reason::UnsupportedAlgorithm)?;
         self.signature_checks.fetch_add(1, Ordering::Relaxed);
-        let data = jsonwebtoken::decode::<StrictObject>(token, &key.key, validation).map_err(
-            |e| match e.kind() {
-                ErrorKind::InvalidSignature => Reason::BadSignature,
-                _ => Reason::Malformed,
-            },
-        )?;
+        let decoded = if suspect {
+            // One at a time, on a blocking thread: a flood of fresh forgeries from
+            // addresses over budget occupies at most one thread, never the workers.
+            let _turn = self
+                .suspect_lane
+                .acquire()
+                .await
+                .map_err(|_| Reason::KeysUnavailable)?;
+            let (set, token, validation) = (set.clone(), token.to_owned(), validation.clone());
+            tokio::task::spawn_blocking(move || {
+                jsonwebtoken::decode::<StrictObject>(&token, &set.keys[index].key, &validation)
+            })
+            .await
+            .map_err(|_| Reason::Malformed)?
+        } else {
+            jsonwebtoken::decode::<StrictObject>(token, &key.key, validation)
+        };
+        // Remembered only if the key set is still the one it was checked against: a set
+        // installed meanwhile has emptied the caches, and this token must not refill them.
+        let still_held = || {
+            self.current_keys()
+                .is_some_and(|current| Arc::ptr_eq(&current, &set))
+        };
+        let data = match decoded {
+            Ok(data) => data,
+            Err(e) if *e.kind() == ErrorKind::InvalidSignature => {
+                let mut cache = self.verified.lock();
+                if still_held() {
+                    cache.insert_forged(digest);
+                }
+                return Err(Reason::BadSignature);
+            }
+            Err(_) => return Err(Reason::Malformed),
+        };
         let checked = check_claims(&data.claims.0, &self.policy, now)?;
-        // Remembered only if the key set is still the one it verified against: a set
-        // installed meanwhile has emptied the cache, and this token must not refill it.
         let mut verified = self.verified.lock();
-        if self
-            .current_keys()
-            .is_some_and(|current| Arc::ptr_eq(&current, &set))
-        {
+        if still_held() {
             verified.insert(digest, &checked, now);
         }
         Ok(checked.principal)
@@ -824,7 +869,11 @@ impl Inner {
 
 impl Verifier for JwtVerifier {
     fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a> {
-        Box::pin(self.0.check(token, now))
+        Box::pin(self.0.check(token, now, false))
+    }
+
+    fn verify_suspect<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a> {
+        Box::pin(self.0.check(token, now, true))
     }
 
     fn required_scopes(&self) -> &[String] {
@@ -1131,10 +1180,15 @@ const EVICT_TO: usize = VERIFIED_CACHE_ENTRIES / 10 * 9;
 
 /// Tokens that verified, by SHA-256 of the token text, until they expire. Bounded: when
 /// full, expired entries go first, then the oldest, down to [`EVICT_TO`].
+///
+/// Beside them, tokens whose signature failed, by digest, oldest dropped first past
+/// [`FORGED_CACHE_ENTRIES`]: a bad signature stays bad while the key set is the same.
 #[derive(Default)]
 struct VerifiedCache {
     entries: HashMap<[u8; 32], Checked>,
     order: VecDeque<[u8; 32]>,
+    forged: HashSet<[u8; 32]>,
+    forged_order: VecDeque<[u8; 32]>,
 }
 
 impl VerifiedCache {
@@ -1170,9 +1224,27 @@ impl VerifiedCache {
         }
     }
 
+    fn forged(&self, digest: &[u8; 32]) -> bool {
+        self.forged.contains(digest)
+    }
+
+    fn insert_forged(&mut self, digest: [u8; 32]) {
+        if !self.forged.insert(digest) {
+            return;
+        }
+        self.forged_order.push_back(digest);
+        if self.forged_order.len() > FORGED_CACHE_ENTRIES
+            && let Some(oldest) = self.forged_order.pop_front()
+        {
+            self.forged.remove(&oldest);
+        }
+    }
+
     fn clear(&mut self) {
         self.entries.clear();
         self.order.clear();
+        self.forged.clear();
+        self.forged_order.clear();
     }
 }
 
@@ -1752,13 +1824,119 @@ mod tests {
             v.verify(&early, nbf - Duration::from_secs(61)).await,
             Err(Reason::NotYetValid)
         );
-        // Failures are not cached.
+        // Failures of a well-signed token are not cached.
         let bad = key.sign(&key.header(), &with(json!({"sub": "mallory"})));
         let checks = v.signature_checks();
         for _ in 0..3 {
             assert_eq!(verdict(&v, &bad).await, Err(Reason::PrincipalNotAllowed));
         }
         assert_eq!(v.signature_checks(), checks + 3);
+    }
+
+    #[tokio::test]
+    async fn a_forged_token_is_checked_once_per_key_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = TestKey::new(Algorithm::ES256, "ours");
+        let evil = TestKey::new(Algorithm::ES256, "evil");
+        let path = write(dir.path(), "jwks.json", &jwks(&[&ours]));
+        let v = build(config(
+            ISSUER,
+            KeySource::JwksFile(path.clone()),
+            dir.path(),
+        ));
+        v.load().await.expect("keys load");
+        let mut header = evil.header();
+        header["kid"] = json!("ours");
+        let forged = evil.sign(&header, &claims());
+        for _ in 0..5 {
+            assert_eq!(verdict(&v, &forged).await, Err(Reason::BadSignature));
+        }
+        assert_eq!(
+            v.signature_checks(),
+            1,
+            "a replayed forgery costs no crypto"
+        );
+        // Another forgery is checked in full, and a valid token is not affected.
+        let other = evil.sign(&header, &with(json!({"jti": "2"})));
+        assert_eq!(verdict(&v, &other).await, Err(Reason::BadSignature));
+        assert!(verdict(&v, &ours.token()).await.is_ok());
+        assert_eq!(v.signature_checks(), 3);
+        // A new key set forgets the verdicts: the same bytes are judged against it.
+        std::fs::write(&path, jwks(&[&ours, &evil])).unwrap();
+        v.refresh(RefreshTrigger::Operator).await.unwrap();
+        let mut renamed = evil.header();
+        renamed["kid"] = json!("evil");
+        assert!(verdict(&v, &evil.sign(&renamed, &claims())).await.is_ok());
+        assert_eq!(verdict(&v, &forged).await, Err(Reason::BadSignature));
+        assert_eq!(
+            v.signature_checks(),
+            5,
+            "checked again after the key set changed"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn suspect_tokens_get_the_same_verdicts_one_check_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = TestKey::new(Algorithm::ES256, "ours");
+        let evil = TestKey::new(Algorithm::ES256, "evil");
+        let v = Arc::new(file_verifier(dir.path(), &[&ours]).await);
+        let mut header = evil.header();
+        header["kid"] = json!("ours");
+        // Many fresh forgeries at once, and valid tokens among them: every forgery is
+        // checked (none is a replay) and refused, every valid token admitted.
+        let tasks: Vec<_> = (0..24)
+            .map(|i| {
+                let v = v.clone();
+                let token = if i % 3 == 0 {
+                    ours.sign(&ours.header(), &with(json!({"jti": format!("ok-{i}")})))
+                } else {
+                    evil.sign(&header, &with(json!({"jti": format!("bad-{i}")})))
+                };
+                tokio::spawn(async move { (i, v.verify_suspect(&token, now()).await) })
+            })
+            .collect();
+        for task in tasks {
+            let (i, verdict) = task.await.unwrap();
+            if i % 3 == 0 {
+                assert!(verdict.is_ok(), "{i}: {verdict:?}");
+            } else {
+                assert_eq!(verdict, Err(Reason::BadSignature), "{i}");
+            }
+        }
+        assert_eq!(v.signature_checks(), 24);
+        // A suspect token that verified is cached like any other.
+        let token = ours.token();
+        assert!(v.verify_suspect(&token, now()).await.is_ok());
+        assert!(verdict(&v, &token).await.is_ok());
+        assert_eq!(v.signature_checks(), 25);
+        assert_eq!(
+            v.0.suspect_lane.available_permits(),
+            1,
+            "the lane is given back"
+        );
+    }
+
+    #[test]
+    fn forged_cache_is_bounded() {
+        let mut cache = VerifiedCache::default();
+        let digest = |i: usize| {
+            let mut d = [0u8; 32];
+            d[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            d
+        };
+        for i in 0..=FORGED_CACHE_ENTRIES {
+            cache.insert_forged(digest(i));
+        }
+        assert_eq!(cache.forged.len(), FORGED_CACHE_ENTRIES);
+        assert!(!cache.forged(&digest(0)), "the oldest went first");
+        assert!(cache.forged(&digest(FORGED_CACHE_ENTRIES)));
+        cache.insert_forged(digest(FORGED_CACHE_ENTRIES));
+        assert_eq!(
+            cache.forged_order.len(),
+            FORGED_CACHE_ENTRIES,
+            "no duplicate"
+        );
     }
 
     #[test]

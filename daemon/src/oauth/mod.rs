@@ -41,6 +41,12 @@ pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + S
 pub trait Verifier: Send + Sync + 'static {
     fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a>;
 
+    /// [`Verifier::verify`] for a token from an address already over its failure budget:
+    /// the same verdict (a valid token is never refused for its address), but a signature
+    /// check it needs waits its turn in a lane of one, off the request workers, so a
+    /// flood of fresh forgeries costs at most one thread.
+    fn verify_suspect<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a>;
+
     /// The scopes every request needs (for `scope=` in challenges).
     fn required_scopes(&self) -> &[String];
 

@@ -2,8 +2,11 @@
 //!
 //! A request is routed by the public URL's names (endpoint, RFC 9728 metadata, 404),
 //! checked for the public Host and Origin, then its bearer token is verified by the
-//! injected [`Verifier`] *before* the throttle is consulted, so a valid token is never
-//! throttled by failures sharing its address. Failures are counted per client address
+//! injected [`Verifier`] *before* the throttle decides, so a valid token is never
+//! throttled by failures sharing its address; from an address already over its budget the
+//! token goes to [`Verifier::verify_suspect`] (same verdict, any signature check in a lane
+//! of one off the workers), so such a flood cannot take the workers from valid clients.
+//! Failures are counted per client address
 //! (`X-Forwarded-For` believed only from trusted proxies). Refusals have empty bodies and
 //! RFC 6750 challenges; every refusal is audited. Admitted requests go to the same
 //! [`Endpoint`] as the loopback carrier's, as caller `oauth:<client_id>/<sub>`.
@@ -231,6 +234,13 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let outcome = match admission::credentials(req.headers()) {
             Credentials::Missing => Err(Failure::Missing),
             Credentials::Malformed => Err(Failure::MalformedHeader),
+            // From an address over its failure budget, a token's signature check waits
+            // for the verifier's lane of one (its verdict is the same).
+            Credentials::Token(token) if c.throttle.check(client, Instant::now()).is_some() => c
+                .verifier
+                .verify_suspect(token, SystemTime::now())
+                .await
+                .map_err(Failure::Token),
             Credentials::Token(token) => c
                 .verifier
                 .verify(token, SystemTime::now())
