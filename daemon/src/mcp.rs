@@ -58,6 +58,9 @@ pub struct WireNames {
     /// Collisions in this generation: `tools/list` answers an error naming them until
     /// they are resolved; at start-up, any problem refuses the carrier.
     problems: Vec<WireError>,
+    /// The `tools/list` result of this generation, serialized once when first asked for
+    /// (the catalog changes only with its generation).
+    encoded: std::sync::OnceLock<Option<bytes::Bytes>>,
 }
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -163,7 +166,24 @@ impl WireNames {
             targets,
             tools,
             problems,
+            encoded: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The whole `tools/list` result of this generation as JSON, shaped for revision
+    /// 2025-11-25, serialized on first use; `None` while a collision breaks the listing
+    /// (the handler answers that error).
+    fn encoded_listing(&self) -> Option<bytes::Bytes> {
+        self.encoded
+            .get_or_init(|| {
+                if self.listing_problem().is_some() {
+                    return None;
+                }
+                legacy_json(rmcp::model::ServerResult::ListToolsResult(
+                    ListToolsResult::with_all_items(self.tools.clone()),
+                ))
+            })
+            .clone()
     }
 
     /// The first problem: at start-up, any of them refuses the carrier.
@@ -462,6 +482,13 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         names.clone()
     }
 
+    /// The current generation's whole `tools/list` result for revision 2025-11-25,
+    /// serialized (what the SDK answers from [`ServerHandler::list_tools`]); `None` when
+    /// the listing is an error.
+    pub fn encoded_listing(&self) -> Option<bytes::Bytes> {
+        self.names().encoded_listing()
+    }
+
     fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Admitted> {
         context
             .extensions
@@ -478,6 +505,61 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             Target::Submission => Some(self.shared.session.submission_tool().name.clone()),
             Target::Refused(_) => None,
         }
+    }
+
+    /// A `tools/call` as the handler runs it: registered in the in-flight table under
+    /// (caller, `id`) so that `notifications/cancelled` reaches it, dispatched, bounded,
+    /// counted. A job becomes a task only for a client that declared tasks.
+    async fn run_call(
+        &self,
+        caller: &Admitted,
+        id: RequestId,
+        request: CallToolRequestParams,
+        cancel: CancellationToken,
+        slot: Option<&PassthroughSlot>,
+        shape: Shape,
+    ) -> CallToolResponse {
+        let started = Instant::now();
+        let _inflight = self
+            .shared
+            .inflight
+            .register(caller.caller.clone(), id, cancel.clone());
+        let (tool, result) = self.dispatch(caller, request, cancel).await;
+        let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
+        let metrics = &self.shared.wire.metrics;
+        if let Ok(ToolOutput::Job(job)) = &result
+            && shape.tasks
+        {
+            metrics.tool_call(tool, None, started.elapsed());
+            return CallToolResponse::Task(CreateTaskResult::new(tasks::task(job)));
+        }
+        let (rendered, code) = self.bounded(result, slot.map(|s| (s, shape.modern)));
+        metrics.tool_call(tool, code, started.elapsed());
+        rendered.into()
+    }
+
+    /// A `tools/call` of revision 2025-11-25 from a client without tasks, run without the
+    /// SDK (the carrier's own answer): [`Self::run_call`], and the result serialized as
+    /// the SDK's handler shapes it for that revision. Cancelled when the future is dropped
+    /// (the client went away), as the SDK cancels a request whose answer has no reader.
+    pub async fn call_legacy(
+        &self,
+        caller: &Admitted,
+        id: RequestId,
+        request: CallToolRequestParams,
+        slot: Option<&PassthroughSlot>,
+    ) -> Option<bytes::Bytes> {
+        let cancel = CancellationToken::new();
+        let on_drop = cancel.clone().drop_guard();
+        let shape = Shape {
+            modern: false,
+            tasks: false,
+        };
+        let response = self
+            .run_call(caller, id, request, cancel, slot, shape)
+            .await;
+        on_drop.disarm();
+        legacy_json(rmcp::model::ServerResult::from(response))
     }
 
     /// Run a call; returns the canonical name it resolved to (None: not in the catalog).
@@ -554,6 +636,23 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         );
         (render(Err(too_large)), Some(ToolErrorCode::ResultTooLarge))
     }
+}
+
+/// How a call's answer is shaped for the request's client.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// Revision 2026-07-28 or later.
+    modern: bool,
+    /// The client declared the tasks extension: a job is answered as a task.
+    tasks: bool,
+}
+
+/// `result` serialized as the SDK's handler shapes it for a peer before 2026-07-28 (no
+/// `resultType: "complete"`, only object `structuredContent`).
+fn legacy_json(mut result: rmcp::model::ServerResult) -> Option<bytes::Bytes> {
+    result.strip_result_type_for_legacy_peer();
+    result.strip_non_object_output_for_legacy_peer();
+    serde_json::to_vec(&result).ok().map(bytes::Bytes::from)
 }
 
 fn json_size(value: &Map<String, Value>) -> u64 {
@@ -662,37 +761,28 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             tracing::error!("tools/call reached the handler without an admitted caller");
             return Err(ErrorData::internal_error("no admitted caller", None));
         };
-        let started = Instant::now();
-        let cancel = context.ct.clone();
         let slot = context
             .extensions
             .get::<http::request::Parts>()
             .and_then(|parts| parts.extensions.get::<PassthroughSlot>())
             .cloned();
-        let modern = context
-            .protocol_version()
-            .is_some_and(|v| v.as_str() >= ProtocolVersion::V_2026_07_28.as_str());
-        let _inflight = self.shared.inflight.register(
-            caller.caller.clone(),
-            context.id.clone(),
-            cancel.clone(),
-        );
-        let (tool, result) = self.dispatch(&caller, request, cancel).await;
-        let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
-        let metrics = &self.shared.wire.metrics;
-        if let Ok(ToolOutput::Job(job)) = &result
-            && context
+        let shape = Shape {
+            modern: context
+                .protocol_version()
+                .is_some_and(|v| v.as_str() >= ProtocolVersion::V_2026_07_28.as_str()),
+            tasks: context
                 .client_capabilities()
-                .is_some_and(|c| c.supports_tasks())
-        {
-            metrics.tool_call(tool, None, started.elapsed());
-            return Ok(CallToolResponse::Task(CreateTaskResult::new(tasks::task(
-                job,
-            ))));
-        }
-        let (rendered, code) = self.bounded(result, slot.as_ref().map(|s| (s, modern)));
-        metrics.tool_call(tool, code, started.elapsed());
-        Ok(rendered.into())
+                .is_some_and(|c| c.supports_tasks()),
+        };
+        let call = self.run_call(
+            &caller,
+            context.id.clone(),
+            request,
+            context.ct.clone(),
+            slot.as_ref(),
+            shape,
+        );
+        Ok(call.await)
     }
 
     /// `tasks/get`: the job behind the task, with the checks of `job.status`.

@@ -225,6 +225,10 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 return answer;
             }
         }
+        if let Some(answer) = self.direct(&parts.headers, &message, &bytes, &caller).await {
+            drop(held);
+            return answer;
+        }
         parts.extensions.insert(caller);
         let passthrough = (message.method.as_deref() == Some("tools/call")).then(|| {
             let slot = PassthroughSlot::default();
@@ -246,6 +250,63 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             self.metrics.rejected(self.listener, Rejection::Protocol);
         }
         response.map(|b| b.boxed())
+    }
+
+    /// The answer to a `ping`, a `tools/list` of the whole catalog or a `tools/call`,
+    /// given here rather than by the SDK's per-request service: the same handler code
+    /// runs (`tools/call` through [`McpServer::call_legacy`]) and the answer is shaped as
+    /// the SDK shapes it; the listing depends only on the catalog generation, so it is
+    /// serialized once per generation and only the request id is spliced in. Only for a
+    /// request the SDK would answer exactly so — plain (no cursor, `_meta` or `task`), on
+    /// revision 2025-11-25, with plain `Accept` and `Content-Type` values and no `Origin`;
+    /// anything else, and a listing broken by a collision, goes to the SDK.
+    async fn direct(
+        &self,
+        headers: &http::HeaderMap,
+        message: &jsonrpc::Inspected,
+        body: &Bytes,
+        caller: &Admitted,
+    ) -> Option<Response<Body>> {
+        let id = message.id.as_ref().filter(|_| message.plain)?;
+        let method = message.method.as_deref()?;
+        if !matches!(method, "ping" | "tools/list" | "tools/call") || !plain_2025_request(headers) {
+            return None;
+        }
+        let result = match method {
+            "ping" => Bytes::from_static(b"{}"),
+            "tools/list" => self.server.encoded_listing()?,
+            _ => {
+                #[derive(serde::Deserialize)]
+                struct Call {
+                    params: rmcp::model::CallToolRequestParams,
+                }
+                let call: Call = serde_json::from_slice(body).ok()?;
+                let request_id: RequestId = serde_json::from_value(id.clone()).ok()?;
+                let slot = PassthroughSlot::default();
+                let result = self
+                    .server
+                    .call_legacy(caller, request_id, call.params, Some(&slot))
+                    .await?;
+                // An imported tool's result goes out whole, instead of the rendering.
+                if let Some(answer) = slot.response(id) {
+                    return Some(json_response(StatusCode::OK, &answer));
+                }
+                result
+            }
+        };
+        let id = serde_json::to_vec(id).ok()?;
+        let mut body = Vec::with_capacity(result.len() + id.len() + 36);
+        body.extend_from_slice(br#"{"jsonrpc":"2.0","id":"#);
+        body.extend_from_slice(&id);
+        body.extend_from_slice(br#","result":"#);
+        body.extend_from_slice(&result);
+        body.push(b'}');
+        let mut response = Response::new(Full::new(Bytes::from(body)).boxed());
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        Some(response)
     }
 
     /// `units` of the memory budget now, or none.
@@ -372,6 +433,45 @@ fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
     }
 }
 
+/// Headers of a request that the SDK would serve without any question: exactly one
+/// `MCP-Protocol-Version: 2025-11-25` (later revisions negotiate per request), an
+/// `Accept` naming `application/json` and `text/event-stream` without parameters or
+/// quotes, exactly one `Content-Type` of `application/json` (parameters allowed), and no
+/// `Origin` (a browser's request takes the SDK's origin checks as well as ours).
+fn plain_2025_request(headers: &http::HeaderMap) -> bool {
+    let mut versions = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
+    let version_ok = matches!(
+        (versions.next(), versions.next()),
+        (Some(v), None) if v.as_bytes() == b"2025-11-25"
+    );
+    if !version_ok || headers.contains_key(header::ORIGIN) {
+        return false;
+    }
+    let (mut json, mut sse) = (false, false);
+    for value in headers.get_all(header::ACCEPT) {
+        let Ok(text) = value.to_str() else {
+            return false;
+        };
+        if text.contains('"') {
+            return false;
+        }
+        for entry in text.split(',').map(str::trim) {
+            json |= entry.eq_ignore_ascii_case("application/json");
+            sse |= entry.eq_ignore_ascii_case("text/event-stream");
+        }
+    }
+    let mut types = headers.get_all(header::CONTENT_TYPE).iter();
+    let type_ok = match (types.next(), types.next()) {
+        (Some(v), None) => v.to_str().is_ok_and(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
+        }),
+        _ => false,
+    };
+    json && sse && type_ok
+}
+
 /// 400 with the JSON-RPC error rmcp uses for an unsupported protocol version (-32022),
 /// naming what was requested and what is supported, for the request's id.
 fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
@@ -432,6 +532,67 @@ mod tests {
         assert!(protocol_version(&headers(&["2025-03-26"])).is_err());
         assert_eq!(protocol_version(&headers(&[""])), Err(String::new()));
         assert!(protocol_version(&headers(&["2025-11-25", "2025-11-25"])).is_err());
+    }
+
+    #[test]
+    fn only_plain_2025_requests_are_answered_without_the_sdk() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = http::HeaderMap::new();
+            for (name, value) in pairs {
+                h.append(*name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        const VERSION: (&str, &str) = (PROTOCOL_VERSION_HEADER, "2025-11-25");
+        const ACCEPT: (&str, &str) = ("accept", "application/json, text/event-stream");
+        const JSON: (&str, &str) = ("content-type", "application/json");
+        assert!(plain_2025_request(&headers(&[VERSION, ACCEPT, JSON])));
+        assert!(plain_2025_request(&headers(&[
+            VERSION,
+            ("accept", "text/event-stream"),
+            ("accept", "Application/JSON"),
+            ("content-type", "application/json; charset=utf-8"),
+        ])));
+        for (case, h) in [
+            ("no version", headers(&[ACCEPT, JSON])),
+            (
+                "2026-07-28",
+                headers(&[(PROTOCOL_VERSION_HEADER, "2026-07-28"), ACCEPT, JSON]),
+            ),
+            ("two versions", headers(&[VERSION, VERSION, ACCEPT, JSON])),
+            (
+                "an origin",
+                headers(&[VERSION, ACCEPT, JSON, ("origin", "http://127.0.0.1:1")]),
+            ),
+            (
+                "json only",
+                headers(&[VERSION, ("accept", "application/json"), JSON]),
+            ),
+            (
+                "a weight",
+                headers(&[
+                    VERSION,
+                    ("accept", "application/json;q=1, text/event-stream"),
+                    JSON,
+                ]),
+            ),
+            (
+                "quotes",
+                headers(&[
+                    VERSION,
+                    ("accept", "a/b;x=\"application/json\", text/event-stream"),
+                    JSON,
+                ]),
+            ),
+            ("no type", headers(&[VERSION, ACCEPT])),
+            ("two types", headers(&[VERSION, ACCEPT, JSON, JSON])),
+            (
+                "text",
+                headers(&[VERSION, ACCEPT, ("content-type", "text/plain")]),
+            ),
+        ] {
+            assert!(!plain_2025_request(&h), "{case}");
+        }
     }
 
     #[test]

@@ -318,3 +318,146 @@ async fn loopback_rmcp_client_without_or_with_wrong_bearer_cannot_start() {
     assert_ne!(real, "0".repeat(64));
     d.assert_no_secrets();
 }
+
+/// `ping`, a `tools/list` of the whole catalog and a plain `tools/call` are answered by
+/// the carrier itself (the listing serialized once per catalog generation); every variant
+/// the SDK must judge — a cursor, `_meta`, another revision, an `Origin`, unusual `Accept`
+/// values — still goes to it. Both give the same answer, and a request the SDK refuses
+/// stays refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_carriers_own_answers_are_the_sdks() {
+    use robota_e2e::http::{Request, exchange};
+    use serde_json::json;
+
+    let d = Daemon::start("");
+    let port = d.loopback_port();
+    let bearer = d.bearer();
+    let ask = |message: Value| Request::mcp(port, Some(&bearer), &message);
+    let answer = |resp: robota_e2e::http::Response, case: &str| -> Value {
+        assert_eq!(resp.status, 200, "{case}: {}", resp.describe());
+        assert_eq!(
+            resp.header("content-type"),
+            Some("application/json"),
+            "{case}"
+        );
+        serde_json::from_slice(&resp.body).unwrap_or_else(|e| panic!("{case}: {e}"))
+    };
+    let addr = d.loopback_addr();
+
+    // The carrier's listing, asked twice (the second from the prepared bytes), and the
+    // SDK's, asked with an explicit `cursor: null` and with the 2026-07-28 revision.
+    let direct = json!({"jsonrpc": "2.0", "id": "list-1", "method": "tools/list"});
+    let first = answer(
+        exchange(addr, &ask(direct.clone())).await,
+        "bare tools/list",
+    );
+    let again = answer(exchange(addr, &ask(direct)).await, "bare tools/list again");
+    assert_eq!(first, again);
+    let via_sdk = json!({"jsonrpc": "2.0", "id": "list-1", "method": "tools/list", "params": {"cursor": null}});
+    let sdk = answer(
+        exchange(addr, &ask(via_sdk)).await,
+        "tools/list with a cursor",
+    );
+    assert_eq!(first, sdk, "the carrier's listing is the SDK's");
+    assert!(
+        first["result"]["tools"]
+            .as_array()
+            .is_some_and(|t| t.len() > 5),
+        "{first}"
+    );
+    let with_origin =
+        ask(json!({"jsonrpc": "2.0", "id": "list-1", "method": "tools/list", "params": {}}))
+            .header("Origin", &format!("http://127.0.0.1:{port}"));
+    assert_eq!(
+        first,
+        answer(exchange(addr, &with_origin).await, "with Origin")
+    );
+
+    // ping: `{}` for the request's own id, from either.
+    for (case, message) in [
+        (
+            "bare ping",
+            json!({"jsonrpc": "2.0", "id": 7, "method": "ping"}),
+        ),
+        (
+            "ping with _meta",
+            json!({"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {"_meta": {}}}),
+        ),
+    ] {
+        let v = answer(exchange(addr, &ask(message)).await, case);
+        assert_eq!(
+            v,
+            json!({"jsonrpc": "2.0", "id": 7, "result": {}}),
+            "{case}"
+        );
+    }
+    let escaped = json!({"jsonrpc": "2.0", "id": "a\"b\\c\u{1}", "method": "ping"});
+    let v = answer(
+        exchange(addr, &ask(escaped)).await,
+        "an id that needs escapes",
+    );
+    assert_eq!(v["id"], "a\"b\\c\u{1}");
+
+    // tools/call: the carrier runs the handler itself for a plain call; `_meta` sends the
+    // same call through the SDK. Deterministic answers compared whole.
+    for (case, params) in [
+        (
+            "an unknown tool",
+            json!({"name": "no.such.tool", "arguments": {}}),
+        ),
+        (
+            "invalid arguments",
+            json!({"name": "system.info", "arguments": {"x": 1}}),
+        ),
+        (
+            "a job that is not there",
+            json!({"name": "job.status", "arguments": {"job_id": 424242}}),
+        ),
+        (
+            "no grants yet",
+            json!({"name": "permissions.list_root_access"}),
+        ),
+    ] {
+        let plain = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params});
+        let mut meta = plain.clone();
+        meta["params"]["_meta"] = json!({});
+        let direct = answer(exchange(addr, &ask(plain)).await, case);
+        let sdk = answer(exchange(addr, &ask(meta)).await, case);
+        assert_eq!(direct, sdk, "{case}");
+        assert!(
+            direct["result"].get("resultType").is_none(),
+            "{case}: {direct}"
+        );
+    }
+    let info = json!({"jsonrpc": "2.0", "id": "i", "method": "tools/call", "params": {"name": "system.info", "arguments": {}}});
+    let v = answer(exchange(addr, &ask(info)).await, "system.info");
+    assert_eq!(v["id"], "i");
+    assert_eq!(v["result"]["isError"], false, "{v}");
+    assert!(
+        v["result"]["structuredContent"]["hostname"].is_string(),
+        "{v}"
+    );
+
+    // What the SDK refuses is refused the same way, fast path or not.
+    let refused = [
+        ("no event-stream", "Accept", "application/json", 406),
+        (
+            "zero-weighted json",
+            "Accept",
+            "application/json;q=0, text/event-stream",
+            406,
+        ),
+        ("a text body", "Content-Type", "text/plain", 415),
+    ];
+    for (case, name, value, status) in refused {
+        let req = ask(json!({"jsonrpc": "2.0", "id": 1, "method": "ping"})).set_header(name, value);
+        let resp = exchange(addr, &req).await;
+        assert_eq!(resp.status, status, "{case}: {}", resp.describe());
+    }
+    // A quoted parameter that only looks like a list entry is the SDK's to judge.
+    let quoted = ask(json!({"jsonrpc": "2.0", "id": 1, "method": "ping"})).set_header(
+        "Accept",
+        "text/x;p=\"a, application/json, text/event-stream\"",
+    );
+    assert_eq!(exchange(addr, &quoted).await.status, 406);
+}
