@@ -36,6 +36,11 @@ pub fn tools_call_body() -> Bytes {
     )
 }
 
+/// A JSON-RPC `ping` (answered with an empty result, `{}`).
+pub fn ping_body() -> Bytes {
+    Bytes::from_static(br#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#)
+}
+
 /// Where the credential of each request comes from.
 #[derive(Debug, Clone)]
 pub enum Auth {
@@ -144,6 +149,9 @@ impl Template {
     }
 }
 
+/// Longest one request may take, connecting included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One client connection, re-established when the server closes it.
 struct Client {
     addr: SocketAddr,
@@ -179,8 +187,23 @@ impl Client {
         Ok(())
     }
 
-    /// Sends `req` and reads the whole answer.
+    /// Sends `req` and reads the whole answer, within [`REQUEST_TIMEOUT`] (connecting
+    /// included; a request without an answer by then is a failure and drops the
+    /// connection, so that one stuck request cannot stall a cell).
     async fn send(&mut self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), String> {
+        match tokio::time::timeout(REQUEST_TIMEOUT, self.send_unbounded(req)).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.sender = None;
+                Err(format!("no answer within {REQUEST_TIMEOUT:?}"))
+            }
+        }
+    }
+
+    async fn send_unbounded(
+        &mut self,
+        req: Request<Full<Bytes>>,
+    ) -> Result<(StatusCode, Bytes), String> {
         self.open().await?;
         let Some(sender) = self.sender.as_mut() else {
             return Err("no connection".into());
@@ -327,6 +350,12 @@ impl CellResult {
         self.per_request(self.cpu.generator)
     }
 
+    /// The helper process's CPU time per answered request (the authorization server of
+    /// the opaque-token cells; zero without one).
+    pub fn helper_cpu_per_request(&self) -> Duration {
+        self.per_request(self.cpu.helper)
+    }
+
     fn per_request(&self, cpu: Duration) -> Duration {
         if self.completed == 0 {
             return Duration::ZERO;
@@ -343,6 +372,8 @@ pub struct Plan {
     pub duration: Duration,
     /// The server process, for its CPU time.
     pub server_pid: Option<i32>,
+    /// A process the server depends on (the authorization server), for its CPU time.
+    pub helper_pid: Option<i32>,
 }
 
 /// Every 64th answer of a client (and its first) is parsed in full.
@@ -364,9 +395,9 @@ pub async fn closed_loop(template: Arc<Template>, plan: Plan) -> CellResult {
     let end = measure_from + plan.duration;
     let monitor = tokio::spawn(async move {
         tokio::time::sleep_until(measure_from.into()).await;
-        let first = CpuMark::now(plan.server_pid);
+        let first = CpuMark::with_helper(plan.server_pid, plan.helper_pid);
         tokio::time::sleep_until(end.into()).await;
-        CpuMark::now(plan.server_pid).share_since(&first)
+        CpuMark::with_helper(plan.server_pid, plan.helper_pid).share_since(&first)
     });
     let mut tasks = Vec::with_capacity(plan.clients);
     for client in 0..plan.clients {
@@ -715,6 +746,11 @@ mod tests {
         assert!(check(StatusCode::OK, rpc_error, false).is_err());
         let sse = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n";
         assert!(check(StatusCode::OK, sse, true).is_ok());
+        // `ping`'s answer: an empty result.
+        let pong = br#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+        assert!(check(StatusCode::OK, pong, true).is_ok());
+        let null = br#"{"jsonrpc":"2.0","id":1,"result":null}"#;
+        assert!(check(StatusCode::OK, null, true).is_err());
     }
 
     #[test]

@@ -31,11 +31,13 @@ use http::HeaderValue;
 use crate::flood::FloodLevel;
 use crate::load::{Auth, TokenPool};
 use crate::matrix::{Call, Server, Target, Timing};
-use crate::report::{Figures, MatrixRun, Report};
+use crate::report::{Figures, MatrixRun, OpaqueRun, Report};
+use robota_e2e::oidc::Oidc;
 
 /// Benchmarks robota-mcpd against a plain hyper server and a stock rmcp server.
 ///
-/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`.
+/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`;
+/// the opaque-token cells need oidc-provider: `npm ci --prefix tests/oidc`.
 #[derive(Debug, Parser)]
 #[command(name = "robota-bench")]
 struct Args {
@@ -52,10 +54,10 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     rounds: usize,
     /// Servers of the matrix.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Server::Hello, Server::Stock, Server::Loopback, Server::RemoteCached, Server::RemoteUncached])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Server::Hello, Server::Stock, Server::Loopback, Server::RemoteCached, Server::RemoteUncached, Server::RemoteOpaqueCached, Server::RemoteOpaqueUncached])]
     servers: Vec<Server>,
     /// Requests of the matrix.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Call::ToolsList, Call::ToolsCall])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Call::Ping, Call::ToolsList, Call::ToolsCall])]
     calls: Vec<Call>,
     /// Concurrent clients of the matrix.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 32])]
@@ -96,8 +98,13 @@ enum Part {
 impl Args {
     /// Whether this is the full run the docs describe.
     fn is_full(&self) -> bool {
-        self.servers.len() == 5
-            && self.calls.len() == 2
+        use clap::ValueEnum as _;
+        Server::value_variants()
+            .iter()
+            .all(|s| self.servers.contains(s))
+            && Call::value_variants()
+                .iter()
+                .all(|c| self.calls.contains(c))
             && self.clients.contains(&1)
             && self.clients.contains(&32)
             && self.parts.len() == 4
@@ -119,8 +126,12 @@ enum Internal {
     },
 }
 
-/// Tokens kept by the clients of the cached remote cells (one each).
+/// Tokens kept by the clients of the cached remote cells (one each), and the opaque
+/// tokens the clients of the opaque cells keep (one each, cached or not).
 const CACHED_TOKENS: usize = 32;
+/// `[remote.introspection] cache` of the two opaque-token daemons.
+const OPAQUE_CACHED: &str = "60s";
+const OPAQUE_UNCACHED: &str = "0s";
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -136,6 +147,12 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if let Err(e) = mcpd::check_binaries() {
+        eprintln!("robota-bench: {e}");
+        return ExitCode::from(2);
+    }
+    let opaque_cells =
+        args.parts.contains(&Part::Matrix) && args.servers.iter().any(|s| s.is_opaque());
+    if let Err(e) = opaque_cells.then(mcpd::check_provider).transpose() {
         eprintln!("robota-bench: {e}");
         return ExitCode::from(2);
     }
@@ -257,7 +274,27 @@ fn throughput(
         servers::ChildServer::spawn("stock rmcp", &["serve-rmcp", "--tools", &tools_arg], env)
     });
     let remote = (wants(Server::RemoteCached) || wants(Server::RemoteUncached))
-        .then(|| keys.remote_daemon_with(&[], env));
+        .then(|| keys.matrix_remote_daemon(env));
+    // The opaque-token cells: oidc-provider under Node, and one daemon per cache setting
+    // asking its introspection endpoint (declared after the provider, so dropped first).
+    let provider = if wants(Server::RemoteOpaqueCached) || wants(Server::RemoteOpaqueUncached) {
+        eprintln!("robota-bench: starting oidc-provider");
+        Some(mcpd::start_provider()?)
+    } else {
+        None
+    };
+    let opaque_daemon = |server, cache| {
+        provider
+            .as_ref()
+            .filter(|_| wants(server))
+            .map(|p| mcpd::opaque_daemon(p, cache, env))
+    };
+    let opaque_cached = opaque_daemon(Server::RemoteOpaqueCached, OPAQUE_CACHED);
+    let opaque_uncached = opaque_daemon(Server::RemoteOpaqueUncached, OPAQUE_UNCACHED);
+    let opaque_tokens = match &provider {
+        Some(p) => Arc::new(rt.block_on(mcpd::opaque_tokens(p, CACHED_TOKENS))?),
+        None => Arc::new(Vec::new()),
+    };
     let cached: Vec<HeaderValue> = (0..CACHED_TOKENS)
         .map(|n| load::bearer(&keys.token(n)))
         .collect();
@@ -279,6 +316,7 @@ fn throughput(
         host: addr.to_string(),
         auth,
         pid,
+        helper_pid: None,
     };
     if let Some(h) = &hello {
         targets.push(local(Server::Hello, h.addr, Auth::None, h.pid()));
@@ -301,6 +339,7 @@ fn throughput(
             host: mcpd::PUBLIC_HOST.into(),
             auth,
             pid: r.pid(),
+            helper_pid: None,
         };
         if wants(Server::RemoteCached) {
             targets.push(remote(
@@ -312,11 +351,50 @@ fn throughput(
             targets.push(remote(Server::RemoteUncached, Auth::Pool(pool.clone())));
         }
     }
+    let provider_pid = provider
+        .as_ref()
+        .and_then(Oidc::pid)
+        .and_then(|p| i32::try_from(p).ok());
+    for (server, d) in [
+        (Server::RemoteOpaqueCached, &opaque_cached),
+        (Server::RemoteOpaqueUncached, &opaque_uncached),
+    ] {
+        if let Some(d) = d {
+            targets.push(Target {
+                server,
+                addr: d.remote_addr(),
+                host: robota_e2e::remote::PUBLIC_HOST.into(),
+                auth: Auth::PerClient(opaque_tokens.clone()),
+                pid: d.pid(),
+                helper_pid: provider_pid,
+            });
+        }
+    }
     for t in &targets {
-        eprintln!("  {:<32} {} pid {}", t.server.label(), t.addr, t.pid);
+        eprintln!("  {:<36} {} pid {}", t.server.label(), t.addr, t.pid);
+    }
+    if let Some(pid) = provider_pid {
+        eprintln!("  {:<36} pid {pid}", "oidc-provider (Node)");
     }
     eprintln!("robota-bench: throughput matrix");
     let rows = rt.block_on(matrix::run(&targets, &args.calls, &args.clients, timing));
+    let opaque = provider.as_ref().map(|_| OpaqueRun {
+        provider_version: mcpd::provider_version().unwrap_or_else(|| "(version unknown)".into()),
+        node_version: node_version(),
+        tokens: opaque_tokens.len(),
+        token_ttl_secs: mcpd::OPAQUE_TOKEN_TTL_SECS,
+        cached: OPAQUE_CACHED,
+        uncached: OPAQUE_UNCACHED,
+        provider_cpu_read: provider_pid.is_some(),
+        introspections_cached: opaque_cached
+            .as_ref()
+            .map(mcpd::introspections)
+            .unwrap_or_default(),
+        introspections_uncached: opaque_uncached
+            .as_ref()
+            .map(mcpd::introspections)
+            .unwrap_or_default(),
+    });
     Ok(MatrixRun {
         timing,
         rows,
@@ -324,6 +402,7 @@ fn throughput(
         tool_mean: tool_mean(&loopback),
         tools_list_bytes: tools_text.len(),
         tool_count,
+        opaque,
     })
 }
 
@@ -430,6 +509,17 @@ async fn tools_list(
         Some(result) => Ok(result.take()),
         None => Err(format!("no result in {answer}")),
     }
+}
+
+/// `node --version`, the runtime of the authorization server.
+fn node_version() -> String {
+    std::process::Command::new("node")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Mean duration of `system.info` in the daemon, from its own histogram.

@@ -18,6 +18,8 @@ pub enum Server {
     Loopback,
     RemoteCached,
     RemoteUncached,
+    RemoteOpaqueCached,
+    RemoteOpaqueUncached,
 }
 
 impl Server {
@@ -28,13 +30,40 @@ impl Server {
             Server::Loopback => "robota-mcpd loopback",
             Server::RemoteCached => "robota-mcpd remote, cached JWT",
             Server::RemoteUncached => "robota-mcpd remote, fresh JWT",
+            Server::RemoteOpaqueCached => "robota-mcpd remote, opaque cached",
+            Server::RemoteOpaqueUncached => "robota-mcpd remote, opaque uncached",
         }
+    }
+
+    /// The remote carrier's cells (compared with the loopback carrier).
+    pub fn is_remote(self) -> bool {
+        matches!(
+            self,
+            Server::RemoteCached
+                | Server::RemoteUncached
+                | Server::RemoteOpaqueCached
+                | Server::RemoteOpaqueUncached
+        )
+    }
+
+    /// The cells whose tokens are checked at the authorization server's introspection
+    /// endpoint.
+    pub fn is_opaque(self) -> bool {
+        matches!(
+            self,
+            Server::RemoteOpaqueCached | Server::RemoteOpaqueUncached
+        )
     }
 }
 
 /// The JSON-RPC request of a cell.
+#[expect(
+    clippy::enum_variant_names,
+    reason = "named after the JSON-RPC methods: tools/list, tools/call"
+)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Call {
+    Ping,
     #[value(name = "list")]
     ToolsList,
     #[value(name = "call")]
@@ -44,6 +73,7 @@ pub enum Call {
 impl Call {
     pub fn label(self) -> &'static str {
         match self {
+            Call::Ping => "ping",
             Call::ToolsList => "tools/list",
             Call::ToolsCall => "tools/call system.info",
         }
@@ -51,6 +81,7 @@ impl Call {
 
     pub fn body(self) -> Bytes {
         match self {
+            Call::Ping => load::ping_body(),
             Call::ToolsList => load::tools_list_body(),
             Call::ToolsCall => load::tools_call_body(),
         }
@@ -66,6 +97,8 @@ pub struct Target {
     pub host: String,
     pub auth: Auth,
     pub pid: i32,
+    /// The authorization server the server asks (opaque-token cells), for its CPU time.
+    pub helper_pid: Option<i32>,
 }
 
 /// One cell's rounds.
@@ -145,6 +178,7 @@ pub async fn run(
                         warmup: timing.warmup,
                         duration: timing.duration,
                         server_pid: Some(target.pid),
+                        helper_pid: target.helper_pid,
                     };
                     let mut result = load::closed_loop(template.clone(), plan).await;
                     // Another process took a large share of the CPUs: try again while the

@@ -1,15 +1,17 @@
 //! robota-mcpd under test: the real release binary started by the e2e harness (config in
 //! a temp dir, `READY=1` on a private notify socket, port 0, addresses from
 //! `robota-mcpctl --json status`), and for the remote carrier an ES256 key set of four
-//! keys in a `jwks_file` plus the tokens the load generator sends.
+//! keys in a `jwks_file` plus the tokens the load generator sends; for opaque tokens the
+//! end-to-end tests' oidc-provider, whose introspection endpoint the daemon asks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use http::HeaderValue;
 use jsonwebtoken::Algorithm;
 use robota_e2e::authz::{SigningKey, TokenBuilder, now_secs};
-use robota_e2e::remote::RemoteConfig;
+use robota_e2e::oidc::{OPAQUE_CLIENT, Oidc};
+use robota_e2e::remote::{self, RemoteConfig};
 use robota_e2e::{Daemon, DaemonBuilder};
 use serde_json::json;
 use tempfile::TempDir;
@@ -21,6 +23,13 @@ use crate::load::bearer;
 pub const PUBLIC_URL: &str = "https://mcp.example.com/mcp";
 pub const PUBLIC_HOST: &str = "mcp.example.com";
 pub const ISSUER: &str = "https://auth.example.com";
+
+/// The `[remote]` line of the throughput matrix's remote daemons: every client of a cell
+/// connects from 127.0.0.1, as every client behind one proxy would, and the default cap
+/// of 16 connections per address would have the 32-client cells' connections evict each
+/// other. 64 is the default `max_connections`, so the cap is off. (The flood keeps the
+/// default: the cap is part of what it measures.)
+pub const MATRIX_PER_ADDRESS: &str = "max_connections_per_address = 64";
 
 /// Fails early, with the command to run, when the daemon binaries are missing.
 pub fn check_binaries() -> Result<(), String> {
@@ -117,12 +126,14 @@ impl KeySet {
 
     /// A daemon with the remote carrier (and the harness's loopback carrier).
     pub fn remote_daemon(&self, trusted_proxies: &[&str]) -> Daemon {
-        self.remote_daemon_with(trusted_proxies, &[])
+        self.remote_config(trusted_proxies).builder().start()
     }
 
-    /// [`KeySet::remote_daemon`] with extra environment variables.
-    pub fn remote_daemon_with(&self, trusted_proxies: &[&str], env: &[(String, String)]) -> Daemon {
-        with_env(self.remote_config(trusted_proxies).builder(), env).start()
+    /// The throughput matrix's remote daemon: [`KeySet::remote_daemon`] with
+    /// [`MATRIX_PER_ADDRESS`] and extra environment variables.
+    pub fn matrix_remote_daemon(&self, env: &[(String, String)]) -> Daemon {
+        let config = self.remote_config(&[]).line(MATRIX_PER_ADDRESS);
+        with_env(config.builder(), env).start()
     }
 
     /// A valid access token signed by key `n % 4`, unique by its `jti`, valid for an hour.
@@ -165,4 +176,121 @@ impl KeySet {
             .signed_by(&self.rogue)
             .build()
     }
+}
+
+/// The directory of the end-to-end tests' authorization server (`tests/oidc`).
+fn oidc_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+        .join("tests")
+        .join("oidc")
+}
+
+/// The oidc-provider version `tests/oidc/package-lock.json` pins.
+pub fn provider_version() -> Option<String> {
+    let text = std::fs::read_to_string(oidc_dir().join("package-lock.json")).ok()?;
+    let lock: serde_json::Value = serde_json::from_str(&text).ok()?;
+    lock["packages"]["node_modules/oidc-provider"]["version"]
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Lifetime of the provider's access tokens: longer than any run, so that the cached
+/// cells' answers are bounded by `cache`, not by the token's `exp`.
+pub const OPAQUE_TOKEN_TTL_SECS: u64 = 4 * 3600;
+
+/// Fails, with the command to run, when oidc-provider is not installed.
+pub fn check_provider() -> Result<(), String> {
+    let module = oidc_dir().join("node_modules/oidc-provider/package.json");
+    if module.is_file() {
+        return Ok(());
+    }
+    Err(format!(
+        "the opaque-token cells need oidc-provider, which is not installed ({} is missing): run `npm ci --prefix tests/oidc`",
+        module.display()
+    ))
+}
+
+/// Starts the end-to-end tests' oidc-provider (Node, HTTPS, test CA), or says what is
+/// missing.
+pub fn start_provider() -> Result<Oidc, String> {
+    check_provider()?;
+    std::panic::catch_unwind(|| Oidc::start(OPAQUE_TOKEN_TTL_SECS)).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("(no message)");
+        format!(
+            "oidc-provider did not start (is Node.js 20 or later installed, and did `npm ci --prefix tests/oidc` succeed?): {why}"
+        )
+    })
+}
+
+/// A daemon whose remote carrier trusts `oidc` (keys and introspection endpoint
+/// discovered from its metadata, its test CA), scope `mcp`, the opaque client allowed,
+/// opaque tokens checked at the introspection endpoint with answers cached `cache`.
+pub fn opaque_daemon(oidc: &Oidc, cache: &str, env: &[(String, String)]) -> Daemon {
+    let config = RemoteConfig {
+        public_url: remote::PUBLIC_URL.into(),
+        issuer: oidc.issuer().into(),
+        jwks_uri: None,
+        jwks_file: None,
+        ca_file: Some(oidc.ca_file().display().to_string()),
+        audiences: None,
+        scopes: vec!["mcp".into()],
+        allowed_subjects: Vec::new(),
+        allowed_clients: vec![OPAQUE_CLIENT.id.into()],
+        algorithms: None,
+        trusted_proxies: None,
+        start_without_keys: None,
+        throttle: None,
+        max_addresses: None,
+        ipv6_prefix: None,
+        key_refresh: Vec::new(),
+        tls: None,
+        lines: vec![MATRIX_PER_ADDRESS.into()],
+    };
+    let builder = config
+        .builder()
+        .extra(format!("\n{}", oidc.introspection_section(cache)));
+    with_env(builder, env).start()
+}
+
+/// `count` opaque access tokens of [`OPAQUE_CLIENT`] (client credentials, scope `mcp`,
+/// resource the opaque daemons' public URL), one token request each.
+pub async fn opaque_tokens(oidc: &Oidc, count: usize) -> Result<Vec<HeaderValue>, String> {
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let token = oidc.token(OPAQUE_CLIENT, "mcp").await;
+        if token.contains('.') {
+            return Err(format!(
+                "oidc-provider issued a JWT, not an opaque token, to {}",
+                OPAQUE_CLIENT.id
+            ));
+        }
+        out.push(bearer(&token));
+    }
+    Ok(out)
+}
+
+/// Introspection requests a daemon made, by outcome (its own counter).
+pub fn introspections(d: &Daemon) -> Vec<(String, u64)> {
+    let Some(text) = d.metrics_text() else {
+        return Vec::new();
+    };
+    let name = "robota_mcpd_introspection_requests_total{";
+    let mut out: Vec<(String, u64)> = text
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| {
+            let outcome = l.split("outcome=\"").nth(1)?.split('"').next()?.to_owned();
+            let value = l.rsplit(' ').next()?.parse::<f64>().ok()?;
+            Some((outcome, value as u64))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    out.sort();
+    out
 }

@@ -81,12 +81,15 @@ impl MachineCpu {
     }
 }
 
-/// CPU use over one measurement window: the server's, the load generator's, and the
-/// rest of the machine's (other processes, e.g. a CI run), as shares of all CPUs.
+/// CPU use over one measurement window: the server's, the load generator's, a helper
+/// process's the server depends on (the authorization server of the opaque-token cells),
+/// and the rest of the machine's (other processes, e.g. a CI run), as shares of all CPUs.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuShare {
     pub server: Duration,
     pub generator: Duration,
+    /// The helper's CPU time (zero without one).
+    pub helper: Duration,
     /// Busy time of everything else, as a fraction of the machine (0..1).
     pub foreign: f64,
     /// Stolen time, as a fraction of the machine (0..1).
@@ -99,14 +102,22 @@ pub struct CpuMark {
     machine: MachineCpu,
     server: Duration,
     generator: Duration,
+    helper: Duration,
 }
 
 impl CpuMark {
     pub fn now(server_pid: Option<i32>) -> CpuMark {
+        CpuMark::with_helper(server_pid, None)
+    }
+
+    /// [`CpuMark::now`] that also reads `helper_pid`'s CPU time, which then does not
+    /// count as other processes' use.
+    pub fn with_helper(server_pid: Option<i32>, helper_pid: Option<i32>) -> CpuMark {
         CpuMark {
             machine: MachineCpu::now(),
             server: server_pid.map_or(Duration::ZERO, process_cpu),
             generator: process_cpu(std::process::id() as i32),
+            helper: helper_pid.map_or(Duration::ZERO, process_cpu),
         }
     }
 
@@ -114,12 +125,14 @@ impl CpuMark {
         let machine = self.machine.since(earlier.machine);
         let server = self.server.saturating_sub(earlier.server);
         let generator = self.generator.saturating_sub(earlier.generator);
+        let helper = self.helper.saturating_sub(earlier.helper);
         let total = machine.total.as_secs_f64().max(1e-9);
-        let ours = server.as_secs_f64() + generator.as_secs_f64();
+        let ours = server.as_secs_f64() + generator.as_secs_f64() + helper.as_secs_f64();
         let foreign = (machine.busy.as_secs_f64() - ours).max(0.0);
         CpuShare {
             server,
             generator,
+            helper,
             foreign: (foreign / total).clamp(0.0, 1.0),
             steal: machine.steal.as_secs_f64() / total,
         }

@@ -135,6 +135,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
                     warmup: timing.warmup,
                     duration: timing.duration,
                     server_pid: Some(*pid),
+                    helper_pid: None,
                 };
                 let result = rt.block_on(load::closed_loop(template, plan));
                 eprintln!(
@@ -248,6 +249,19 @@ impl UpstreamRun {
                 best.server_cpu_per_request().as_micros(),
                 row.errors(),
             );
+        }
+        let verdicts = self.verdicts();
+        if !verdicts.is_empty() {
+            s.push_str("\n| target of this section | measured | met |\n|---|---|---|\n");
+            for v in verdicts {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} |",
+                    v.target,
+                    v.measured,
+                    if v.met { "yes" } else { "**no**" }
+                );
+            }
         }
         s.push('\n');
         s

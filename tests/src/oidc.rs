@@ -210,6 +210,11 @@ impl Oidc {
         &self.issuer
     }
 
+    /// The Node process's id while the server runs (for its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|(child, _)| child.id())
+    }
+
     /// The test CA's certificate file (the daemon's `[remote] ca_file`).
     pub fn ca_file(&self) -> PathBuf {
         self.dir.path().join("ca.pem")
