@@ -1,9 +1,11 @@
 //! A flood of bad tokens against the remote carrier, from the same address as a valid
 //! client: the valid client's success and latency with and without the flood.
 //!
-//! The flood sends tokens that name a published key but carry another key's signature, so
-//! every one costs the daemon a full ES256 verification (failures are never cached); after
-//! 20 failures in 60 s the address is over budget and the flood gets 429 instead of 401.
+//! The flood sends tokens that name a published key but carry another key's signature:
+//! either the same 16 again and again (the daemon checks each once and then remembers the
+//! forgery), or a fresh one every request (every one costs a full ES256 verification, in
+//! the daemon's lane of one once the address is over budget); after 20 failures in 60 s
+//! the address is over budget and the flood gets 429 instead of 401.
 //! The carrier verifies before it consults the throttle, so the valid client on the same
 //! address must keep getting 200: that is what "100% success" means here, and the
 //! statuses of both streams are the evidence.
@@ -29,6 +31,8 @@ const FLOOD_LEAD: Duration = Duration::from_millis(500);
 #[derive(Debug, Clone)]
 pub struct FloodLevel {
     pub valid_rate: f64,
+    /// Every bad request carried a token never sent before.
+    pub fresh: bool,
     pub unloaded: PacedResult,
     pub loaded: PacedResult,
     pub flood: PacedResult,
@@ -60,6 +64,13 @@ impl FloodLevel {
 /// that a change in the machine's other load does not fall on one phase only.
 const PAIRS: u32 = 2;
 
+/// Bad tokens a fresh-forgery level sends at most (each flood phase runs
+/// `duration / PAIRS` plus twice the lead), with a tenth to spare.
+pub fn tokens_needed(valid_rate: f64, duration: Duration) -> usize {
+    let phase = (duration / PAIRS + FLOOD_LEAD * 2).as_secs_f64();
+    (valid_rate * 10.0 * phase * f64::from(PAIRS) * 1.1).ceil() as usize
+}
+
 /// One level: `valid_rate` requests/s from one keep-alive client with a (cached) valid
 /// token, alone and under `10 × valid_rate` bad-token requests/s from the same address,
 /// alternating; `duration` is the total per phase.
@@ -68,6 +79,7 @@ pub async fn run_level(
     pid: i32,
     valid_token: HeaderValue,
     bad_tokens: Vec<HeaderValue>,
+    fresh: bool,
     valid_rate: f64,
     duration: Duration,
 ) -> FloodLevel {
@@ -78,12 +90,12 @@ pub async fn run_level(
         body.clone(),
         Auth::PerClient(Arc::new(vec![valid_token])),
     ));
-    let bad = Arc::new(Template::new(
-        addr,
-        PUBLIC_HOST,
-        body,
-        Auth::PerClient(Arc::new(bad_tokens)),
-    ));
+    let bad_auth = if fresh {
+        Auth::Pool(Arc::new(load::TokenPool::new(bad_tokens)))
+    } else {
+        Auth::PerClient(Arc::new(bad_tokens))
+    };
+    let bad = Arc::new(Template::new(addr, PUBLIC_HOST, body, bad_auth));
     let valid_pace = Pace {
         rate: valid_rate,
         tasks: 1,
@@ -109,6 +121,7 @@ pub async fn run_level(
     .await;
     let mut level = FloodLevel {
         valid_rate,
+        fresh,
         unloaded: PacedResult::default(),
         loaded: PacedResult::default(),
         flood: PacedResult::default(),

@@ -415,18 +415,32 @@ fn bad_token_flood(
 ) -> Vec<FloodLevel> {
     eprintln!("robota-bench: bad-token flood");
     let mut levels = Vec::new();
-    for &rate in rates {
-        let d = keys.remote_daemon(&[]);
-        eprintln!("  valid {rate}/s against robota-mcpd pid {}", d.pid());
+    // Each rate with the same 16 forgeries replayed; the highest also with a fresh
+    // forgery per request (enough for the whole flood, never one twice).
+    let highest = rates.iter().copied().fold(0.0, f64::max);
+    let runs = rates
+        .iter()
+        .map(|&rate| (rate, false))
+        .chain(rates.iter().any(|&r| r > 0.0).then_some((highest, true)));
+    for (rate, fresh) in runs {
+        let d = keys.flood_daemon();
+        eprintln!(
+            "  valid {rate}/s (fresh forgeries: {fresh}) against robota-mcpd pid {}",
+            d.pid()
+        );
         let valid = load::bearer(&keys.token(1_000_000));
-        let bad: Vec<HeaderValue> = (0..16)
-            .map(|n| load::bearer(&keys.bad_signature_token(n)))
-            .collect();
+        let count = if fresh {
+            flood::tokens_needed(rate, duration)
+        } else {
+            16
+        };
+        let bad = keys.bad_signature_tokens(count);
         let level = rt.block_on(flood::run_level(
             d.remote_addr(),
             d.pid(),
             valid,
             bad,
+            fresh,
             rate,
             duration,
         ));

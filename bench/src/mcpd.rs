@@ -124,16 +124,42 @@ impl KeySet {
         }
     }
 
-    /// A daemon with the remote carrier (and the harness's loopback carrier).
-    pub fn remote_daemon(&self, trusted_proxies: &[&str]) -> Daemon {
-        self.remote_config(trusted_proxies).builder().start()
-    }
-
-    /// The throughput matrix's remote daemon: [`KeySet::remote_daemon`] with
+    /// The throughput matrix's remote daemon: the remote carrier (and the harness's loopback carrier) with
     /// [`MATRIX_PER_ADDRESS`] and extra environment variables.
     pub fn matrix_remote_daemon(&self, env: &[(String, String)]) -> Daemon {
         let config = self.remote_config(&[]).line(MATRIX_PER_ADDRESS);
         with_env(config.builder(), env).start()
+    }
+
+    /// The flood's remote daemon: the remote listener's defaults but [`MATRIX_PER_ADDRESS`]
+    /// (the flood's 16 connections and the valid client's share 127.0.0.1; the per-address
+    /// connection cap is not what the flood measures).
+    pub fn flood_daemon(&self) -> Daemon {
+        self.remote_config(&[])
+            .line(MATRIX_PER_ADDRESS)
+            .builder()
+            .start()
+    }
+
+    /// `count` distinct forgeries ([`KeySet::bad_signature_token`]), minted on every CPU.
+    pub fn bad_signature_tokens(&self, count: usize) -> Vec<HeaderValue> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = count.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        (t * per..((t + 1) * per).min(count))
+                            .map(|n| bearer(&self.bad_signature_token(n)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|_| panic!("token minting thread")))
+                .collect()
+        })
     }
 
     /// A valid access token signed by key `n % 4`, unique by its `jti`, valid for an hour.
