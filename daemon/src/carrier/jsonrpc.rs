@@ -151,16 +151,19 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
                 },
                 _ => None,
             };
-            let plain = match &fields.params {
-                None => true,
-                Some(Kind::Object(Some(params))) if method == "tools/call" => {
-                    params.members
-                        == usize::from(params.name.is_some())
-                            + usize::from(params.arguments.is_some())
-                }
-                Some(Kind::Object(Some(params))) => params.members == 0,
-                Some(_) => false,
-            };
+            // A request that also carries `result` or `error` is the SDK's to refuse.
+            let plain = !fields.result
+                && !fields.error
+                && match &fields.params {
+                    None => true,
+                    Some(Kind::Object(Some(params))) if method == "tools/call" => {
+                        params.members
+                            == usize::from(params.name.is_some())
+                                + usize::from(params.arguments.is_some())
+                    }
+                    Some(Kind::Object(Some(params))) => params.members == 0,
+                    Some(_) => false,
+                };
             let method = Some(method.clone());
             Ok(Inspected {
                 id,
@@ -462,6 +465,8 @@ mod tests {
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","_meta":{}}}"#,
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","task":{}}}"#,
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"a"}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"result":{},"method":"ping"}"#,
+            r#"{"jsonrpc":"2.0","id":1,"error":null,"method":"tools/call","params":{"name":"a"}}"#,
         ] {
             assert!(!ok(body).plain, "{body}");
         }

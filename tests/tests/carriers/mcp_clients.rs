@@ -454,6 +454,39 @@ async fn the_carriers_own_answers_are_the_sdks() {
         let resp = exchange(addr, &req).await;
         assert_eq!(resp.status, status, "{case}: {}", resp.describe());
     }
+    // A request that also carries a `result` or an `error` is the SDK's to refuse, and
+    // nothing runs: the write root would hold the file if the call had run.
+    for extra in [json!({"result": {}}), json!({"error": null})] {
+        for method in ["ping", "tools/list"] {
+            let mut message = json!({"jsonrpc": "2.0", "id": 3, "method": method});
+            message
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let mut with_origin = message.clone();
+            with_origin["params"] = json!({"_meta": {}});
+            let direct = exchange(addr, &ask(message)).await;
+            let sdk = exchange(addr, &ask(with_origin)).await;
+            assert_eq!(direct.status, sdk.status, "{method} with {extra}");
+            assert_ne!(
+                direct.status,
+                200,
+                "{method} with {extra}: {}",
+                direct.describe()
+            );
+        }
+    }
+    let calls = || {
+        robota_e2e::metric_sum(
+            &d.metrics_text().unwrap_or_default(),
+            &["robota_mcpd_tool_calls_total"],
+        )
+    };
+    let before = calls();
+    let hybrid = json!({"jsonrpc": "2.0", "id": 4, "result": {}, "method": "tools/call", "params": {"name": "system.info", "arguments": {}}});
+    assert_ne!(exchange(addr, &ask(hybrid)).await.status, 200);
+    assert_eq!(calls(), before, "no call ran");
+
     // A quoted parameter that only looks like a list entry is the SDK's to judge.
     let quoted = ask(json!({"jsonrpc": "2.0", "id": 1, "method": "ping"})).set_header(
         "Accept",
