@@ -143,23 +143,7 @@ impl KeySet {
 
     /// `count` distinct forgeries ([`KeySet::bad_signature_token`]), minted on every CPU.
     pub fn bad_signature_tokens(&self, count: usize) -> Vec<HeaderValue> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let per = count.div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    scope.spawn(move || {
-                        (t * per..((t + 1) * per).min(count))
-                            .map(|n| bearer(&self.bad_signature_token(n)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_else(|_| panic!("token minting thread")))
-                .collect()
-        })
+        mint(count, |n| bearer(&self.bad_signature_token(n)))
     }
 
     /// A valid access token signed by key `n % 4`, unique by its `jti`, valid for an hour.
@@ -173,23 +157,7 @@ impl KeySet {
 
     /// `count` valid tokens, minted on every CPU (the signing is the expensive part).
     pub fn tokens(&self, count: usize) -> Vec<HeaderValue> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let per = count.div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    scope.spawn(move || {
-                        (t * per..((t + 1) * per).min(count))
-                            .map(|n| bearer(&self.token(n)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_else(|_| panic!("token minting thread")))
-                .collect()
-        })
+        mint(count, |n| bearer(&self.token(n)))
     }
 
     /// A token naming published key `es-1` but signed by the unpublished key: the daemon
@@ -319,4 +287,26 @@ pub fn introspections(d: &Daemon) -> Vec<(String, u64)> {
         .collect();
     out.sort();
     out
+}
+
+/// `make(0..count)`, spread over every CPU, in order.
+fn mint(count: usize, make: impl Fn(usize) -> HeaderValue + Sync) -> Vec<HeaderValue> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = count.div_ceil(threads);
+    let make = &make;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    (t * per..((t + 1) * per).min(count))
+                        .map(make)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|_| panic!("token minting thread")))
+            .collect()
+    })
 }

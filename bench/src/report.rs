@@ -101,6 +101,16 @@ pub struct Verdict {
     pub met: bool,
 }
 
+/// A table of `verdicts` under `heading` (the first column's title).
+pub fn verdict_table(heading: &str, verdicts: &[Verdict]) -> String {
+    let mut s = format!("| {heading} | measured | met |\n|---|---|---|\n");
+    for v in verdicts {
+        let met = if v.met { "yes" } else { "**no**" };
+        let _ = writeln!(s, "| {} | {} | {met} |", v.target, v.measured);
+    }
+    s
+}
+
 impl Report {
     fn row(&self, server: Server, call: Call, clients: usize) -> Option<&Row> {
         self.matrix
@@ -293,16 +303,8 @@ impl Report {
         }
         let verdicts = self.verdicts();
         if !verdicts.is_empty() {
-            s.push_str("\n## Targets\n\n| target | measured | met |\n|---|---|---|\n");
-            for v in verdicts {
-                let _ = writeln!(
-                    s,
-                    "| {} | {} | {} |",
-                    v.target,
-                    v.measured,
-                    if v.met { "yes" } else { "**no**" }
-                );
-            }
+            s.push_str("\n## Targets\n\n");
+            s.push_str(&verdict_table("target", &verdicts));
             s.push('\n');
         }
         if !self.flood.is_empty() {

@@ -252,16 +252,11 @@ impl UpstreamRun {
         }
         let verdicts = self.verdicts();
         if !verdicts.is_empty() {
-            s.push_str("\n| target of this section | measured | met |\n|---|---|---|\n");
-            for v in verdicts {
-                let _ = writeln!(
-                    s,
-                    "| {} | {} | {} |",
-                    v.target,
-                    v.measured,
-                    if v.met { "yes" } else { "**no**" }
-                );
-            }
+            s.push('\n');
+            s.push_str(&crate::report::verdict_table(
+                "target of this section",
+                &verdicts,
+            ));
         }
         s.push('\n');
         s
