@@ -11,7 +11,7 @@ use http::HeaderValue;
 use jsonwebtoken::Algorithm;
 use robota_e2e::authz::{SigningKey, TokenBuilder, now_secs};
 use robota_e2e::oidc::{OPAQUE_CLIENT, Oidc};
-use robota_e2e::remote::{self, RemoteConfig};
+use robota_e2e::remote::RemoteConfig;
 use robota_e2e::{Daemon, DaemonBuilder};
 use serde_json::json;
 use tempfile::TempDir;
@@ -103,24 +103,10 @@ impl KeySet {
     pub fn remote_config(&self, trusted_proxies: &[&str]) -> RemoteConfig {
         RemoteConfig {
             public_url: PUBLIC_URL.into(),
-            issuer: ISSUER.into(),
-            jwks_uri: None,
             jwks_file: Some(self.jwks_file().display().to_string()),
-            ca_file: None,
-            audiences: None,
-            scopes: vec!["mcp".into()],
-            allowed_subjects: vec!["alice".into()],
-            allowed_clients: vec!["client-a".into()],
-            algorithms: None,
             trusted_proxies: (!trusted_proxies.is_empty())
                 .then(|| trusted_proxies.iter().map(|s| s.to_string()).collect()),
-            start_without_keys: None,
-            throttle: None,
-            max_addresses: None,
-            ipv6_prefix: None,
-            key_refresh: Vec::new(),
-            tls: None,
-            lines: Vec::new(),
+            ..RemoteConfig::for_issuer(ISSUER, None)
         }
     }
 
@@ -227,24 +213,10 @@ pub fn start_provider() -> Result<Oidc, String> {
 /// opaque tokens checked at the introspection endpoint with answers cached `cache`.
 pub fn opaque_daemon(oidc: &Oidc, cache: &str, env: &[(String, String)]) -> Daemon {
     let config = RemoteConfig {
-        public_url: remote::PUBLIC_URL.into(),
-        issuer: oidc.issuer().into(),
-        jwks_uri: None,
-        jwks_file: None,
-        ca_file: Some(oidc.ca_file().display().to_string()),
-        audiences: None,
-        scopes: vec!["mcp".into()],
         allowed_subjects: Vec::new(),
         allowed_clients: vec![OPAQUE_CLIENT.id.into()],
-        algorithms: None,
-        trusted_proxies: None,
-        start_without_keys: None,
-        throttle: None,
-        max_addresses: None,
-        ipv6_prefix: None,
-        key_refresh: Vec::new(),
-        tls: None,
         lines: vec![MATRIX_PER_ADDRESS.into()],
+        ..RemoteConfig::for_issuer(oidc.issuer(), Some(&oidc.ca_file()))
     };
     let builder = config
         .builder()

@@ -76,12 +76,19 @@ impl RemoteConfig {
     /// The usual test setup against `authz`: public URL [`PUBLIC_URL`], its CA, scope
     /// `mcp`, subjects `alice`, clients `client-a`.
     pub fn new(authz: &Authz) -> RemoteConfig {
+        RemoteConfig::for_issuer(authz.issuer(), Some(authz.ca_file()))
+    }
+
+    /// Public URL [`PUBLIC_URL`], `issuer` (its keys discovered, trusted through
+    /// `ca_file`), scope `mcp`, subjects `alice`, clients `client-a`, every other key at
+    /// its default: the base the other setups change what they need of.
+    pub fn for_issuer(issuer: &str, ca_file: Option<&Path>) -> RemoteConfig {
         RemoteConfig {
             public_url: PUBLIC_URL.into(),
-            issuer: authz.issuer().into(),
+            issuer: issuer.into(),
             jwks_uri: None,
             jwks_file: None,
-            ca_file: Some(authz.ca_file().display().to_string()),
+            ca_file: ca_file.map(|p| p.display().to_string()),
             audiences: None,
             scopes: vec!["mcp".into()],
             allowed_subjects: vec!["alice".into()],

@@ -67,7 +67,8 @@ pub struct Endpoint<S> {
     body_limit: u64,
     body_timeout: Duration,
     inflight: Arc<InFlight>,
-    /// For the canonical names of calls (the gate's input).
+    /// For the canonical names of calls (the gate's input) and the carrier's own answers
+    /// ([`Self::direct`]).
     server: McpServer<S>,
     service: StreamableHttpService<McpServer<S>, NeverSessionManager>,
 }
@@ -442,7 +443,7 @@ fn plain_2025_request(headers: &http::HeaderMap) -> bool {
     let mut versions = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
     let version_ok = matches!(
         (versions.next(), versions.next()),
-        (Some(v), None) if v.as_bytes() == b"2025-11-25"
+        (Some(v), None) if v.as_bytes() == rmcp::model::ProtocolVersion::V_2025_11_25.as_str().as_bytes()
     );
     if !version_ok || headers.contains_key(header::ORIGIN) {
         return false;

@@ -32,24 +32,10 @@ use serde_json::{Value, json};
 /// opaque client allowed, `lines` added.
 fn remote(oidc: &Oidc, lines: &[&str]) -> String {
     let config = RemoteConfig {
-        public_url: PUBLIC_URL.into(),
-        issuer: oidc.issuer().into(),
-        jwks_uri: None,
-        jwks_file: None,
-        ca_file: Some(oidc.ca_file().display().to_string()),
-        audiences: None,
-        scopes: vec!["mcp".into()],
         allowed_subjects: Vec::new(),
         allowed_clients: vec![JWT_CLIENT.id.into(), OPAQUE_CLIENT.id.into()],
-        algorithms: None,
-        trusted_proxies: None,
-        start_without_keys: None,
-        throttle: None,
-        max_addresses: None,
-        ipv6_prefix: None,
-        key_refresh: Vec::new(),
-        tls: None,
         lines: lines.iter().map(|l| l.to_string()).collect(),
+        ..RemoteConfig::for_issuer(oidc.issuer(), Some(&oidc.ca_file()))
     };
     config.toml()
 }
