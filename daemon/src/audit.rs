@@ -23,8 +23,8 @@ use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -270,7 +270,7 @@ struct State {
     recent: Recent,
     /// The writer thread's queue, when there is a file. Records are queued under the lock,
     /// so they reach the file in `seq` order.
-    tx: Option<SyncSender<AuditRecord>>,
+    tx: Option<Bounded>,
     /// Records the queue had no room for (kept in memory only).
     dropped: u64,
 }
@@ -468,7 +468,7 @@ impl Audit {
             .mode(0o600)
             .open(&path)
             .map_err(fail)?;
-        let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let (tx, rx) = bounded(QUEUE);
         let thread = std::thread::Builder::new()
             .name("audit-writer".into())
             .spawn({
@@ -639,6 +639,62 @@ impl Drop for Audit {
 /// then dropped from the file's future (they stay in the rings, and count as unpersisted).
 const PENDING_MAX: usize = KEEP;
 
+/// The writer's queue: bounded like `sync_channel`, but its memory grows with what is
+/// queued (`sync_channel` builds every slot up front, half a MiB for [`QUEUE`] records
+/// that an idle daemon never sends).
+fn bounded(capacity: usize) -> (Bounded, Drain) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let queued = Arc::new(AtomicUsize::new(0));
+    let sender = Bounded {
+        tx,
+        queued: queued.clone(),
+        capacity,
+    };
+    (sender, Drain { rx, queued })
+}
+
+#[derive(Debug)]
+struct Bounded {
+    tx: Sender<AuditRecord>,
+    queued: Arc<AtomicUsize>,
+    capacity: usize,
+}
+
+impl Bounded {
+    /// Queues `record` unless `capacity` records are waiting or the writer is gone.
+    /// Senders are serialized by the state lock, so the check and the send cannot race
+    /// with each other; the writer only ever lowers the count.
+    fn try_send(&self, record: AuditRecord) -> Result<(), AuditRecord> {
+        if self.queued.load(Ordering::Acquire) >= self.capacity {
+            return Err(record);
+        }
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(record).map_err(|e| {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            e.0
+        })
+    }
+}
+
+struct Drain {
+    rx: Receiver<AuditRecord>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Drain {
+    fn recv_timeout(&self, timeout: Duration) -> Result<AuditRecord, RecvTimeoutError> {
+        let record = self.rx.recv_timeout(timeout)?;
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+        Ok(record)
+    }
+
+    fn try_iter(&self) -> impl Iterator<Item = AuditRecord> + '_ {
+        self.rx
+            .try_iter()
+            .inspect(|_| _ = self.queued.fetch_sub(1, Ordering::AcqRel))
+    }
+}
+
 /// The writer thread's side: append lines, per batch; hold what cannot be written (a full
 /// disk) and write it, in order, once the file takes it again; close ended aggregation
 /// intervals every [`INTERVAL_SECS`] even when no refusal comes; compact the file to the
@@ -687,7 +743,7 @@ impl Writer {
         self
     }
 
-    fn run(mut self, rx: Receiver<AuditRecord>) {
+    fn run(mut self, rx: Drain) {
         let tick = Duration::from_secs(INTERVAL_SECS);
         loop {
             match rx.recv_timeout(tick) {
@@ -1236,13 +1292,38 @@ mod tests {
     }
 
     #[test]
+    fn the_writer_queue_holds_its_capacity_and_no_more() {
+        let (tx, rx) = bounded(2);
+        let wire = |seq: u64| AuditRecord {
+            seq,
+            time: 1,
+            carrier: "loopback".into(),
+            reason: "bad-bearer".into(),
+            throttled: false,
+            address_class: "loopback".into(),
+            grant: None,
+            count: None,
+        };
+        tx.try_send(wire(1)).unwrap();
+        tx.try_send(wire(2)).unwrap();
+        assert_eq!(tx.try_send(wire(3)).unwrap_err().seq, 3, "full");
+        assert_eq!(rx.recv_timeout(Duration::ZERO).unwrap().seq, 1);
+        tx.try_send(wire(4)).unwrap();
+        let rest: Vec<u64> = rx.try_iter().map(|r| r.seq).collect();
+        assert_eq!(rest, [2, 4]);
+        tx.try_send(wire(5)).unwrap();
+        drop(rx);
+        assert!(tx.try_send(wire(7)).is_err(), "the writer is gone");
+    }
+
+    #[test]
     fn the_file_is_compacted_per_class() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(FILE_NAME);
         let file = std::fs::File::create(&path).unwrap();
         let state = Audit::new().state.clone();
         // The writer as the store runs it, fed without ever dropping a record.
-        let (tx, rx) = std::sync::mpsc::sync_channel(16);
+        let (tx, rx) = bounded(usize::MAX);
         let thread = std::thread::spawn({
             let writer = Writer::new(
                 path.clone(),
@@ -1264,16 +1345,16 @@ mod tests {
             grant: None,
             count: None,
         };
-        tx.send(wire(1, "grant-requested")).unwrap();
+        tx.try_send(wire(1, "grant-requested")).unwrap();
         let last = 6 * KEEP as u64 + 1;
         let mut longest = 0;
         for seq in 2..=last {
-            tx.send(wire(seq, "bad-bearer")).unwrap();
+            tx.try_send(wire(seq, "bad-bearer")).unwrap();
             if seq % 997 == 0 {
                 longest = longest.max(std::fs::read(&path).unwrap().len());
             }
         }
-        tx.send(wire(last + 1, "grant-approved")).unwrap();
+        tx.try_send(wire(last + 1, "grant-approved")).unwrap();
         drop(tx);
         thread.join().unwrap();
         let records = file_records(dir.path());
