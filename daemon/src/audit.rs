@@ -287,7 +287,7 @@ impl State {
     fn keep(&mut self, record: AuditRecord) -> bool {
         self.rings.push(record.clone());
         if let Some(tx) = &self.tx
-            && tx.try_send(record).is_err()
+            && !tx.try_send(record)
         {
             self.dropped += 1;
             return self.dropped == 1;
@@ -661,18 +661,19 @@ struct Bounded {
 }
 
 impl Bounded {
-    /// Queues `record` unless `capacity` records are waiting or the writer is gone.
-    /// Senders are serialized by the state lock, so the check and the send cannot race
-    /// with each other; the writer only ever lowers the count.
-    fn try_send(&self, record: AuditRecord) -> Result<(), AuditRecord> {
+    /// Queues `record` unless `capacity` records are waiting or the writer is gone;
+    /// whether it was queued. Senders are serialized by the state lock, so the check and
+    /// the send cannot race with each other; the writer only ever lowers the count.
+    fn try_send(&self, record: AuditRecord) -> bool {
         if self.queued.load(Ordering::Acquire) >= self.capacity {
-            return Err(record);
+            return false;
         }
         self.queued.fetch_add(1, Ordering::AcqRel);
-        self.tx.send(record).map_err(|e| {
+        let sent = self.tx.send(record).is_ok();
+        if !sent {
             self.queued.fetch_sub(1, Ordering::AcqRel);
-            e.0
-        })
+        }
+        sent
     }
 }
 
@@ -1304,16 +1305,16 @@ mod tests {
             grant: None,
             count: None,
         };
-        tx.try_send(wire(1)).unwrap();
-        tx.try_send(wire(2)).unwrap();
-        assert_eq!(tx.try_send(wire(3)).unwrap_err().seq, 3, "full");
+        assert!(tx.try_send(wire(1)));
+        assert!(tx.try_send(wire(2)));
+        assert!(!tx.try_send(wire(3)), "full");
         assert_eq!(rx.recv_timeout(Duration::ZERO).unwrap().seq, 1);
-        tx.try_send(wire(4)).unwrap();
+        assert!(tx.try_send(wire(4)));
         let rest: Vec<u64> = rx.try_iter().map(|r| r.seq).collect();
         assert_eq!(rest, [2, 4]);
-        tx.try_send(wire(5)).unwrap();
+        assert!(tx.try_send(wire(5)));
         drop(rx);
-        assert!(tx.try_send(wire(7)).is_err(), "the writer is gone");
+        assert!(!tx.try_send(wire(7)), "the writer is gone");
     }
 
     #[test]
@@ -1345,16 +1346,16 @@ mod tests {
             grant: None,
             count: None,
         };
-        tx.try_send(wire(1, "grant-requested")).unwrap();
+        assert!(tx.try_send(wire(1, "grant-requested")));
         let last = 6 * KEEP as u64 + 1;
         let mut longest = 0;
         for seq in 2..=last {
-            tx.try_send(wire(seq, "bad-bearer")).unwrap();
+            assert!(tx.try_send(wire(seq, "bad-bearer")));
             if seq % 997 == 0 {
                 longest = longest.max(std::fs::read(&path).unwrap().len());
             }
         }
-        tx.try_send(wire(last + 1, "grant-approved")).unwrap();
+        assert!(tx.try_send(wire(last + 1, "grant-approved")));
         drop(tx);
         thread.join().unwrap();
         let records = file_records(dir.path());
