@@ -1256,16 +1256,6 @@ mod tests {
             health.clone(),
         )
         .unwrap();
-        let wire = |seq: u64| AuditRecord {
-            seq,
-            time: 1,
-            carrier: "loopback".into(),
-            reason: "bad-bearer".into(),
-            throttled: false,
-            address_class: "loopback".into(),
-            grant: None,
-            count: None,
-        };
         for seq in 1..=3 {
             writer.queue(wire(seq));
             writer.write_pending();
@@ -1292,10 +1282,9 @@ mod tests {
         assert_eq!(seqs, [1, 2, 3, 4]);
     }
 
-    #[test]
-    fn the_writer_queue_holds_its_capacity_and_no_more() {
-        let (tx, rx) = bounded(2);
-        let wire = |seq: u64| AuditRecord {
+    /// A `bad-bearer` refusal record with `seq`, as the writer gets it.
+    fn wire(seq: u64) -> AuditRecord {
+        AuditRecord {
             seq,
             time: 1,
             carrier: "loopback".into(),
@@ -1304,7 +1293,12 @@ mod tests {
             address_class: "loopback".into(),
             grant: None,
             count: None,
-        };
+        }
+    }
+
+    #[test]
+    fn the_writer_queue_holds_its_capacity_and_no_more() {
+        let (tx, rx) = bounded(2);
         assert!(tx.try_send(wire(1)));
         assert!(tx.try_send(wire(2)));
         assert!(!tx.try_send(wire(3)), "full");
