@@ -140,9 +140,12 @@ impl Storm {
     /// client reconnecting would). Timeouts are recorded as stuck.
     async fn send(&self, v: &View, req: &Request, what: &str) -> Option<Response> {
         let started = Instant::now();
+        // A connection made while a restart was under way or just after it can be cut
+        // by that restart later than the window, when the machine is slow.
+        let near_restart = self.restarting.load(Ordering::SeqCst) || self.just_restarted();
         let out = tokio::time::timeout(REQUEST_LIMIT, try_exchange(v.addr, req)).await;
         let took = started.elapsed();
-        let stale = self.maybe_stale(v);
+        let stale = self.maybe_stale(v) || near_restart;
         {
             let mut t = self.tally.lock().expect("tally");
             t.slowest = t.slowest.max(took);
