@@ -640,8 +640,8 @@ impl Drop for Audit {
 const PENDING_MAX: usize = KEEP;
 
 /// The writer's queue: bounded like `sync_channel`, but its memory grows with what is
-/// queued (`sync_channel` builds every slot up front, half a MiB for [`QUEUE`] records
-/// that an idle daemon never sends).
+/// queued (`sync_channel` writes every slot up front: about 0.8 MiB for [`QUEUE`]
+/// records, resident in a daemon that never sends one).
 fn bounded(capacity: usize) -> (Bounded, Drain) {
     let (tx, rx) = std::sync::mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
@@ -1282,6 +1282,14 @@ mod tests {
         assert_eq!(seqs, [1, 2, 3, 4]);
     }
 
+    /// Queue `record`, waiting while the queue is full (as the real sender never does:
+    /// a test that must not drop a record feeds the writer no faster than it writes).
+    fn send_waiting(tx: &Bounded, record: AuditRecord) {
+        while !tx.try_send(record.clone()) {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
     /// A `bad-bearer` refusal record with `seq`, as the writer gets it.
     fn wire(seq: u64) -> AuditRecord {
         AuditRecord {
@@ -1318,7 +1326,7 @@ mod tests {
         let file = std::fs::File::create(&path).unwrap();
         let state = Audit::new().state.clone();
         // The writer as the store runs it, fed without ever dropping a record.
-        let (tx, rx) = bounded(usize::MAX);
+        let (tx, rx) = bounded(16);
         let thread = std::thread::spawn({
             let writer = Writer::new(
                 path.clone(),
@@ -1340,16 +1348,16 @@ mod tests {
             grant: None,
             count: None,
         };
-        assert!(tx.try_send(wire(1, "grant-requested")));
+        send_waiting(&tx, wire(1, "grant-requested"));
         let last = 6 * KEEP as u64 + 1;
         let mut longest = 0;
         for seq in 2..=last {
-            assert!(tx.try_send(wire(seq, "bad-bearer")));
+            send_waiting(&tx, wire(seq, "bad-bearer"));
             if seq % 997 == 0 {
                 longest = longest.max(std::fs::read(&path).unwrap().len());
             }
         }
-        assert!(tx.try_send(wire(last + 1, "grant-approved")));
+        send_waiting(&tx, wire(last + 1, "grant-approved"));
         drop(tx);
         thread.join().unwrap();
         let records = file_records(dir.path());
