@@ -12,12 +12,14 @@ pub mod docker;
 pub mod docs;
 pub mod h2;
 pub mod http;
+pub mod machine;
 pub mod mcp;
 pub mod notify;
 pub mod oidc;
 pub mod procs;
 pub mod remote;
 pub mod secrets;
+pub mod setup;
 pub mod systemd;
 pub mod upstream;
 

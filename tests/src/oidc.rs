@@ -103,13 +103,8 @@ fn server_dir() -> PathBuf {
 impl Oidc {
     /// Start oidc-provider; tokens live `ttl_secs`.
     pub fn start(ttl_secs: u64) -> Oidc {
-        let module = server_dir().join("node_modules/oidc-provider/package.json");
-        assert!(
-            module.exists(),
-            "oidc-provider is not installed ({} is missing): run `npm ci --prefix tests/oidc` \
-             (.ci/run does it)",
-            module.display()
-        );
+        // oidc-provider from npm, pinned by tests/oidc/package-lock.json.
+        crate::setup::ensure("oidc");
         let dir = tempfile::tempdir().expect("tempdir");
         let ca = TestCa::new();
         let (cert, key) = ca.leaf(&["127.0.0.1"]);

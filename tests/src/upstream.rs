@@ -6,87 +6,14 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use crate::daemon::run_bounded;
-
-/// The `mcp` release the tests pin (PyPI).
-pub const MCP_VERSION: &str = "2.3.0";
-/// Creating the venv and installing `mcp` into it, at most.
-const VENV_LIMIT: Duration = Duration::from_secs(300);
-
-/// The venv holding the Python SDK: `target/py-mcp`.
-pub fn venv_dir() -> PathBuf {
-    crate::bin_dir()
-        .parent()
-        .expect("target/<profile> has a parent")
-        .join("py-mcp")
-}
-
-/// The venv's python, with `mcp` at [`MCP_VERSION`]: created on first use (bounded),
-/// once per test binary. `.ci/run` creates it the same way before the tests; by hand:
-/// `python3 -m venv target/py-mcp && target/py-mcp/bin/pip install mcp==2.3.0`.
+/// The venv holding the Python SDK at the pinned release (`target/py-mcp`), made on first
+/// use by `tests/setup.sh py`.
 pub fn sdk_python() -> PathBuf {
-    static READY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    READY
-        .get_or_init(|| ensure_venv(&venv_dir()))
-        .clone()
-        .unwrap_or_else(|e| panic!("the Python MCP SDK is not available: {e}"))
-}
-
-fn sdk_installed(python: &Path) -> bool {
-    let mut cmd = Command::new(python);
-    cmd.args([
-        "-c",
-        "import importlib.metadata as m, mcp.server.mcpserver; print(m.version('mcp'))",
-    ]);
-    let out = run_bounded(cmd, Duration::from_secs(60));
-    out.code() == Some(0) && out.stdout.trim() == MCP_VERSION
-}
-
-fn ensure_venv(dir: &Path) -> Result<PathBuf, String> {
-    let python = dir.join("bin/python");
-    if python.is_file() && sdk_installed(&python) {
-        return Ok(python);
-    }
-    // Built beside the final place and renamed in, so a concurrent test binary never
-    // sees half a venv.
-    let temp = dir.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&temp);
-    let started = Instant::now();
-    let mut venv = Command::new("python3");
-    venv.args(["-m", "venv"]).arg(&temp);
-    let out = run_bounded(venv, VENV_LIMIT);
-    if out.code() != Some(0) {
-        return Err(format!("python3 -m venv failed: {}", out.stderr));
-    }
-    let mut pip = Command::new(temp.join("bin/pip"));
-    pip.args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        &format!("mcp=={MCP_VERSION}"),
-    ]);
-    let out = run_bounded(pip, VENV_LIMIT.saturating_sub(started.elapsed()));
-    if out.code() != Some(0) {
-        return Err(format!(
-            "pip install mcp=={MCP_VERSION} failed (needs PyPI): {}",
-            out.stderr
-        ));
-    }
-    let _ = std::fs::remove_dir_all(dir);
-    if std::fs::rename(&temp, dir).is_err() && !dir.join("bin/python").is_file() {
-        return Err(format!("cannot move the venv to {}", dir.display()));
-    }
-    let _ = std::fs::remove_dir_all(&temp);
-    if !sdk_installed(&python) {
-        return Err(format!(
-            "{} does not import mcp {MCP_VERSION}",
-            python.display()
-        ));
-    }
-    Ok(python)
+    crate::setup::ensure("py");
+    crate::setup::target_dir().join("py-mcp/bin/python")
 }
 
 /// The Python SDK server script.

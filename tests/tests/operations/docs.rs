@@ -92,7 +92,7 @@ const RULES_INSTALL: &str =
 const NOT_RUNNABLE: &[(&str, &str)] = &[
     // README.md
     (
-        "cargo test --workspace --locked",
+        "tests/run",
         "the test suite itself: running it from a test would recurse",
     ),
     // docs/operations.md: install
@@ -139,8 +139,8 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "runs libFuzzer for five minutes; needs a nightly toolchain and cargo-fuzz",
     ),
     (
-        "cargo test --manifest-path fuzz/Cargo.toml --no-default-features --locked",
-        "a separate build of the fuzz workspace; .ci/run runs it on every push",
+        "cargo test -p robota-mcpd --test fuzz_corpus --locked",
+        "a cargo build inside the test suite; the suite runs this test itself",
     ),
     // docs/operations.md: systemd, accounts, journal
     (
@@ -316,17 +316,23 @@ fn on_path(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// The real `curl`, found on the inherited PATH.
-fn real_curl() -> PathBuf {
-    on_path("curl").expect("curl is needed to run the docs' commands; install it")
+/// A Debian tool on the inherited PATH, installed by `tests/setup.sh debian` if missing.
+fn debian_tool(name: &str) -> PathBuf {
+    if let Some(path) = on_path(name) {
+        return path;
+    }
+    robota_e2e::setup::ensure("debian");
+    on_path(name).unwrap_or_else(|| panic!("tests/setup.sh debian did not install {name}"))
 }
 
-/// Prometheus's `promtool`, found on the inherited PATH.
+/// The real `curl`.
+fn real_curl() -> PathBuf {
+    debian_tool("curl")
+}
+
+/// Prometheus's `promtool` (Debian's `prometheus` package).
 fn promtool() -> PathBuf {
-    on_path("promtool").expect(
-        "promtool is needed to check the alert rules: install Debian's `prometheus` package \
-         (apt-get install --no-install-recommends prometheus; .ci/run installs it)",
-    )
+    debian_tool("promtool")
 }
 
 /// Where the current doc daemon listens.
@@ -686,13 +692,22 @@ fn every_json_block_parses() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The docs name files where an operator keeps them (TLS files, a job's program);
+/// The docs name files where an operator keeps them (TLS files, a job's program, the
+/// introspection secret);
 /// check-config reads them, so the snippet is checked with real ones put in their place.
 fn with_tls_files(text: &str, dir: &std::path::Path) -> String {
     const CERT: &str = "/etc/robota-mcpd/tls/fullchain.pem";
     const KEY: &str = "/etc/robota-mcpd/tls/privkey.pem";
     const PROGRAM: &str = "/usr/local/bin/backup";
+    const SECRET: &str = "/etc/robota-mcpd/introspection.secret";
     let mut text = text.to_owned();
+    if text.contains(SECRET) {
+        use std::os::unix::fs::PermissionsExt;
+        let secret = dir.join("introspection.secret");
+        std::fs::write(&secret, "a-client-secret\n").expect("secret");
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        text = text.replace(SECRET, &secret.display().to_string());
+    }
     if text.contains(PROGRAM) {
         use std::os::unix::fs::PermissionsExt;
         let program = dir.join("backup");
