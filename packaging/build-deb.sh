@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Build the Debian package: release binaries, man pages and completions generated from the
-# clap definitions, then cargo-deb with the metadata in daemon/Cargo.toml.
+# Build the Debian package: the release binaries (those the test suite runs), man pages
+# and completions generated from the clap definitions, then cargo-deb with the metadata in
+# daemon/Cargo.toml.
 #
 #   packaging/build-deb.sh            prints the path of the .deb on its last line
 #
 # Needs cargo-deb (`cargo install cargo-deb --locked`), dpkg-dev (dpkg-shlibdeps for the
-# $auto dependencies) and gzip; .ci/run installs them when missing.
+# $auto dependencies) and gzip; tests/setup.sh installs them when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target_dir=${CARGO_TARGET_DIR:-target}
 
+# The release build of the whole workspace, tests included: the same build (the same
+# features of every dependency) as `cargo test --workspace --release`, so the package
+# holds the very binaries the tests ran, and after tests/run this compiles only
+# robota-docgen.
 echo "== release build" >&2
-cargo build --release --locked -p robota-mcpd -p robota-mcpctl
+cargo build --release --locked --workspace --bins --tests
 
 echo "== man pages and completions (robota-docgen)" >&2
 generated="$target_dir/release/docgen"
 rm -rf "$generated"
-cargo run --locked --quiet -p robota-docgen -- "$generated"
+"$target_dir/release/robota-docgen" "$generated"
 # Debian policy: man pages gzipped with -9, no name or timestamp (-n) for reproducibility.
 gzip -9n "$generated"/man/man*/*
 
