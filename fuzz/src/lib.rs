@@ -1,7 +1,8 @@
 //! The checks behind the fuzz targets: each takes arbitrary bytes, feeds them to one parser
 //! on the admission path, and asserts an invariant that must hold for *every* input (not
 //! only "does not panic"). `fuzz_targets/*.rs` wrap them for libFuzzer; the tests below
-//! replay the committed corpus through them on a stable toolchain.
+//! replay the committed corpus through them on a stable toolchain (in CI as part of the
+//! main workspace's `cargo test`, through `daemon/tests/fuzz_corpus.rs`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::OnceLock;
@@ -260,10 +261,12 @@ pub fn jwt(data: &[u8]) {
 mod tests {
     use std::path::Path;
 
-    /// Every committed corpus file through its check (the CI run of the fuzz targets).
+    /// Every committed corpus file through its check (the CI run of the fuzz targets). The
+    /// corpus is found from either crate that compiles this file: the fuzz crate, or the
+    /// daemon's `tests/fuzz_corpus.rs`.
     fn replay(target: &str, check: fn(&[u8])) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("corpus")
+            .join("../fuzz/corpus")
             .join(target);
         let mut seen = 0;
         for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
