@@ -221,10 +221,12 @@ check=$(first_line check-config)
 
 echo "-- maintainer scripts, run in scratch roots"
 # Each scenario gets a copy of the unpacked tree as $DPKG_ROOT, with a minimal user
-# database. deb-systemd-helper, deb-systemd-invoke and systemctl are stubs that log their
-# arguments (the real ones would act on this machine's systemd). "systemd running" is
-# $DPKG_ROOT/run/systemd/system, as the scripts test it. A second PATH lacks
-# systemd-sysusers and systemd-tmpfiles, for the useradd and install -d fallbacks.
+# database, and no systemd running (the scripts test $DPKG_ROOT/run/systemd/system): a
+# container or chroot without systemd as PID 1. deb-systemd-helper and
+# deb-systemd-invoke and systemctl are stubs that log their arguments (the real ones would
+# act on this machine's systemd). A second PATH lacks systemd-sysusers and systemd-tmpfiles, for the
+# useradd and install -d fallbacks. With systemd as PID 1 the scripts run for real in
+# tests/tests/system/.
 stubs=$scratch/stubs
 bare=$scratch/bare
 mkdir -p "$stubs" "$bare" "$scratch/roots"
@@ -249,7 +251,7 @@ chmod 0644 "$scratch/run.toml"
 host_state_before=$([[ -e /var/lib/robota-mcpd ]] && echo yes || echo no)
 host_user_before=$(getent passwd robota-mcpd >/dev/null && echo yes || echo no)
 
-new_root() { # new_root NAME [systemd]: a fresh root, its path printed
+new_root() { # new_root NAME: a fresh root, its path printed
 	local r=$scratch/roots/$1
 	mkdir -p "$r"
 	cp -a "$tree/." "$r/"
@@ -259,7 +261,6 @@ new_root() { # new_root NAME [systemd]: a fresh root, its path printed
 	echo 'root:*:19000:0:99999:7:::' >"$r/etc/shadow"
 	echo 'root:*::' >"$r/etc/gshadow"
 	chmod 0640 "$r/etc/shadow" "$r/etc/gshadow"
-	[[ ${2:-} != systemd ]] || mkdir -p "$r/run/systemd/system"
 	echo "$r"
 }
 # maint ROOT PATH SCRIPT ARGS…: run a maintainer script as dpkg would, bounded in time
@@ -350,41 +351,8 @@ stopped() {
 }
 state_files=(audit.jsonl robota.db robota.db-wal)
 
-echo "   -- systemd running, with systemd-sysusers and systemd-tmpfiles"
-r=$(new_root systemd systemd)
-maint "$r" "$with_tools" postinst configure
-account "$r"
-called 'deb-systemd-helper enable robota-mcpd.service'
-called 'systemctl --system daemon-reload'
-called 'deb-systemd-invoke start robota-mcpd.service'
-# Left-overs of a run as root, and a symbolic link postinst must not follow.
-for file in "${state_files[@]}"; do
-	install -m 0600 /dev/null "$r/var/lib/robota-mcpd/$file"
-done
-install -m 0600 /dev/null "$scratch/victim"
-ln -s "$scratch/victim" "$r/var/lib/robota-mcpd/jwks-cache.json"
-chown 0:0 "$r/var/lib/robota-mcpd"
-chmod 0755 "$r/var/lib/robota-mcpd"
-maint "$r" "$with_tools" postinst configure 0.0.1
-account "$r"
-for file in "${state_files[@]}"; do
-	owned "$r/var/lib/robota-mcpd/$file" "$uid:$gid"
-	said "/var/lib/robota-mcpd/$file was owned by uid:gid 0:0"
-done
-owned "$scratch/victim" 0:0
-called 'deb-systemd-invoke restart robota-mcpd.service'
-maint "$r" "$with_tools" prerm upgrade 0.0.2
-[[ ! -s $scratch/calls ]] || fail "prerm upgrade did something: $(paste -sd';' "$scratch/calls")"
-maint "$r" "$with_tools" prerm remove
-called 'deb-systemd-invoke stop robota-mcpd.service'
-maint "$r" "$with_tools" postrm remove
-[[ -d $r/var/lib/robota-mcpd ]] || fail "postrm remove deleted the state"
-maint "$r" "$with_tools" postrm purge
-[[ ! -e $r/var/lib/robota-mcpd ]] || fail "postrm purge left /var/lib/robota-mcpd"
-if [[ -x /usr/bin/deb-systemd-helper ]]; then # what the fragment tests
-	called 'deb-systemd-helper purge robota-mcpd.service'
-fi
-
+# With systemd running, the scripts are tested for real: tests/tests/system/ installs,
+# upgrades, removes and purges the package in a Debian booted with systemd.
 echo "   -- no systemd running, with systemd-sysusers and systemd-tmpfiles"
 r=$(new_root plain)
 maint "$r" "$with_tools" postinst configure
