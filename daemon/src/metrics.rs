@@ -9,8 +9,10 @@ use prometheus::{
 };
 
 use crate::vocab::ToolErrorCode;
+use crate::vocab::{
+    CancelOutcome, ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection,
+};
 use crate::vocab::{Carrier, GrantEvent, Reason};
-use crate::vocab::{ConnOutcome, Duplicate, FetchOutcome, Listener, RefreshTrigger, Rejection};
 use crate::vocab::{IntrospectionOutcome, JobKind, JobState, StatePart};
 
 /// Metric handles; cheap to clone.
@@ -40,6 +42,7 @@ struct Inner {
     connections_open: IntGaugeVec,
     rejections: IntCounterVec,
     duplicates: IntCounterVec,
+    cancellations: IntCounterVec,
     jobs_recovered: IntGauge,
     upstream_up: IntGaugeVec,
     upstream_restarts: IntCounterVec,
@@ -157,6 +160,11 @@ impl Metrics {
             "idempotency_decisions_total",
             "Calls with an idempotency key seen before, by canonical tool and decision.",
             &["tool", "decision"],
+        );
+        let cancellations = counter(
+            "cancellations_total",
+            "notifications/cancelled that arrived in their own HTTP request, by whether they found the caller's request in flight.",
+            &["outcome"],
         );
         let upstream_restarts = counter(
             "upstream_restarts_total",
@@ -302,6 +310,7 @@ impl Metrics {
             connections_open,
             rejections,
             duplicates,
+            cancellations,
             jobs_recovered,
             upstream_up,
             upstream_restarts,
@@ -350,6 +359,13 @@ impl Metrics {
         self.0
             .duplicates
             .with_label_values(&[tool, decision.as_str()])
+            .inc();
+    }
+
+    pub fn cancellation(&self, outcome: CancelOutcome) {
+        self.0
+            .cancellations
+            .with_label_values(&[outcome.as_str()])
             .inc();
     }
 
@@ -593,6 +609,7 @@ mod tests {
         m.job_finished(JobKind::Template, JobState::Succeeded);
         m.grant_event(GrantEvent::Approved);
         m.duplicate("file.write", Duplicate::Replayed);
+        m.cancellation(CancelOutcome::Matched);
         m.connection(Listener::Loopback, ConnOutcome::Accepted);
         drop(m.open_connection(Listener::Loopback));
         m.rejected(Listener::Loopback, Rejection::Busy);
@@ -675,6 +692,13 @@ mod tests {
                 doc.contains(&format!("`{}`", decision.as_str())),
                 "idempotency decision {}",
                 decision.as_str()
+            );
+        }
+        for outcome in CancelOutcome::ALL {
+            assert!(
+                doc.contains(&format!("`{}`", outcome.as_str())),
+                "cancellation outcome {}",
+                outcome.as_str()
             );
         }
         for listener in Listener::ALL {

@@ -290,6 +290,18 @@ closed_set! {
 }
 
 closed_set! {
+    /// What a `notifications/cancelled` that arrived in its own HTTP request found (the
+    /// `outcome` label of cancellations).
+    pub enum CancelOutcome {
+        /// The same caller's request with that id was in flight: it is cancelled.
+        Matched = "matched",
+        /// No request of that caller with that id was in flight (ended already, never
+        /// sent, or another caller's id): nothing happens.
+        Unmatched = "unmatched",
+    }
+}
+
+closed_set! {
     /// An HTTP listener (the `listener` label).
     pub enum Listener {
         Loopback = "loopback",

@@ -44,7 +44,7 @@ use crate::mcp::{InFlight, McpServer, PassthroughSlot, SUPPORTED_VERSIONS, is_su
 use crate::metrics::Metrics;
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::vocab::Admitted;
-use crate::vocab::{Listener, Rejection};
+use crate::vocab::{CancelOutcome, Listener, Rejection};
 
 /// A carrier's look at a call before it reaches the session: given the canonical tool it
 /// would run (`tools/call`; `job.status` / `job.cancel` for `tasks/get` /
@@ -207,9 +207,13 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             );
         }
         if message.method.as_deref() == Some("notifications/cancelled") {
-            if let Some(id) = cancelled_request_id(&bytes) {
-                self.inflight.cancel(&caller.caller, &id);
-            }
+            let matched = cancelled_request_id(&bytes)
+                .is_some_and(|id| self.inflight.cancel(&caller.caller, &id));
+            self.metrics.cancellation(if matched {
+                CancelOutcome::Matched
+            } else {
+                CancelOutcome::Unmatched
+            });
             return server::empty(StatusCode::ACCEPTED);
         }
         if let Some(gate) = gate {

@@ -148,16 +148,30 @@ async fn busy_and_cancellation_are_per_caller() {
         "B's cancellation POST: {}",
         resp.describe()
     );
-    let watch_until = Instant::now() + Duration::from_millis(500);
-    while Instant::now() < watch_until {
-        assert!(procs::alive(turn), "B's cancellation killed A's turn");
-        assert!(
-            procs::alive(child),
-            "B's cancellation killed A's turn child"
-        );
-        assert!(!a_call.is_finished(), "B's cancellation ended A's request");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    // The endpoint handles a cancellation before it answers 202, and counts what it found:
+    // B's found nothing of B's in flight, so nothing was cancelled.
+    let cancellations = |outcome: &str| {
+        let text = d.metrics_text().expect("metrics");
+        robota_e2e::metric_sum(
+            &text,
+            &[
+                "robota_mcpd_cancellations_total",
+                &format!("outcome=\"{outcome}\""),
+            ],
+        )
+    };
+    assert_eq!(cancellations("unmatched"), 1.0, "B's cancellation");
+    assert_eq!(
+        cancellations("matched"),
+        0.0,
+        "B's cancellation matched A's request"
+    );
+    assert!(procs::alive(turn), "B's cancellation killed A's turn");
+    assert!(
+        procs::alive(child),
+        "B's cancellation killed A's turn child"
+    );
+    assert!(!a_call.is_finished(), "B's cancellation ended A's request");
 
     // A cancels its own request: it ends, and the whole turn group is gone.
     let resp = exchange(addr, &Request::mcp(port, Some(&a), &cancelled(7))).await;
@@ -167,6 +181,7 @@ async fn busy_and_cancellation_are_per_caller() {
         "A's cancellation POST: {}",
         resp.describe()
     );
+    assert_eq!(cancellations("matched"), 1.0, "A's own cancellation");
     let outcome = within(
         Duration::from_secs(10),
         "A's request must end after its cancellation",
