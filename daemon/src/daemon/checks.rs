@@ -533,6 +533,29 @@ fn access(config: &Config, subject: &Subject, found: &mut Findings) {
     }
 }
 
+/// The secrets the daemon reads at start, read here the same way (owner, mode, one line
+/// of text) as the daemon's user, so that a file `check-config` passes cannot fail the
+/// start. The secret itself is dropped at once, and no problem shows it.
+pub fn secret_files(config: &Config, subject: Option<&Subject>, found: &mut Findings) {
+    let Some(introspection) = config
+        .remote
+        .as_ref()
+        .and_then(|r| r.introspection.as_ref())
+    else {
+        return;
+    };
+    let key = "remote.introspection.client_secret_file";
+    let file = &introspection.client_secret_file;
+    if let Some(why) = subject.and_then(|s| s.denied(file, 4)) {
+        found.error(key, why);
+        return;
+    }
+    let uid = subject.map_or_else(|| nix::unistd::geteuid().as_raw(), |s| s.uid);
+    if let Err(e) = crate::oauth::introspect::read_secret_file(file, uid) {
+        found.error(key, crate::error_chain(&e));
+    }
+}
+
 /// The groups new files are given must be the daemon's user's.
 fn new_file_groups(config: &Config, subject: &Subject, found: &mut Findings) {
     for (root, made) in &config.tools.file.new_files {

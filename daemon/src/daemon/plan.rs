@@ -248,6 +248,7 @@ impl Plan {
         let built = super::checks::run(&self.config, &snapshot, None, None);
         found.errors.retain(|e| !built.errors.contains(e));
         found.warnings.retain(|w| !built.warnings.contains(w));
+        super::checks::secret_files(&self.config, subject, &mut found);
         if let Some(origin) = &self.origin {
             crate::config::locate_all(&origin.text, &mut found.errors);
             crate::config::locate_all(&origin.text, &mut found.warnings);

@@ -150,3 +150,44 @@ fn the_units_sandbox_decides_what_a_write_root_may_be() {
     out.expect_code(EXIT_CONFIG, "a write root under the unit's private /tmp");
     assert!(out.stderr.contains("PrivateTmp=yes"), "{}", out.stderr);
 }
+
+#[test]
+fn the_introspection_secret_is_read_as_the_start_reads_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let jwks = write(dir.path(), "jwks.json", r#"{"keys":[]}"#);
+    let secret = write(dir.path(), "secret", "s3cr3t-for-the-issuer\n");
+    let text = format!(
+        "[daemon]\nstate_dir = \"{state}\"\n\n[remote]\nlisten = \"127.0.0.1:0\"\npublic_url = \"https://mcp.example.com/mcp\"\nissuer = \"https://auth.example.com\"\njwks_file = \"{jwks}\"\nallowed_clients = [\"client-a\"]\n\n[remote.introspection]\nclient_id = \"robota-mcpd\"\nclient_secret_file = \"{secret}\"\n",
+        state = dir.path().join("state").display(),
+        jwks = jwks.display(),
+        secret = secret.display(),
+    );
+    let path = write(dir.path(), "c.toml", &text);
+    let key = "remote.introspection.client_secret_file";
+    // Readable by others: the start would refuse it, so check-config does.
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let out = check_config(&path);
+    out.expect_code(EXIT_CONFIG, "check-config with a world-readable secret");
+    assert!(out.stderr.contains(key), "{}", out.stderr);
+    assert!(
+        !out.stderr.contains("s3cr3t"),
+        "the secret is shown: {}",
+        out.stderr
+    );
+    // Private and root's: as root it passes; as nobody it cannot be read at all.
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    check_config(&path).expect_code(0, "check-config with a private secret");
+    let out = check_config_with(&path, &["--as-user", "nobody"]);
+    out.expect_code(EXIT_CONFIG, "check-config --as-user nobody");
+    assert!(
+        out.stderr.contains(key) && out.stderr.contains("nobody cannot read"),
+        "{}",
+        out.stderr
+    );
+    // Empty: not a secret.
+    std::fs::write(&secret, "").expect("truncate");
+    let out = check_config(&path);
+    out.expect_code(EXIT_CONFIG, "check-config with an empty secret file");
+    assert!(out.stderr.contains(key), "{}", out.stderr);
+}
