@@ -12,12 +12,13 @@ cd "$(dirname "$0")/.."
 
 target_dir=${CARGO_TARGET_DIR:-target}
 
-# The release build of the whole workspace, tests included: the same build (the same
-# features of every dependency) as `cargo test --workspace --release`, so the package
-# holds the very binaries the tests ran, and after tests/run this compiles only
-# robota-docgen.
+# The release build of the whole workspace's tests and the three binaries used here: the
+# same build (the same features of every dependency) as `cargo test --workspace
+# --release`, so the package holds the very binaries the tests ran, and after tests/run
+# this compiles only robota-docgen.
 echo "== release build" >&2
-cargo build --release --locked --workspace --bins --tests
+cargo build --release --locked --workspace --tests \
+	--bin robota-mcpd --bin robota-mcpctl --bin robota-docgen
 
 echo "== man pages and completions (robota-docgen)" >&2
 generated="$target_dir/release/docgen"
