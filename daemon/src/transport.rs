@@ -4,7 +4,11 @@
 //! carrier and resolves only when it can serve; it is cancellable (by `stop()`) and
 //! bounded to [`START_BOUND`]. Start before attach is `not-attached`, a second start is
 //! `already-started`. `stop()` is idempotent and bounded to [`STOP_BOUND`]; afterwards
-//! the session is detached, so a restart needs a fresh `attach`.
+//! the session is detached, so a restart needs a fresh `attach`. `hand_over()` is the
+//! stop of a reload: the carrier stops accepting at once (its socket, kept, is the next
+//! carrier's), and what it accepted already is served on in the background — a request
+//! under way is finished, and an idle connection gets the request its peer may be sending
+//! at this very moment — then closed; the [`Handed`] it returns finishes that for good.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +26,48 @@ pub const START_BOUND: Duration = Duration::from_secs(15);
 /// How long `stop()` waits for the carrier to close before aborting it.
 pub const STOP_BOUND: Duration = Duration::from_secs(5);
 
+/// How a carrier stops: `accept` ends its accept loop; `close_idle` also closes the
+/// connections that are not serving a request (a final stop). `accept` alone is a hand-over
+/// (a reload): an idle connection is given the request its peer may be sending before it
+/// is closed, so a client that connected before the switch sees no difference.
+#[derive(Clone, Default)]
+pub struct Drain {
+    pub accept: CancellationToken,
+    pub close_idle: CancellationToken,
+}
+
+impl Drain {
+    /// Stop for good: accept nothing more, close what is idle, finish what is under way.
+    pub fn stop(&self) {
+        self.accept.cancel();
+        self.close_idle.cancel();
+    }
+}
+
+/// A carrier handed over by a reload, still serving what it had accepted.
+pub struct Handed {
+    drain: Drain,
+    task: JoinHandle<()>,
+}
+
+impl Handed {
+    /// Whether it has served everything it had.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Close what is idle, wait (bounded by [`STOP_BOUND`]) for what is under way.
+    pub async fn finish(mut self) {
+        self.drain.stop();
+        if tokio::time::timeout(STOP_BOUND, &mut self.task)
+            .await
+            .is_err()
+        {
+            self.task.abort();
+        }
+    }
+}
+
 /// A place MCP requests arrive: binds in `bind`, serves in `serve`.
 pub trait Carrier: Send + Sync + 'static {
     /// What `bind` produced (a listener, a pipe). Dropping it releases the resource.
@@ -35,12 +81,12 @@ pub trait Carrier: Send + Sync + 'static {
     /// A human-readable address of what was bound.
     fn address(bound: &Self::Bound) -> String;
 
-    /// Serve until `shutdown` fires (then drain) or the carrier ends by itself.
+    /// Serve until `drain` says to stop (then drain) or the carrier ends by itself.
     fn serve<S: RuntimeTools + TurnSubmission>(
         self: Arc<Self>,
         bound: Self::Bound,
         server: McpServer<S>,
-        shutdown: CancellationToken,
+        drain: Drain,
     ) -> impl Future<Output = ()> + Send + 'static;
 }
 
@@ -68,7 +114,7 @@ enum Phase<S> {
 }
 
 struct Running {
-    shutdown: CancellationToken,
+    drain: Drain,
     ended: CancellationToken,
     task: JoinHandle<()>,
     address: String,
@@ -139,7 +185,7 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             }
             Ok(running) => {
                 // stop() ran while we were binding: release what we bound.
-                running.shutdown.cancel();
+                running.drain.stop();
                 running.task.abort();
                 Err(LifecycleError::StoppedDuringStartup)
             }
@@ -176,9 +222,9 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             },
         };
         let address = C::address(&bound);
-        let shutdown = CancellationToken::new();
+        let drain = Drain::default();
         let ended = CancellationToken::new();
-        let serve = self.carrier.clone().serve(bound, server, shutdown.clone());
+        let serve = self.carrier.clone().serve(bound, server, drain.clone());
         let task = tokio::spawn({
             let ended = ended.clone();
             async move {
@@ -187,7 +233,7 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             }
         });
         Ok(Running {
-            shutdown,
+            drain,
             ended,
             task,
             address,
@@ -208,7 +254,7 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
             }
         };
         if let Some(mut running) = running {
-            running.shutdown.cancel();
+            running.drain.stop();
             if tokio::time::timeout(STOP_BOUND, &mut running.task)
                 .await
                 .is_err()
@@ -217,6 +263,31 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
                 running.task.abort();
             }
         }
+    }
+
+    /// The stop of a reload: accept nothing more and detach, at once; what was accepted is
+    /// served on by the returned [`Handed`] until it ends or is finished. (Starting or
+    /// idle: as `stop()`.)
+    pub async fn hand_over(&self) -> Option<Handed> {
+        let running = {
+            let mut phase = self.phase.lock();
+            match std::mem::replace(&mut *phase, Phase::Idle) {
+                Phase::Running(running) => Some(running),
+                other => {
+                    *phase = other;
+                    None
+                }
+            }
+        };
+        let Some(running) = running else {
+            self.stop().await;
+            return None;
+        };
+        running.drain.accept.cancel();
+        Some(Handed {
+            drain: running.drain,
+            task: running.task,
+        })
     }
 
     /// The bound address while serving.
@@ -282,9 +353,9 @@ mod tests {
             self: Arc<Self>,
             _bound: Self::Bound,
             _server: McpServer<S>,
-            shutdown: CancellationToken,
+            drain: Drain,
         ) {
-            shutdown.cancelled().await;
+            drain.accept.cancelled().await;
             self.released.fetch_add(1, Ordering::SeqCst);
         }
     }

@@ -7,11 +7,15 @@
 //!   `shared_peers`, the trusted proxies, are exempt, since every client behind one shares
 //!   its address). A connection that has not sent a complete request head — never, or not
 //!   since its last answer — and whose every byte so far has been read (we are waiting on
-//!   the peer) is *idle*. When the listener (or the address) is full, the oldest idle
-//!   connection gives way to the new one — one that never sent a head before one kept
-//!   alive after an answer; when nothing is idle the new one is refused at once (`503` on
-//!   plain HTTP, a close on TLS) and counted. So a flood of silent or slow sockets keeps
-//!   each other out, not the clients that send a request.
+//!   the peer) is *idle*; one whose requests in flight all wait on their own verification
+//!   (a token with the issuer, a signature check in the suspects' lane: the handler says
+//!   so with [`give_way`]) is as good as unauthenticated. When the listener (or the
+//!   address) is full, the oldest connection that is idle or unauthenticated gives way to
+//!   the new one — one that never sent a head or whose requests are being verified before
+//!   one kept alive after an answer; when none can, the new one is refused at once (`503`
+//!   on plain HTTP, a close on TLS) and counted. So a flood of silent or slow sockets, or of
+//!   tokens the issuer is slow to judge, keeps each other out, not the clients that hold a
+//!   valid credential.
 //! - **Deadlines.** Every byte before the first complete request head — the TLS
 //!   handshake, HTTP/1-vs-HTTP/2 detection, the HTTP/2 preface and SETTINGS, the head
 //!   itself — is under `header_timeout`, counted from accept. After an answer, an HTTP/1.1
@@ -21,8 +25,11 @@
 //! - **Heads.** Header bytes and count are capped on both protocols; an answer of 431 is
 //!   booked through [`Handler::head_refused`].
 //!
-//! Shutdown stops accepting, asks each connection to finish gracefully, and waits for
-//! them; the transport bounds that wait.
+//! Shutdown ([`Drain`]) stops accepting, then each connection finishes what it serves
+//! and closes. On a final stop an idle connection is closed at once; on a hand-over (a
+//! reload: the socket serves on under the next carrier) an idle one first gets the request
+//! its peer may already be sending — closing it under that request would reset it — for
+//! at most [`DRAIN_GRACE`]. The transport bounds the wait of a final stop.
 
 use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
@@ -48,6 +55,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::HttpLimits;
 use crate::metrics::Metrics;
+use crate::transport::Drain;
 use crate::vocab::{ConnOutcome, Listener, address_group};
 
 /// The response body type every carrier answers with.
@@ -137,13 +145,8 @@ fn builder(bounds: &HttpLimits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// Serve `listener` until `shutdown` fires, then drain the open connections.
-pub async fn serve<H: Handler>(
-    listener: TcpListener,
-    options: Options,
-    handler: H,
-    shutdown: CancellationToken,
-) {
+/// Serve `listener` until `drain` says to stop accepting, then drain the open connections.
+pub async fn serve<H: Handler>(listener: TcpListener, options: Options, handler: H, drain: Drain) {
     let Options {
         name,
         bounds,
@@ -162,7 +165,7 @@ pub async fn serve<H: Handler>(
     loop {
         let (stream, peer) = tokio::select! {
             biased;
-            () = shutdown.cancelled() => break,
+            () = drain.accept.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok(pair) => pair,
                 Err(e) => {
@@ -198,10 +201,10 @@ pub async fn serve<H: Handler>(
             metrics: metrics.clone(),
             ticket,
         };
-        let (shutdown, tls) = (shutdown.clone(), tls.clone());
+        let (drain, tls) = (drain.clone(), tls.clone());
         tracker.spawn(async move {
             let open = conn.metrics.open_connection(name);
-            conn.run(stream, tls, &shutdown).await;
+            conn.run(stream, tls, &drain).await;
             drop(open);
         });
     }
@@ -231,12 +234,7 @@ enum Expired {
 }
 
 impl<H: Handler> Conn<H> {
-    async fn run(
-        self,
-        stream: TcpStream,
-        tls: Option<tokio_rustls::TlsAcceptor>,
-        shutdown: &CancellationToken,
-    ) {
+    async fn run(self, stream: TcpStream, tls: Option<tokio_rustls::TlsAcceptor>, drain: &Drain) {
         let kill = self.ticket.kill.clone();
         let stream = Watched {
             io: stream,
@@ -247,7 +245,7 @@ impl<H: Handler> Conn<H> {
                 tokio::select! {
                     biased;
                     () = kill.cancelled() => {}
-                    () = self.serve(TokioIo::new(stream), shutdown) => {}
+                    () = self.serve(TokioIo::new(stream), drain) => {}
                 }
             }
             Some(acceptor) => {
@@ -267,21 +265,22 @@ impl<H: Handler> Conn<H> {
                 tokio::select! {
                     biased;
                     () = kill.cancelled() => {}
-                    () = self.serve(TokioIo::new(stream), shutdown) => {}
+                    () = self.serve(TokioIo::new(stream), drain) => {}
                 }
             }
         }
     }
 
-    async fn serve<I>(&self, io: I, shutdown: &CancellationToken)
+    async fn serve<I>(&self, io: I, drain: &Drain)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
         let service = {
             let (handler, peer, ticket) = (self.handler.clone(), self.peer, self.ticket.clone());
             let max_header_bytes = self.bounds.max_header_bytes;
-            hyper::service::service_fn(move |req: Request<Incoming>| {
+            hyper::service::service_fn(move |mut req: Request<Incoming>| {
                 let busy = ticket.busy();
+                req.extensions_mut().insert(ticket.clone());
                 let handler = handler.clone();
                 async move {
                     let response = if head_too_large(&req, max_header_bytes) {
@@ -308,7 +307,24 @@ impl<H: Handler> Conn<H> {
                     self.connection_error(&*e);
                 }
             }
-            () = shutdown.cancelled() => {
+            () = drain.accept.cancelled() => {
+                // Handed over: an idle connection may have a request on its way (even in
+                // the kernel's buffer, unread); serve it before closing. A final stop does
+                // not wait.
+                if !self.ticket.is_busy() {
+                    tokio::select! {
+                        biased;
+                        () = drain.close_idle.cancelled() => {}
+                        () = self.ticket.until_busy() => {}
+                        () = tokio::time::sleep(DRAIN_GRACE) => {}
+                        result = conn.as_mut() => {
+                            if let Err(e) = result {
+                                self.connection_error(&*e);
+                            }
+                            return;
+                        }
+                    }
+                }
                 conn.as_mut().graceful_shutdown();
                 let _ = tokio::time::timeout(DRAIN_GRACE, conn).await;
             }
@@ -373,8 +389,13 @@ enum Phase {
 
 struct Slot {
     group: Option<IpAddr>,
+    /// Requests in flight.
     active: usize,
+    /// Requests in flight that are waiting on their own verification ([`give_way`]).
+    yielding: usize,
     served: u64,
+    /// Since when the connection has been idle, or serving only requests that are not
+    /// admitted yet.
     idle_since: Instant,
     /// Our last read found nothing more to read: we are waiting on the peer.
     waiting: Arc<AtomicBool>,
@@ -383,10 +404,20 @@ struct Slot {
 }
 
 impl Slot {
-    /// Where an idle slot sorts among the candidates for eviction: those that never sent
-    /// a head first, then those kept alive after an answer, oldest first within each.
+    /// Whether a newcomer may take this slot: every request in flight (if any) is waiting
+    /// on its own verification. An idle connection must also have had all its bytes read
+    /// ([`Inner::evictable`]); one whose requests wait on their credentials (a token with
+    /// the issuer, say) is as good as unauthenticated.
+    fn may_give_way(&self) -> bool {
+        self.active <= self.yielding
+    }
+
+    /// Where a slot that may give way sorts among the candidates for eviction: the
+    /// unauthenticated first — never served, or with requests still being verified —
+    /// then those kept alive after an answer, oldest first within each.
     fn key(&self, id: u64) -> IdleKey {
-        (u8::from(self.served > 0), self.idle_since, id)
+        let kept_alive = self.served > 0 && self.active == 0;
+        (u8::from(kept_alive), self.idle_since, id)
     }
 }
 
@@ -415,7 +446,8 @@ struct Group {
 }
 
 impl Inner {
-    /// The first idle connection, in eviction order, that is waiting on its peer.
+    /// The first connection, in eviction order, that may give way: one before admission,
+    /// or an idle one waiting on its peer.
     fn evictable(&self, group: Option<IpAddr>) -> Option<u64> {
         let idle = match group {
             None => &self.idle,
@@ -424,21 +456,50 @@ impl Inner {
         idle.iter().map(|&(_, _, id)| id).find(|id| {
             self.slots
                 .get(id)
-                .is_some_and(|s| s.waiting.load(Ordering::Relaxed))
+                .is_some_and(|s| s.active > 0 || s.waiting.load(Ordering::Relaxed))
         })
+    }
+
+    /// Takes `id` out of the eviction order, applies `change`, and puts it back where it
+    /// now belongs (if it may give way).
+    fn rekey(&mut self, id: u64, change: impl FnOnce(&mut Slot)) {
+        let Some(slot) = self.slots.get_mut(&id) else {
+            return;
+        };
+        let before = slot.may_give_way().then(|| slot.key(id));
+        change(slot);
+        let after = slot.may_give_way().then(|| slot.key(id));
+        let group = slot.group;
+        if before == after {
+            return;
+        }
+        if let Some(key) = before {
+            self.idle.remove(&key);
+        }
+        if let Some(key) = after {
+            self.idle.insert(key);
+        }
+        if let Some(group) = group.and_then(|g| self.groups.get_mut(&g)) {
+            if let Some(key) = before {
+                group.idle.remove(&key);
+            }
+            if let Some(key) = after {
+                group.idle.insert(key);
+            }
+        }
     }
 
     fn remove(&mut self, id: u64) -> Option<Slot> {
         let slot = self.slots.remove(&id)?;
-        let key = slot.key(id);
-        if slot.active == 0 {
+        let key = slot.may_give_way().then(|| slot.key(id));
+        if let Some(key) = key {
             self.idle.remove(&key);
         }
         if let Some(g) = slot.group
             && let Some(group) = self.groups.get_mut(&g)
         {
             group.open -= 1;
-            if slot.active == 0 {
+            if let Some(key) = key {
                 group.idle.remove(&key);
             }
             if group.open == 0 {
@@ -448,41 +509,40 @@ impl Inner {
         Some(slot)
     }
 
-    /// A request head arrived on `id`.
+    /// A request head arrived on `id`: the connection holds its slot.
     fn start_request(&mut self, id: u64) {
-        let Some(slot) = self.slots.get_mut(&id) else {
-            return;
-        };
-        if slot.active == 0 {
-            let key = slot.key(id);
-            self.idle.remove(&key);
-            if let Some(group) = slot.group.and_then(|g| self.groups.get_mut(&g)) {
-                group.idle.remove(&key);
+        self.rekey(id, |slot| {
+            if slot.active == 0 {
+                slot.phase.send_replace(Phase::Busy);
             }
-            slot.phase.send_replace(Phase::Busy);
-        }
-        slot.active += 1;
-        slot.served += 1;
+            slot.active += 1;
+            slot.served += 1;
+        });
+    }
+
+    /// A request on `id` waits on its own verification (`true`), or no longer does.
+    fn yielding(&mut self, id: u64, starts: bool, now: Instant) {
+        self.rekey(id, |slot| {
+            if starts {
+                slot.yielding += 1;
+                slot.idle_since = now;
+            } else {
+                slot.yielding = slot.yielding.saturating_sub(1);
+            }
+        });
     }
 
     /// A request on `id` was answered (or dropped).
     fn end_request(&mut self, id: u64, now: Instant) {
-        let Some(slot) = self.slots.get_mut(&id) else {
-            return;
-        };
-        slot.active -= 1;
-        if slot.active > 0 {
-            return;
-        }
-        slot.idle_since = now;
-        let key = slot.key(id);
-        self.idle.insert(key);
-        if let Some(group) = slot.group.and_then(|g| self.groups.get_mut(&g)) {
-            group.idle.insert(key);
-        }
-        slot.phase.send_replace(Phase::Idle {
-            since: now,
-            served: slot.served,
+        self.rekey(id, |slot| {
+            slot.active = slot.active.saturating_sub(1);
+            if slot.active == 0 {
+                slot.idle_since = now;
+                slot.phase.send_replace(Phase::Idle {
+                    since: now,
+                    served: slot.served,
+                });
+            }
         });
     }
 }
@@ -537,6 +597,7 @@ impl Table {
             Slot {
                 group,
                 active: 0,
+                yielding: 0,
                 served: 0,
                 idle_since: now,
                 waiting: waiting.clone(),
@@ -597,6 +658,33 @@ impl Ticket {
     fn busy(&self) -> Busy {
         self.table.inner.lock().start_request(self.id);
         Busy(self.clone())
+    }
+
+    /// Whether a request is in flight on this connection.
+    fn is_busy(&self) -> bool {
+        self.table
+            .inner
+            .lock()
+            .slots
+            .get(&self.id)
+            .is_some_and(|s| s.active > 0)
+    }
+
+    /// Resolves once a request is in flight on this connection.
+    async fn until_busy(&self) {
+        let rx = self
+            .table
+            .inner
+            .lock()
+            .slots
+            .get(&self.id)
+            .map(|s| s.phase.subscribe());
+        let Some(mut rx) = rx else {
+            return std::future::pending().await;
+        };
+        if rx.wait_for(|p| matches!(p, Phase::Busy)).await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// The request just answered was not admitted: it does not count as served.
@@ -721,6 +809,35 @@ impl Drop for Busy {
         let id = self.0.id;
         self.0.table.inner.lock().end_request(id, Instant::now());
     }
+}
+
+/// While it lives, its request waits on its own verification (a token with the issuer, a
+/// signature check in the suspects' lane), and its connection counts as unauthenticated:
+/// it gives way to a newcomer like one that never sent a request, so a request nobody has
+/// authenticated yet never holds a slot a newcomer cannot take.
+pub struct Yielded(Ticket);
+
+impl Drop for Yielded {
+    fn drop(&mut self) {
+        let id = self.0.id;
+        self.0
+            .table
+            .inner
+            .lock()
+            .yielding(id, false, Instant::now());
+    }
+}
+
+/// Marks `req` (come through [`serve`]) as waiting on its own verification until the
+/// returned guard is dropped.
+pub fn give_way<B>(req: &Request<B>) -> Option<Yielded> {
+    let ticket = req.extensions().get::<Ticket>()?.clone();
+    ticket
+        .table
+        .inner
+        .lock()
+        .yielding(ticket.id, true, Instant::now());
+    Some(Yielded(ticket))
 }
 
 /// A response body that keeps its connection busy until it has been sent (or dropped).
@@ -923,13 +1040,71 @@ mod tests {
         assert!(!unread.as_ref().unwrap().kill.is_cancelled());
     }
 
+    /// A request on `ticket` (the connection holds its slot).
+    fn serving(ticket: &Ticket) -> Busy {
+        ticket.busy()
+    }
+
+    #[test]
+    fn a_request_waiting_on_its_verification_gives_way_to_a_newcomer() {
+        let t = Arc::new(Table::new(2, None));
+        let now = Instant::now() - Duration::from_secs(60);
+        let (verifying, _) = admit(&t, None, now);
+        let (served, _) = admit(&t, None, now + Duration::from_secs(1));
+        let (verifying, served) = (verifying.unwrap(), served.unwrap());
+        // Both have a request in flight; one of them waits on its token.
+        let _v = serving(&verifying);
+        let waiting_on_token = {
+            t.inner.lock().yielding(verifying.id, true, Instant::now());
+            Yielded(verifying.clone())
+        };
+        let _s = serving(&served);
+        let (newcomer, evicted) = admit(&t, None, Instant::now());
+        assert!(newcomer.is_some() && evicted);
+        assert!(
+            verifying.kill.is_cancelled(),
+            "the request being verified gave way"
+        );
+        assert!(!served.kill.is_cancelled());
+        drop(waiting_on_token);
+        // Verified, then answered: the newcomer's connection holds its slot while busy,
+        // and gives way again only once idle.
+        let newcomer = newcomer.unwrap();
+        let busy = newcomer.busy();
+        t.inner.lock().yielding(newcomer.id, true, Instant::now());
+        assert!(
+            t.inner
+                .lock()
+                .idle
+                .iter()
+                .any(|&(_, _, id)| id == newcomer.id)
+        );
+        t.inner.lock().yielding(newcomer.id, false, Instant::now());
+        assert!(
+            !t.inner
+                .lock()
+                .idle
+                .iter()
+                .any(|&(_, _, id)| id == newcomer.id)
+        );
+        drop(busy);
+        assert!(
+            t.inner
+                .lock()
+                .idle
+                .iter()
+                .any(|&(_, _, id)| id == newcomer.id)
+        );
+        assert_eq!(t.inner.lock().slots[&newcomer.id].yielding, 0);
+    }
+
     #[test]
     fn connections_that_never_sent_a_head_go_before_those_kept_alive() {
         let t = Arc::new(Table::new(2, None));
         let t0 = Instant::now() - Duration::from_secs(60);
         let (kept, _) = admit(&t, None, t0);
         let kept = kept.unwrap();
-        drop(kept.busy());
+        drop(serving(&kept));
         // `silent` arrives long after `kept` went idle, and still goes first.
         let (silent, _) = admit(&t, None, Instant::now() + Duration::from_secs(30));
         let (_newcomer, evicted) = admit(&t, None, Instant::now() + Duration::from_secs(31));
@@ -947,7 +1122,7 @@ mod tests {
         let (c, _) = admit(&t, None, at(2));
         let (a, b, c) = (a.unwrap(), b.unwrap(), c.unwrap());
         // `a` sends a request: it is busy, so `b` is now the oldest idle one.
-        let busy = a.busy();
+        let busy = serving(&a);
         let (d, evicted) = admit(&t, None, at(3));
         assert!(d.is_some() && evicted);
         assert!(b.kill.is_cancelled() && !a.kill.is_cancelled() && !c.kill.is_cancelled());
@@ -957,7 +1132,7 @@ mod tests {
         assert!(evicted && c.kill.is_cancelled() && !a.kill.is_cancelled());
         // Everyone busy: a newcomer is refused.
         let d = d.unwrap();
-        let _busy = (a.busy(), d.busy());
+        let _busy = (serving(&a), serving(&d));
         let still_idle = t.inner.lock().idle.len();
         assert_eq!(still_idle, 1);
     }
@@ -968,7 +1143,7 @@ mod tests {
         let now = Instant::now();
         let (a, _) = admit(&t, None, now);
         let (b, _) = admit(&t, None, now);
-        let _busy = (a.as_ref().unwrap().busy(), b.as_ref().unwrap().busy());
+        let _busy = (serving(a.as_ref().unwrap()), serving(b.as_ref().unwrap()));
         let (c, evicted) = admit(&t, None, now);
         assert!(c.is_none() && !evicted);
         // A connection that ends frees its slot.
@@ -990,7 +1165,7 @@ mod tests {
         assert!(!y1.as_ref().unwrap().kill.is_cancelled(), "y is untouched");
         assert!(!x2.as_ref().unwrap().kill.is_cancelled());
         // Both of x's slots busy: x is refused while y still gets in.
-        let _busy = (x2.as_ref().unwrap().busy(), x3.as_ref().unwrap().busy());
+        let _busy = (serving(x2.as_ref().unwrap()), serving(x3.as_ref().unwrap()));
         assert!(admit(&t, Some("198.51.100.1"), now).0.is_none());
         assert!(admit(&t, Some("198.51.100.2"), now).0.is_some());
         // Exempt peers (trusted proxies) are held to the global cap only.
@@ -1029,7 +1204,7 @@ mod tests {
         assert_eq!(ticket.deadline(&bounds).await, Expired::Head);
         assert_eq!(started.elapsed(), Duration::from_secs(5));
         // A request, then an answer: the idle deadline counts from the answer.
-        let busy = ticket.busy();
+        let busy = serving(&ticket);
         let waiting = tokio::spawn(ticket.deadline(&bounds));
         tokio::time::sleep(Duration::from_secs(100)).await;
         assert!(!waiting.is_finished(), "a busy connection has no deadline");

@@ -8,12 +8,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rmcp::ServiceExt;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::{StdioConfig, WireNameProfile};
 use crate::mcp::McpServer;
 use crate::session::{RuntimeTools, TurnSubmission};
-use crate::transport::Carrier;
+use crate::transport::{Carrier, Drain};
 use crate::vocab::Caller;
 
 pub struct StdioCarrier {
@@ -41,13 +40,13 @@ impl Carrier for StdioCarrier {
         self: Arc<Self>,
         bound: Self::Bound,
         server: McpServer<S>,
-        shutdown: CancellationToken,
+        drain: Drain,
     ) {
         let (stdin, stdout) = bound;
         let limit = usize::try_from(self.request_limit).unwrap_or(usize::MAX);
         let caller = Caller::Local(nix::unistd::geteuid().as_raw());
         let transport = super::lines::transport(stdin, stdout, limit, caller);
-        match server.serve_with_ct(transport, shutdown).await {
+        match server.serve_with_ct(transport, drain.accept).await {
             Ok(running) => {
                 if let Err(e) = running.waiting().await {
                     tracing::warn!(error = %e, "stdio session ended abnormally");

@@ -95,7 +95,7 @@ pub(super) struct Served {
 pub(super) struct Scraper {
     pub configured: SocketAddr,
     pub address: String,
-    pub stop: CancellationToken,
+    pub stop: crate::transport::Drain,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -123,6 +123,8 @@ pub(super) struct Core {
     pub served: RwLock<Arc<Served>>,
     pub sockets: Arc<Sockets>,
     pub scraper: Mutex<Option<Scraper>>,
+    /// Carriers a reload handed over, still serving what they had accepted.
+    pub handed: Mutex<Vec<crate::transport::Handed>>,
     /// Who may use the control socket: a reload changes it for new connections.
     pub control: Arc<RwLock<ControlConfig>>,
     pub control_path: String,
@@ -447,10 +449,10 @@ impl Core {
         })
     }
 
-    /// Stop the old carriers, serve `next` on a fresh attach.
+    /// Hand the old carriers over, serve `next` on a fresh attach.
     async fn switch(self: &Arc<Self>, next: Next) -> Result<(), DaemonError> {
         let config = next.served.plan.config.clone();
-        self.stop_carriers().await;
+        self.hand_over_carriers().await;
         *self.session.write() = None;
         self.stop_upstreams().await;
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
@@ -508,7 +510,7 @@ impl Core {
             ipv6_prefix: 64,
             metrics: self.metrics.clone(),
         };
-        let stop = CancellationToken::new();
+        let stop = crate::transport::Drain::default();
         let task = tokio::spawn(crate::carrier::http::serve(
             listener,
             options,
@@ -537,7 +539,27 @@ impl Core {
         }
     }
 
+    /// The carriers' stop of a reload: they accept nothing more at once, and serve what
+    /// they had accepted in the background (kept in `handed`, finished by a final stop).
+    async fn hand_over_carriers(&self) {
+        let served = self.served();
+        let mut handed = Vec::new();
+        if let Some(l) = &served.loopback {
+            handed.extend(l.hand_over().await);
+        }
+        if let Some(r) = &served.remote {
+            handed.extend(r.hand_over().await);
+        }
+        let mut kept = self.handed.lock();
+        kept.retain(|h| !h.is_finished());
+        kept.extend(handed);
+    }
+
+    /// Stop every carrier: the current ones and those a reload handed over.
     pub(super) async fn stop_carriers(&self) {
+        let handed = std::mem::take(&mut *self.handed.lock());
+        futures_util::future::join_all(handed.into_iter().map(crate::transport::Handed::finish))
+            .await;
         let served = self.served();
         let loopback = async {
             if let Some(l) = &served.loopback {
@@ -556,7 +578,7 @@ impl Core {
     pub(super) async fn stop_metrics(&self) {
         let scraper = self.scraper.lock().take();
         if let Some(s) = scraper {
-            s.stop.cancel();
+            s.stop.stop();
             let _ = s.task.await;
         }
     }

@@ -199,3 +199,116 @@ async fn a_bearer_with_a_lifetime_outlives_the_process_until_revoked() {
     );
     d.assert_no_secrets();
 }
+
+/// Reloads that keep the listener's address keep its socket, and the carrier handed over
+/// serves what it had accepted: a client sees no difference — no refused connect, no
+/// reset, no request left unanswered — whether it opens a connection per request or keeps
+/// one alive (reconnecting when an answer says `Connection: close`, as HTTP/1.1 asks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_across_reloads_see_no_difference() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use robota_e2e::http::{Conn, try_exchange};
+
+    const RELOADS: u64 = 30;
+    let d = Arc::new(Daemon::start(""));
+    // A bearer with a lifetime: every reload keeps it.
+    let bearer = d.bearer_with_ttl("steady", "1h");
+    let addr = d.loopback_addr();
+    let done = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let request = Request::mcp(addr.port(), Some(&bearer), &tools_list(1));
+    let mut clients = Vec::new();
+    for i in 0..8 {
+        let (done, answered, failures, request) = (
+            done.clone(),
+            answered.clone(),
+            failures.clone(),
+            request.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let keep_alive = i % 4 == 0;
+            let mut conn: Option<Conn> = None;
+            while !done.load(Ordering::Relaxed) {
+                let outcome = if keep_alive {
+                    let c = match conn.as_mut() {
+                        Some(c) => c,
+                        None => match Conn::connect(addr).await {
+                            Ok(c) => conn.insert(c),
+                            Err(e) => {
+                                failures.lock().unwrap().push(format!("connect: {e}"));
+                                continue;
+                            }
+                        },
+                    };
+                    let exchanged = async {
+                        c.write(&request.to_bytes()).await?;
+                        c.read_response().await
+                    };
+                    match tokio::time::timeout(Duration::from_secs(20), exchanged).await {
+                        Ok(result) => result,
+                        Err(_) => Err(std::io::Error::other("no answer within 20 s")),
+                    }
+                } else {
+                    try_exchange(addr, &request).await
+                };
+                match outcome {
+                    Ok(resp) if resp.status == 200 => {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                        if resp
+                            .header("connection")
+                            .is_some_and(|v| v.eq_ignore_ascii_case("close"))
+                        {
+                            conn = None;
+                        }
+                    }
+                    Ok(resp) => {
+                        failures.lock().unwrap().push(resp.describe());
+                        conn = None;
+                    }
+                    Err(e) => {
+                        let how = if keep_alive { "kept-alive" } else { "fresh" };
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("{how} connection: {e}"));
+                        conn = None;
+                    }
+                }
+            }
+        }));
+    }
+    for k in 1..=RELOADS {
+        d.signal(Signal::SIGHUP);
+        let d = d.clone();
+        let reloaded = tokio::task::spawn_blocking(move || {
+            robota_e2e::poll_until_blocking(
+                Duration::from_secs(20),
+                Duration::from_millis(20),
+                || d.status().generation >= k,
+            )
+        })
+        .await
+        .expect("status poll");
+        assert!(reloaded, "reload {k} did not complete");
+    }
+    done.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.await.expect("client");
+    }
+    let failures = failures.lock().unwrap().clone();
+    let answered = answered.load(Ordering::Relaxed);
+    eprintln!("{answered} requests answered across {RELOADS} reloads");
+    assert!(
+        answered > RELOADS * 8,
+        "too few requests to tell: {answered}"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} requests failed across {RELOADS} reloads: {failures:?}",
+        failures.len(),
+        answered + failures.len() as u64
+    );
+}

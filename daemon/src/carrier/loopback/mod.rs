@@ -27,7 +27,7 @@ use crate::config::{Limits, LoopbackConfig, WireNameProfile};
 use crate::mcp::McpServer;
 use crate::metrics::Metrics;
 use crate::session::{RuntimeTools, TurnSubmission};
-use crate::transport::Carrier;
+use crate::transport::{Carrier, Drain};
 use crate::vocab::Caller;
 use crate::vocab::Listener;
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
@@ -94,11 +94,11 @@ impl Carrier for LoopbackCarrier {
         self: Arc<Self>,
         listener: TcpListener,
         server: McpServer<S>,
-        shutdown: CancellationToken,
+        drain: Drain,
     ) {
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         let expected = Expected::new(&self.config.path, port);
-        // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
+        // Fires after the drain, not with `drain` (see `Endpoint::new`).
         let drained = CancellationToken::new();
         let site = Site {
             listener: Listener::Loopback,
@@ -130,7 +130,7 @@ impl Carrier for LoopbackCarrier {
             ipv6_prefix: 64,
             metrics: self.metrics.clone(),
         };
-        server::serve(listener, options, handler, shutdown).await;
+        server::serve(listener, options, handler, drain).await;
         drained.cancel();
     }
 }

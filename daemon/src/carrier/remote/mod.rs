@@ -39,7 +39,7 @@ use crate::mcp::McpServer;
 use crate::metrics::Metrics;
 use crate::oauth::Verifier;
 use crate::session::{RuntimeTools, TurnSubmission};
-use crate::transport::Carrier;
+use crate::transport::{Carrier, Drain};
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
 use crate::vocab::{Admitted, Caller};
 use crate::vocab::{Listener, Rejection};
@@ -145,10 +145,10 @@ impl Carrier for RemoteCarrier {
         self: Arc<Self>,
         bound: Bound,
         server: McpServer<S>,
-        shutdown: CancellationToken,
+        drain: Drain,
     ) {
         let url = &self.config.public_url;
-        // Fires after the drain, not with `shutdown` (see `Endpoint::new`).
+        // Fires after the drain, not with `drain` (see `Endpoint::new`).
         let drained = CancellationToken::new();
         let site = Site {
             listener: Listener::Remote,
@@ -185,7 +185,7 @@ impl Carrier for RemoteCarrier {
             ipv6_prefix: self.config.throttle.ipv6_prefix,
             metrics: self.metrics.clone(),
         };
-        server::serve(bound.listener, options, handler, shutdown).await;
+        server::serve(bound.listener, options, handler, drain).await;
         drained.cancel();
     }
 }
@@ -231,6 +231,10 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
             Route::Metadata => return server::unadmitted(self.metadata(req.method())),
             Route::Endpoint => {}
         }
+        // While its token is being verified (an opaque one with the issuer, a suspect's
+        // signature in the lane of one), the connection counts as unauthenticated and
+        // gives way to a newcomer when the listener is full.
+        let yielded = server::give_way(&req);
         let outcome = match admission::credentials(req.headers()) {
             Credentials::Missing => Err(Failure::Missing),
             Credentials::Malformed => Err(Failure::MalformedHeader),
@@ -247,6 +251,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 .await
                 .map_err(Failure::Token),
         };
+        drop(yielded);
         let over_budget = match &outcome {
             Ok(_) => None,
             Err(_) => c.throttle.check(client, Instant::now()),
