@@ -16,7 +16,6 @@ use robota_proto::{Command, ErrorCode, MAX_REQUEST_BYTES, Request, Response};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -25,12 +24,22 @@ use crate::config::ControlConfig;
 use crate::metrics::Metrics;
 use crate::vocab::{AddressClass, Carrier, Reason};
 
-/// Most control connections served at once (relayed MCP sessions included).
+/// Most control connections of uids other than root served at once (relayed MCP
+/// sessions included).
 const MAX_CONNECTIONS: usize = 64;
+/// Most connections one uid other than root holds at once (a relayed MCP session of
+/// each desktop client, an `audit --follow`, a few commands).
+const MAX_PER_UID: usize = 16;
+/// Most connections root holds at once. Root's do not count toward [`MAX_CONNECTIONS`], so
+/// no allowed peer, nor a few of them, can lock root out.
+const ROOT_MAX: usize = 64;
 /// How long shutdown waits for open control connections.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
 /// How long a connection may sit between requests.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one request may take to arrive once its first byte has: a frame trickled in
+/// slowly does not hold a connection for long.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Who is on the other end of a control connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,7 +207,7 @@ pub async fn serve<A: ControlApi>(
     shutdown: CancellationToken,
 ) {
     let own_uid = nix::unistd::geteuid().as_raw();
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let slots = Arc::new(Slots::default());
     let tracker = TaskTracker::new();
     loop {
         let stream = tokio::select! {
@@ -213,21 +222,21 @@ pub async fn serve<A: ControlApi>(
                 }
             },
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            let mut stream = stream;
-            let _ = write_frame(
-                &mut stream,
-                &Response::error(ErrorCode::Unavailable, "too many control connections"),
-            )
-            .await;
-            continue;
-        };
         // Who may connect is read per connection: a reload changes it for the next one.
         let config = config.read().clone();
-        let (api, audit, metrics) = (api.clone(), audit.clone(), metrics.clone());
+        let (api, audit, metrics, slots) =
+            (api.clone(), audit.clone(), metrics.clone(), slots.clone());
         tracker.spawn(async move {
-            let _permit = permit;
-            connection(stream, own_uid, &config, api.as_ref(), &audit, &metrics).await;
+            connection(
+                stream,
+                own_uid,
+                &config,
+                &slots,
+                api.as_ref(),
+                &audit,
+                &metrics,
+            )
+            .await;
         });
     }
     tracker.close();
@@ -236,10 +245,69 @@ pub async fn serve<A: ControlApi>(
     drop(socket);
 }
 
+/// The control connections open now, by uid.
+#[derive(Default)]
+struct Slots(parking_lot::Mutex<SlotCounts>);
+
+#[derive(Default)]
+struct SlotCounts {
+    by_uid: std::collections::HashMap<u32, usize>,
+    /// Those of every uid but root.
+    shared: usize,
+}
+
+/// A connection's place in [`Slots`], given back when dropped.
+struct Slot {
+    slots: Arc<Slots>,
+    uid: u32,
+}
+
+impl Slots {
+    /// A place for one more connection of `uid`, or why there is none.
+    fn take(self: &Arc<Self>, uid: u32) -> Result<Slot, String> {
+        let mut counts = self.0.lock();
+        let held = counts.by_uid.get(&uid).copied().unwrap_or(0);
+        if held >= if uid == 0 { ROOT_MAX } else { MAX_PER_UID } {
+            return Err(format!(
+                "too many control connections: uid {uid} holds {held}, the most one uid may hold at once"
+            ));
+        }
+        if uid != 0 && counts.shared >= MAX_CONNECTIONS {
+            return Err(format!(
+                "too many control connections: {MAX_CONNECTIONS} are open (root can still connect)"
+            ));
+        }
+        *counts.by_uid.entry(uid).or_default() += 1;
+        if uid != 0 {
+            counts.shared += 1;
+        }
+        Ok(Slot {
+            slots: self.clone(),
+            uid,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut counts = self.slots.0.lock();
+        if let Some(n) = counts.by_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                counts.by_uid.remove(&self.uid);
+            }
+        }
+        if self.uid != 0 {
+            counts.shared -= 1;
+        }
+    }
+}
+
 async fn connection<A: ControlApi>(
     mut stream: UnixStream,
     own_uid: u32,
     config: &ControlConfig,
+    slots: &Arc<Slots>,
     api: &A,
     audit: &Audit,
     metrics: &Metrics,
@@ -269,20 +337,53 @@ async fn connection<A: ControlApi>(
         tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
         let reply = Response::error(
             ErrorCode::PermissionDenied,
-            format!("uid {} is not allowed on the control socket", peer.uid),
+            format!(
+                "uid {} is not allowed on the control socket: the daemon admits root, its own \
+                 user, and the uids in [control] allow_uids or members of the groups in \
+                 [control] allow_gids of its configuration",
+                peer.uid
+            ),
         );
         let _ = write_frame(&mut stream, &reply).await;
         return;
     }
+    let _slot = match slots.take(peer.uid) {
+        Ok(slot) => slot,
+        Err(why) => {
+            tracing::warn!(uid = peer.uid, "control connection refused: {why}");
+            let _ = write_frame(&mut stream, &Response::error(ErrorCode::Unavailable, why)).await;
+            return;
+        }
+    };
     let (reader, mut writer) = stream.into_split();
     let mut reader = BufReader::new(reader);
     loop {
+        // Between requests a connection may idle; once a request has begun, it must
+        // arrive whole within FRAME_TIMEOUT.
+        match tokio::time::timeout(IDLE_TIMEOUT, reader.fill_buf()).await {
+            Ok(Ok([])) | Err(_) => return,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "control read failed");
+                return;
+            }
+        }
         let mut line = Vec::new();
         let mut limited = (&mut reader).take(MAX_REQUEST_BYTES as u64);
         let read = limited.read_until(b'\n', &mut line);
-        match tokio::time::timeout(IDLE_TIMEOUT, read).await {
-            Ok(Ok(0)) | Err(_) => return,
+        match tokio::time::timeout(FRAME_TIMEOUT, read).await {
             Ok(Ok(_)) => {}
+            Err(_) => {
+                let reply = Response::error(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "a request must arrive whole within {} s of its first byte",
+                        FRAME_TIMEOUT.as_secs()
+                    ),
+                );
+                let _ = write_frame(&mut writer, &reply).await;
+                return;
+            }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "control read failed");
                 return;
@@ -477,5 +578,63 @@ mod tests {
         assert!(!c.socket.exists(), "the socket is removed on shutdown");
         // With the first daemon gone, the lock is free again.
         drop(bind(&c).unwrap());
+    }
+
+    #[tokio::test]
+    async fn one_uid_holds_at_most_its_share_and_a_trickled_frame_is_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(&[], &[]);
+        c.socket = dir.path().join("control.sock");
+        let socket = bind(&c).unwrap();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve(
+            socket,
+            Arc::new(parking_lot::RwLock::new(c.clone())),
+            Arc::new(Echo),
+            Arc::new(Audit::new()),
+            Metrics::new(),
+            shutdown.clone(),
+        ));
+        // Each holds a request begun and not finished.
+        let mut held = Vec::new();
+        for _ in 0..ROOT_MAX {
+            let mut stream = UnixStream::connect(&c.socket).await.unwrap();
+            stream.write_all(b"{\"v\":1").await.unwrap();
+            held.push(stream);
+        }
+        let mut one_more = UnixStream::connect(&c.socket).await.unwrap();
+        let reply = roundtrip(&mut one_more, b"{\"v\":1,\"cmd\":\"status\"}\n").await;
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.code == ErrorCode::Unavailable
+                && e.message.contains(&format!("uid 0 holds {ROOT_MAX}"))),
+            "{reply:?}"
+        );
+        // The held ones are cut FRAME_TIMEOUT after their first byte, saying why.
+        let started = std::time::Instant::now();
+        let mut reader = BufReader::new(&mut held[0]);
+        let mut out = String::new();
+        reader.read_line(&mut out).await.unwrap();
+        let reply: Response = serde_json::from_str(&out).unwrap();
+        assert!(
+            matches!(reply.outcome, Outcome::Error(ref e) if e.code == ErrorCode::BadRequest
+                && e.message.contains("whole within")),
+            "{reply:?}"
+        );
+        assert!(started.elapsed() < FRAME_TIMEOUT + Duration::from_secs(5));
+        // Their slots are given back as the server sees them end.
+        drop(held);
+        let mut served = false;
+        for _ in 0..100 {
+            let mut again = UnixStream::connect(&c.socket).await.unwrap();
+            let reply = roundtrip(&mut again, b"{\"v\":1,\"cmd\":\"status\"}\n").await;
+            if matches!(reply.outcome, Outcome::Error(ref e) if e.message == "Status from 0") {
+                served = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(served, "the slots were never given back");
+        shutdown.cancel();
+        server.await.unwrap();
     }
 }

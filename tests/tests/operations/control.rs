@@ -389,3 +389,62 @@ fn absurd_bearer_ttls_are_refused_and_the_daemon_keeps_serving() {
         .unwrap_or_else(|| panic!("no bearer \"year\": {reply}"));
     assert!(entry["expires_at"].as_u64().is_some(), "{reply}");
 }
+
+/// An allowed peer that holds connections with requests that never end (a frame trickled
+/// in) gets at most its own share; root and other allowed uids are still served.
+#[test]
+fn one_allowed_peer_holding_connections_cannot_lock_others_out() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let d = Daemon::start("[control]\nallow_uids = [65534, 65533]\n");
+    open_socket_to_all(&d);
+    // uid 65534 opens 70 connections, each with a request begun and never finished.
+    let script = r#"
+import socket, sys, time
+held, refused, said = [], 0, ""
+for _ in range(70):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.sendall(b'{"v":1,"command"')
+    held.append(s)
+for s in held:
+    s.settimeout(0.5)
+    try:
+        data = s.recv(4096)
+    except socket.timeout:
+        continue
+    if data:
+        refused += 1
+        said = data.decode()
+print(f"held {70 - refused} refused {refused} {said.strip()}", flush=True)
+time.sleep(60)
+"#;
+    let mut holder = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(d.socket_path())
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    std::io::BufReader::new(holder.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the holder's report");
+    // Root and another allowed uid are served while the holder holds what it got.
+    let root = d.ctl(&["status"]);
+    let other = d.ctl_as(NOBODY - 1, NOBODY - 1, &["status"]);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    assert!(line.starts_with("held 16 refused 54 "), "{line}");
+    assert!(
+        line.contains("uid 65534 holds 16"),
+        "the refusal says which bound: {line}"
+    );
+    root.expect_code(0, "status as root while uid 65534 holds its connections");
+    other.expect_code(
+        0,
+        "status as uid 65533 while uid 65534 holds its connections",
+    );
+}
