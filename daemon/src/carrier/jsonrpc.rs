@@ -119,6 +119,14 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
     let id = match &fields.id {
         None => None,
         Some(Kind::Str(s)) => Some(Value::String(s.clone())),
+        // The SDK reads integer ids as i64: a larger one would be refused by it as
+        // unparsable (a plain-text 415), not as the JSON-RPC error it is.
+        Some(Kind::Int(n)) if n.as_i64().is_none() => {
+            return Err(Invalid::Request {
+                id: Some(Value::Number(n.clone())),
+                why: "an integer `id` must be within the signed 64-bit range",
+            });
+        }
         Some(Kind::Int(n)) => Some(Value::Number(n.clone())),
         Some(_) => {
             return Err(Invalid::Request {
@@ -134,6 +142,10 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
         });
     }
     match &fields.method {
+        Some(Kind::Str(_)) if fields.result || fields.error => Err(Invalid::Request {
+            id,
+            why: "a request or notification carries no `result` or `error`",
+        }),
         Some(Kind::Str(method)) => {
             if fields.params.as_ref().is_some_and(|p| !p.is_object()) {
                 return Err(Invalid::Params {
@@ -151,19 +163,16 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
                 },
                 _ => None,
             };
-            // A request that also carries `result` or `error` is the SDK's to refuse.
-            let plain = !fields.result
-                && !fields.error
-                && match &fields.params {
-                    None => true,
-                    Some(Kind::Object(Some(params))) if method == "tools/call" => {
-                        params.members
-                            == usize::from(params.name.is_some())
-                                + usize::from(params.arguments.is_some())
-                    }
-                    Some(Kind::Object(Some(params))) => params.members == 0,
-                    Some(_) => false,
-                };
+            let plain = match &fields.params {
+                None => true,
+                Some(Kind::Object(Some(params))) if method == "tools/call" => {
+                    params.members
+                        == usize::from(params.name.is_some())
+                            + usize::from(params.arguments.is_some())
+                }
+                Some(Kind::Object(Some(params))) => params.members == 0,
+                Some(_) => false,
+            };
             let method = Some(method.clone());
             Ok(Inspected {
                 id,
@@ -465,8 +474,6 @@ mod tests {
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","_meta":{}}}"#,
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","task":{}}}"#,
             r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"a"}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"result":{},"method":"ping"}"#,
-            r#"{"jsonrpc":"2.0","id":1,"error":null,"method":"tools/call","params":{"name":"a"}}"#,
         ] {
             assert!(!ok(body).plain, "{body}");
         }
@@ -490,13 +497,35 @@ mod tests {
         assert_eq!(n.id, None);
         let resp = ok(r#"{"jsonrpc":"2.0","id":3,"result":{}}"#);
         assert_eq!((resp.id, resp.method), (None, None));
-        let big = ok(r#"{"jsonrpc":"2.0","id":18446744073709551615,"method":"ping"}"#);
-        assert_eq!(big.id, Some(json!(u64::MAX)));
+        let edge = ok(r#"{"jsonrpc":"2.0","id":9223372036854775807,"method":"ping"}"#);
+        assert_eq!(edge.id, Some(json!(i64::MAX)));
+        let edge = ok(r#"{"jsonrpc":"2.0","id":-9223372036854775808,"method":"ping"}"#);
+        assert_eq!(edge.id, Some(json!(i64::MIN)));
     }
 
     #[test]
     fn each_defect_gets_its_json_rpc_code_and_the_id_where_known() {
-        let cases: [(&str, i32, Value); 18] = [
+        let cases: [(&str, i32, Value); 22] = [
+            (
+                r#"{"jsonrpc":"2.0","id":9223372036854775808,"method":"ping"}"#,
+                -32600,
+                json!(9_223_372_036_854_775_808_u64),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":18446744073709551615,"method":"tools/list"}"#,
+                -32600,
+                json!(u64::MAX),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":1,"result":{},"method":"ping"}"#,
+                -32600,
+                json!(1),
+            ),
+            (
+                r#"{"jsonrpc":"2.0","id":2,"error":null,"method":"tools/call","params":{"name":"a"}}"#,
+                -32600,
+                json!(2),
+            ),
             ("", -32700, Value::Null),
             ("{", -32700, Value::Null),
             (
