@@ -25,7 +25,7 @@ use robota_mcpd::config::KeySource;
 use robota_mcpd::config::{Environment, parse};
 use robota_mcpd::config::{PublicUrl, parse_net};
 use robota_mcpd::metrics::Metrics;
-use robota_mcpd::oauth::jwt::SUPPORTED_ALGORITHMS;
+use robota_mcpd::oauth::token::SUPPORTED_ALGORITHMS;
 use robota_mcpd::oauth::{JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Principal, Verifier};
 use robota_mcpd::vocab::Reason;
 

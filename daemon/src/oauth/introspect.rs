@@ -32,9 +32,9 @@ use reqwest::Url;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
+use super::claims::{Policy, StrictObject, check_claims};
 use super::jwks::{FetchError, Fetcher, https_url};
-use super::jwt::{Clock, Policy, StrictObject, check_claims};
-use super::{MAX_TOKEN_BYTES, Principal};
+use super::{Clock, MAX_TOKEN_BYTES, Principal};
 use crate::bearer::Secret;
 use crate::metrics::Metrics;
 use crate::vocab::{ClientAuth, IntrospectionOutcome, Reason};

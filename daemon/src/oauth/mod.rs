@@ -7,7 +7,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::SystemTime;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
 
 use robota_proto::KeySetStatus;
 
@@ -30,6 +31,10 @@ pub struct Principal {
 pub type VerifyFuture<'a> = Pin<Box<dyn Future<Output = Result<Principal, Reason>> + Send + 'a>>;
 /// A key-set refresh: `Err` carries why it failed (the held keys stay in use).
 pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'a>>;
+
+/// The monotonic clock behind the verifier's cooldowns and its key-set refresh schedule
+/// (injectable for tests). The default is tokio's clock, so paused-time tests move it too.
+pub(crate) type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// Decides whether an access token is acceptable at `now`.
 ///
@@ -59,10 +64,14 @@ pub trait Verifier: Send + Sync + 'static {
 }
 
 mod b64;
+pub mod cache;
+pub mod claims;
 pub mod introspect;
 pub mod jwks;
 pub mod jwt;
+pub mod keyset;
 #[cfg(test)]
 mod testutil;
+pub mod token;
 
 pub use jwt::{BuildError, JwtConfig, JwtVerifier, LoadError};

@@ -1,6 +1,6 @@
 //! Test fixtures for the OAuth verifier: signing keys with their public JWKs, token
-//! minting with arbitrary headers and claims, a manual clock, and a tiny HTTPS server on
-//! 127.0.0.1 with its own CA.
+//! minting with arbitrary headers and claims, a verifier over a key file and its verdicts,
+//! a manual clock, and a tiny HTTPS server on 127.0.0.1 with its own CA.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -19,8 +19,12 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::b64;
-use super::jwt::{Clock, JwtConfig, SUPPORTED_ALGORITHMS};
+use super::jwt::{JwtConfig, JwtVerifier};
+use super::token::SUPPORTED_ALGORITHMS;
+use super::{Clock, Principal, Verifier};
 use crate::config::KeySource;
+use crate::metrics::Metrics;
+use crate::vocab::Reason;
 
 /// The verifiers' clock in tests (2027-01-15).
 pub(crate) fn now() -> SystemTime {
@@ -187,6 +191,39 @@ pub(crate) fn write(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, body).unwrap();
     path
+}
+
+pub(crate) fn build(config: JwtConfig) -> JwtVerifier {
+    JwtVerifier::build(config, Metrics::new()).expect("verifier builds")
+}
+
+/// A verifier over a local JWKS file holding `keys`, loaded.
+pub(crate) async fn file_verifier(dir: &std::path::Path, keys: &[&TestKey]) -> JwtVerifier {
+    let path = write(dir, "jwks.json", &jwks(keys));
+    let v = build(config(ISSUER, KeySource::JwksFile(path), dir));
+    v.load().await.expect("keys load");
+    v
+}
+
+pub(crate) async fn verdict(v: &JwtVerifier, token: &str) -> Result<Principal, Reason> {
+    v.verify(token, now()).await
+}
+
+/// `claims()` with `changes` applied (`null` removes a claim).
+pub(crate) fn with(changes: Value) -> Value {
+    let mut c = claims();
+    for (k, v) in changes.as_object().unwrap() {
+        if v.is_null() {
+            c.as_object_mut().unwrap().remove(k);
+        } else {
+            c[k] = v.clone();
+        }
+    }
+    c
+}
+
+pub(crate) fn testutil_b64(bytes: &[u8]) -> String {
+    crate::oauth::b64::encode(bytes)
 }
 
 /// A monotonic clock the test moves by hand.

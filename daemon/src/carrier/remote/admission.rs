@@ -192,7 +192,7 @@ pub fn decide(
                 counted: false,
                 throttled: false,
                 // Keys are asked for again at most once per refetch cooldown.
-                retry_after: Some(crate::oauth::jwt::REFETCH_COOLDOWN.as_secs()),
+                retry_after: Some(crate::oauth::keyset::REFETCH_COOLDOWN.as_secs()),
             });
         }
         Failure::Token(Reason::IntrospectionUnavailable) => {
