@@ -31,6 +31,7 @@
 //! its peer may already be sending — closing it under that request would reset it — for
 //! at most [`DRAIN_GRACE`]. The transport bounds the wait of a final stop.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
@@ -434,9 +435,11 @@ struct Table {
 struct Inner {
     next: u64,
     slots: HashMap<u64, Slot>,
-    /// Connections without a request in flight, in eviction order.
-    idle: BTreeSet<IdleKey>,
-    groups: HashMap<IpAddr, Group>,
+    /// Connections by address group (`None`: trusted proxies', exempt from the per-address
+    /// cap), each with those that may give way in eviction order.
+    groups: HashMap<Option<IpAddr>, Group>,
+    /// Address groups by how many connections they hold, the most first.
+    by_size: BTreeSet<(Reverse<usize>, IpAddr)>,
 }
 
 #[derive(Default)]
@@ -446,18 +449,57 @@ struct Group {
 }
 
 impl Inner {
-    /// The first connection, in eviction order, that may give way: one before admission,
-    /// or an idle one waiting on its peer.
-    fn evictable(&self, group: Option<IpAddr>) -> Option<u64> {
-        let idle = match group {
-            None => &self.idle,
-            Some(g) => &self.groups.get(&g)?.idle,
-        };
-        idle.iter().map(|&(_, _, id)| id).find(|id| {
-            self.slots
-                .get(id)
-                .is_some_and(|s| s.active > 0 || s.waiting.load(Ordering::Relaxed))
-        })
+    /// The first connection of `group`, in eviction order, that may give way: one before
+    /// admission, or an idle one waiting on its peer.
+    fn evictable_in(&self, group: Option<IpAddr>) -> Option<IdleKey> {
+        self.groups
+            .get(&group)?
+            .idle
+            .iter()
+            .copied()
+            .find(|(_, _, id)| {
+                self.slots
+                    .get(id)
+                    .is_some_and(|s| s.active > 0 || s.waiting.load(Ordering::Relaxed))
+            })
+    }
+
+    /// The connection that gives way when the listener is full: from the address group
+    /// holding the most connections that has one that may (the first in eviction order
+    /// among groups of that size), trusted proxies' last. So peers that fill the listener
+    /// from a few addresses make room from their own connections, never from a client
+    /// holding one.
+    fn evictable(&self) -> Option<u64> {
+        let mut best: Option<(usize, IdleKey)> = None;
+        for &(Reverse(open), group) in &self.by_size {
+            if best.is_some_and(|(size, _)| open < size) {
+                break;
+            }
+            if let Some(key) = self.evictable_in(Some(group))
+                && best.is_none_or(|(_, b)| key < b)
+            {
+                best = Some((open, key));
+            }
+        }
+        best.map(|(_, key)| key)
+            .or_else(|| self.evictable_in(None))
+            .map(|(_, _, id)| id)
+    }
+
+    fn resize(&mut self, group: Option<IpAddr>, change: impl FnOnce(&mut usize)) {
+        let entry = self.groups.entry(group).or_default();
+        let before = entry.open;
+        change(&mut entry.open);
+        let after = entry.open;
+        if after == 0 {
+            self.groups.remove(&group);
+        }
+        if let Some(g) = group {
+            self.by_size.remove(&(Reverse(before), g));
+            if after > 0 {
+                self.by_size.insert((Reverse(after), g));
+            }
+        }
     }
 
     /// Takes `id` out of the eviction order, applies `change`, and puts it back where it
@@ -473,13 +515,7 @@ impl Inner {
         if before == after {
             return;
         }
-        if let Some(key) = before {
-            self.idle.remove(&key);
-        }
-        if let Some(key) = after {
-            self.idle.insert(key);
-        }
-        if let Some(group) = group.and_then(|g| self.groups.get_mut(&g)) {
+        if let Some(group) = self.groups.get_mut(&group) {
             if let Some(key) = before {
                 group.idle.remove(&key);
             }
@@ -491,22 +527,22 @@ impl Inner {
 
     fn remove(&mut self, id: u64) -> Option<Slot> {
         let slot = self.slots.remove(&id)?;
-        let key = slot.may_give_way().then(|| slot.key(id));
-        if let Some(key) = key {
-            self.idle.remove(&key);
-        }
-        if let Some(g) = slot.group
-            && let Some(group) = self.groups.get_mut(&g)
+        if slot.may_give_way()
+            && let Some(group) = self.groups.get_mut(&slot.group)
         {
-            group.open -= 1;
-            if let Some(key) = key {
-                group.idle.remove(&key);
-            }
-            if group.open == 0 {
-                self.groups.remove(&g);
-            }
+            group.idle.remove(&slot.key(id));
         }
+        self.resize(slot.group, |open| *open -= 1);
         Some(slot)
+    }
+
+    /// Every connection that may give way, in no particular order.
+    #[cfg(test)]
+    fn idle_ids(&self) -> Vec<u64> {
+        self.groups
+            .values()
+            .flat_map(|g| g.idle.iter().map(|&(_, _, id)| id))
+            .collect()
     }
 
     /// A request head arrived on `id`: the connection holds its slot.
@@ -563,11 +599,11 @@ impl Table {
         let mut inner = self.inner.lock();
         let mut evicted = false;
         let group_full = match (group, self.per_address) {
-            (Some(g), Some(cap)) => inner.groups.get(&g).is_some_and(|g| g.open >= cap),
+            (Some(_), Some(cap)) => inner.groups.get(&group).is_some_and(|g| g.open >= cap),
             _ => false,
         };
         if group_full {
-            match inner.evictable(group) {
+            match inner.evictable_in(group).map(|(_, _, id)| id) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -576,7 +612,7 @@ impl Table {
             }
         }
         if inner.slots.len() >= self.max {
-            match inner.evictable(None) {
+            match inner.evictable() {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -605,12 +641,9 @@ impl Table {
                 phase,
             },
         );
-        let key = (0, now, id);
-        inner.idle.insert(key);
-        if let Some(g) = group {
-            let entry = inner.groups.entry(g).or_default();
-            entry.open += 1;
-            entry.idle.insert(key);
+        inner.resize(group, |open| *open += 1);
+        if let Some(g) = inner.groups.get_mut(&group) {
+            g.idle.insert((0, now, id));
         }
         let ticket = Ticket(Arc::new(TicketInner {
             table: self.clone(),
@@ -1025,6 +1058,43 @@ mod tests {
     }
 
     #[test]
+    fn a_full_listener_makes_room_from_the_group_holding_the_most() {
+        let t = Arc::new(Table::new(6, Some(4)));
+        let now = Instant::now() - Duration::from_secs(60);
+        let at = |s| now + Duration::from_secs(s);
+        // The lone client came first: the oldest waiting of all.
+        let lone = admit(&t, Some("198.51.100.9"), at(0)).0.unwrap();
+        let mut flood = Vec::new();
+        for (i, addr) in [
+            "203.0.113.1",
+            "203.0.113.1",
+            "203.0.113.1",
+            "203.0.113.2",
+            "203.0.113.2",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            flood.push(admit(&t, Some(addr), at(1 + i as u64)).0.unwrap());
+        }
+        let (_newcomer, evicted) = admit(&t, Some("203.0.113.2"), at(10));
+        assert!(evicted);
+        assert!(!lone.kill.is_cancelled(), "the lone client keeps its slot");
+        assert!(
+            flood[0].kill.is_cancelled(),
+            "the oldest of the biggest group gives way"
+        );
+        assert!(flood[1..].iter().all(|f| !f.kill.is_cancelled()));
+        // 203.0.113.2 holds three now (its newcomer among them), 203.0.113.1 two.
+        let (_next, evicted) = admit(&t, Some("192.0.2.7"), at(11));
+        assert!(evicted && flood[3].kill.is_cancelled());
+        // Two groups of two: the older candidate of the two goes.
+        let (_last, evicted) = admit(&t, Some("192.0.2.8"), at(12));
+        assert!(evicted && flood[1].kill.is_cancelled());
+        assert!(!flood[4].kill.is_cancelled() && !lone.kill.is_cancelled());
+    }
+
+    #[test]
     fn a_connection_whose_bytes_are_not_read_yet_is_never_evicted() {
         let t = Arc::new(Table::new(2, None));
         let now = Instant::now() - Duration::from_secs(60);
@@ -1072,29 +1142,11 @@ mod tests {
         let newcomer = newcomer.unwrap();
         let busy = newcomer.busy();
         t.inner.lock().yielding(newcomer.id, true, Instant::now());
-        assert!(
-            t.inner
-                .lock()
-                .idle
-                .iter()
-                .any(|&(_, _, id)| id == newcomer.id)
-        );
+        assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
         t.inner.lock().yielding(newcomer.id, false, Instant::now());
-        assert!(
-            !t.inner
-                .lock()
-                .idle
-                .iter()
-                .any(|&(_, _, id)| id == newcomer.id)
-        );
+        assert!(!t.inner.lock().idle_ids().contains(&newcomer.id));
         drop(busy);
-        assert!(
-            t.inner
-                .lock()
-                .idle
-                .iter()
-                .any(|&(_, _, id)| id == newcomer.id)
-        );
+        assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
         assert_eq!(t.inner.lock().slots[&newcomer.id].yielding, 0);
     }
 
@@ -1133,7 +1185,7 @@ mod tests {
         // Everyone busy: a newcomer is refused.
         let d = d.unwrap();
         let _busy = (serving(&a), serving(&d));
-        let still_idle = t.inner.lock().idle.len();
+        let still_idle = t.inner.lock().idle_ids().len();
         assert_eq!(still_idle, 1);
     }
 
@@ -1183,7 +1235,7 @@ mod tests {
             .collect();
         drop(tickets);
         let inner = t.inner.lock();
-        assert!(inner.slots.is_empty() && inner.idle.is_empty() && inner.groups.is_empty());
+        assert!(inner.slots.is_empty() && inner.groups.is_empty() && inner.by_size.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
