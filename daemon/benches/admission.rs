@@ -21,8 +21,8 @@ use robota_mcpd::carrier::loopback::admission::{self as loopback, Expected};
 use robota_mcpd::carrier::remote::admission::{self as remote, Challenges, Credentials, Failure};
 use robota_mcpd::config::{KeySource, PublicUrl};
 use robota_mcpd::metrics::Metrics;
-use robota_mcpd::oauth::Verifier;
 use robota_mcpd::oauth::jwt::{JwtConfig, JwtVerifier};
+use robota_mcpd::oauth::{Asker, Verifier};
 
 const PUBLIC: &str = "https://mcp.example.com/mcp";
 const ISSUER: &str = "https://auth.example.com";
@@ -144,7 +144,7 @@ fn main() {
         remote::route(&ruri, headers, &url).unwrap();
         let outcome = match remote::credentials(headers) {
             Credentials::Token(t) => rt
-                .block_on(verifier.verify(t, SystemTime::now()))
+                .block_on(verifier.verify(t, SystemTime::now(), Asker::anyone()))
                 .map_err(Failure::Token),
             _ => Err(Failure::Missing),
         };

@@ -87,6 +87,10 @@ closed_set! {
         /// Remote: an opaque token could not be checked because the issuer's introspection
         /// endpoint did not answer usefully (503, not counted toward throttling).
         IntrospectionUnavailable = "introspection-unavailable",
+        /// Remote: an opaque token the answer cache does not know, from a client over its
+        /// failure budget that has used its few introspections of the window (429, counted):
+        /// the issuer was not asked.
+        NotIntrospected = "not-introspected",
         WrongHost = "wrong-host",
         WrongOrigin = "wrong-origin",
         BadBearer = "bad-bearer",
@@ -249,8 +253,11 @@ closed_set! {
         /// The issuer answered `active: false`.
         Inactive = "inactive",
         /// No usable answer: network, TLS, status, time-out, or a body that is not an
-        /// introspection answer; also a request not sent because too many were in flight.
+        /// introspection answer.
         Error = "error",
+        /// Not sent: no place for it within 1 s (16 in flight in all, or 2 of the same
+        /// client's).
+        Busy = "busy",
     }
 }
 

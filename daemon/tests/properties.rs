@@ -26,7 +26,7 @@ use robota_mcpd::config::{Environment, parse};
 use robota_mcpd::config::{PublicUrl, parse_net};
 use robota_mcpd::metrics::Metrics;
 use robota_mcpd::oauth::token::SUPPORTED_ALGORITHMS;
-use robota_mcpd::oauth::{JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Principal, Verifier};
+use robota_mcpd::oauth::{Asker, JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Principal, Verifier};
 use robota_mcpd::vocab::Reason;
 
 /// `cases` cases, no regression files written into the tree.
@@ -1065,7 +1065,8 @@ fn jwt_pre_checks() {
     )
     .unwrap();
     rt.block_on(verifier.load()).unwrap();
-    let verify = |token: &str| rt.block_on(verifier.verify(token, SystemTime::now()));
+    let verify =
+        |token: &str| rt.block_on(verifier.verify(token, SystemTime::now(), Asker::anyone()));
 
     let mut runner = TestRunner::new(config(256));
     let text = prop_oneof![

@@ -18,7 +18,7 @@ use robota_mcpd::config::{Environment, parse};
 use robota_mcpd::config::{PublicUrl, parse_net};
 use robota_mcpd::metrics::Metrics;
 use robota_mcpd::oauth::token::SUPPORTED_ALGORITHMS;
-use robota_mcpd::oauth::{JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Verifier};
+use robota_mcpd::oauth::{Asker, JwtConfig, JwtVerifier, MAX_TOKEN_BYTES, Verifier};
 use robota_mcpd::vocab::Reason;
 use robota_proto::Request;
 
@@ -248,7 +248,7 @@ pub fn jwt(data: &[u8]) {
         return;
     };
     let (runtime, verifier) = verifier();
-    let got = runtime.block_on(verifier.verify(token, SystemTime::now()));
+    let got = runtime.block_on(verifier.verify(token, SystemTime::now(), Asker::anyone()));
     assert!(got.is_err(), "accepted {token:?}");
     if token.len() > MAX_TOKEN_BYTES {
         assert_eq!(got.err(), Some(Reason::Oversize));

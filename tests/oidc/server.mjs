@@ -8,7 +8,9 @@
 // signs with the same key), `resource` (the daemon's public URL), `scopes` (the
 // resource's scopes), `ttl` (access-token lifetime, seconds), `clients` (client_id,
 // client_secret, `format`: "jwt" or "opaque"), `introspector` (client_id,
-// client_secret: the daemon's own client).
+// client_secret: the daemon's own client), `introspection_delay` (a file holding the
+// milliseconds every introspection answer waits before it is computed, read per request:
+// a test makes the issuer slow, or stalled, while it runs).
 //
 // It listens on 127.0.0.1 only, prints one line `{"issuer": …, "port": …}` once it
 // serves, and exits when its standard input closes (the test that started it is gone).
@@ -94,6 +96,21 @@ server.listen(config.port, '127.0.0.1', () => {
     // A client-credentials token speaks for its client: its subject is the client id, in
     // the introspection answer as in the JWT (where oidc-provider does this itself).
     extraTokenClaims: (_ctx, token) => (token.accountId ? undefined : { sub: token.clientId }),
+  });
+  // A slow issuer, as the test says at this moment.
+  provider.use(async (ctx, next) => {
+    if (ctx.method === 'POST' && ctx.path.endsWith('/token/introspection')) {
+      let ms = 0;
+      try {
+        ms = Number.parseInt(fs.readFileSync(config.introspection_delay, 'utf8'), 10) || 0;
+      } catch {
+        ms = 0;
+      }
+      if (ms > 0) {
+        await new Promise((resolve) => setTimeout(resolve, ms));
+      }
+    }
+    await next();
   });
   server.on('request', provider.callback());
   process.stdout.write(`${JSON.stringify({ issuer, port })}\n`);

@@ -233,6 +233,19 @@ impl Conn {
         })
     }
 
+    /// A connection from the loopback address `from` (127.0.0.0/8 holds many: one client
+    /// address per test client).
+    pub async fn connect_from(from: std::net::IpAddr, addr: SocketAddr) -> io::Result<Conn> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::new(from, 0))?;
+        let stream = socket.connect(addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Conn {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
     pub async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.stream.write_all(bytes).await?;
         self.stream.flush().await
@@ -389,6 +402,26 @@ impl Conn {
 pub async fn try_exchange(addr: SocketAddr, req: &Request) -> io::Result<Response> {
     let fut = async {
         let mut c = Conn::connect(addr).await?;
+        c.write(&req.to_bytes()).await?;
+        c.read_response().await
+    };
+    match tokio::time::timeout(EXCHANGE_LIMIT, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no complete response within {EXCHANGE_LIMIT:?}"),
+        )),
+    }
+}
+
+/// [`try_exchange`] on a connection from the loopback address `from`.
+pub async fn try_exchange_from(
+    from: std::net::IpAddr,
+    addr: SocketAddr,
+    req: &Request,
+) -> io::Result<Response> {
+    let fut = async {
+        let mut c = Conn::connect_from(from, addr).await?;
         c.write(&req.to_bytes()).await?;
         c.read_response().await
     };

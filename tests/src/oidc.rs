@@ -8,8 +8,8 @@
 //! [`INTROSPECTOR`]. It can be stopped and started again on the same port with the same
 //! signing key (its tokens are kept in memory only, so a restart forgets them).
 //!
-//! `.ci/run` installs the pinned package (`tests/oidc/package-lock.json`) with `npm ci`;
-//! without it, [`Oidc::start`] fails saying so.
+//! `tests/setup.sh oidc` installs the pinned package (`tests/oidc/package-lock.json`) with
+//! `npm ci`, on first use.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -128,6 +128,7 @@ impl Oidc {
                 client(STRANGER, "jwt"),
             ],
             "introspector": {"client_id": INTROSPECTOR.id, "client_secret": INTROSPECTOR.secret},
+            "introspection_delay": dir.path().join("introspection-delay"),
         });
         let config_path = dir.path().join("config.json");
         std::fs::write(&config_path, config.to_string()).expect("config");
@@ -197,6 +198,14 @@ impl Oidc {
     }
 
     /// What the server wrote on stderr.
+    /// Makes every introspection answer wait `delay` before it is computed (`None`: at
+    /// once), from the next request on.
+    pub fn set_introspection_delay(&self, delay: Option<Duration>) {
+        let ms = delay.map_or(0, |d| d.as_millis());
+        std::fs::write(self.dir.path().join("introspection-delay"), ms.to_string())
+            .expect("write the introspection delay");
+    }
+
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("oidc.stderr")).unwrap_or_default()
     }

@@ -95,11 +95,11 @@ mod tests {
 
     use super::*;
     use crate::config::KeySource;
-    use crate::oauth::Verifier;
     use crate::oauth::testutil::{
         ISSUER, TestKey, build, claims, config, file_verifier, jwks, now, unix, verdict, with,
         write,
     };
+    use crate::oauth::{Asker, Verifier};
     use crate::vocab::{Reason, RefreshTrigger};
 
     #[tokio::test]
@@ -117,13 +117,14 @@ mod tests {
         // Within the skew after exp: still a hit; beyond it: refused with the exact reason.
         let exp = first.expires_at;
         assert!(
-            v.verify(&token, exp + Duration::from_secs(59))
+            v.verify(&token, exp + Duration::from_secs(59), Asker::anyone())
                 .await
                 .is_ok()
         );
         assert_eq!(v.signature_checks(), 1);
         assert_eq!(
-            v.verify(&token, exp + Duration::from_secs(61)).await,
+            v.verify(&token, exp + Duration::from_secs(61), Asker::anyone())
+                .await,
             Err(Reason::Expired)
         );
         // Before nbf (beyond the skew) a cached token is not valid either.
@@ -131,7 +132,8 @@ mod tests {
         let early = key.sign(&key.header(), &with(json!({"nbf": unix(nbf)})));
         assert!(verdict(&v, &early).await.is_ok());
         assert_eq!(
-            v.verify(&early, nbf - Duration::from_secs(61)).await,
+            v.verify(&early, nbf - Duration::from_secs(61), Asker::anyone())
+                .await,
             Err(Reason::NotYetValid)
         );
         // Failures of a well-signed token are not cached.

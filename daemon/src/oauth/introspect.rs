@@ -30,11 +30,11 @@ use base64::Engine;
 use parking_lot::Mutex;
 use reqwest::Url;
 use serde_json::Value;
-use tokio::sync::Semaphore;
 
 use super::claims::{Policy, StrictObject, check_claims};
 use super::jwks::{FetchError, Fetcher, https_url};
-use super::{Clock, MAX_TOKEN_BYTES, Principal};
+use super::places::Places;
+use super::{Asker, Clock, MAX_TOKEN_BYTES, Principal};
 use crate::bearer::Secret;
 use crate::metrics::Metrics;
 use crate::vocab::{ClientAuth, IntrospectionOutcome, Reason};
@@ -43,6 +43,9 @@ use crate::vocab::{ClientAuth, IntrospectionOutcome, Reason};
 pub const INTROSPECTION_TIMEOUT: Duration = Duration::from_secs(5);
 /// Introspection requests in flight at once, whatever tokens arrive.
 pub const MAX_IN_FLIGHT: usize = 16;
+/// Of those, one client's (its address group) at most; a freed place goes to the waiting
+/// client with the fewest in flight, so a few busy clients never take every place.
+pub const PER_CLIENT: usize = 2;
 /// Longest a token waits for a place among them (then `introspection-unavailable`).
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Least time between two on-demand discoveries of the endpoint after one failed.
@@ -199,7 +202,8 @@ pub(crate) struct Introspector {
     secret: parking_lot::RwLock<Option<Secret>>,
     auth: ClientAuth,
     ttl: Duration,
-    slots: Semaphore,
+    places: Places,
+    metrics: Metrics,
     cache: Mutex<AnswerCache>,
     clock: Clock,
 }
@@ -210,6 +214,7 @@ impl Introspector {
         settings: IntrospectionSettings,
         issuer: &str,
         clock: Clock,
+        metrics: Metrics,
     ) -> Result<Self, SettingsError> {
         let configured = match &settings.endpoint {
             Some(text) => {
@@ -230,7 +235,8 @@ impl Introspector {
             secret: parking_lot::RwLock::new(None),
             auth: settings.auth,
             ttl: settings.cache,
-            slots: Semaphore::new(MAX_IN_FLIGHT),
+            places: Places::new(MAX_IN_FLIGHT, PER_CLIENT),
+            metrics,
             cache: Mutex::new(AnswerCache::default()),
             clock,
         })
@@ -302,15 +308,16 @@ impl Introspector {
         }
     }
 
-    /// Decide on an opaque token (`digest` is its SHA-256): the cache, else the issuer.
+    /// Decide on an opaque token (`digest` is its SHA-256): the cache, else the issuer,
+    /// once `asker` has a place and may still ask.
     pub(super) async fn check(
         &self,
         fetcher: &Fetcher,
-        metrics: &Metrics,
         policy: &Policy,
         token: &str,
         digest: &[u8; 32],
         now: SystemTime,
+        asker: Asker<'_>,
     ) -> Result<Principal, Reason> {
         debug_assert!(token.len() <= MAX_TOKEN_BYTES);
         if let Some(answer) = self.cache.lock().get(digest, now) {
@@ -319,24 +326,33 @@ impl Introspector {
         let Some(url) = self.endpoint(fetcher).await else {
             return Err(Reason::IntrospectionUnavailable);
         };
-        let Ok(Ok(_slot)) = tokio::time::timeout(SLOT_WAIT, self.slots.acquire()).await else {
-            metrics.introspection(IntrospectionOutcome::Error);
+        let deadline = tokio::time::Instant::now() + SLOT_WAIT;
+        let Some(_place) = self.places.take(asker.client, deadline).await else {
+            self.metrics.introspection(IntrospectionOutcome::Busy);
             tracing::warn!(
                 in_flight = MAX_IN_FLIGHT,
-                "every introspection request slot is busy; refusing with introspection-unavailable"
+                per_client = PER_CLIENT,
+                "no introspection request place came free within 1 s (every place busy, or the client's own); refusing with introspection-unavailable"
             );
             return Err(Reason::IntrospectionUnavailable);
         };
+        // While it waited, another request may have asked about the same token.
+        if let Some(answer) = self.cache.lock().get(digest, now) {
+            return answer;
+        }
+        if !(asker.may_introspect)() {
+            return Err(Reason::NotIntrospected);
+        }
         let answer = match self.ask(fetcher, &url, token).await {
             Ok(answer) => answer,
             Err(why) => {
-                metrics.introspection(IntrospectionOutcome::Error);
+                self.metrics.introspection(IntrospectionOutcome::Error);
                 tracing::warn!(endpoint = %url, error = %why, "token introspection failed; refusing with introspection-unavailable");
                 return Err(Reason::IntrospectionUnavailable);
             }
         };
         let active = matches!(answer.get("active"), Some(Value::Bool(true)));
-        metrics.introspection(if active {
+        self.metrics.introspection(if active {
             IntrospectionOutcome::Active
         } else {
             IntrospectionOutcome::Inactive
@@ -583,7 +599,7 @@ mod tests {
         }
 
         async fn verify_at(&self, token: &str, at: SystemTime) -> Result<Principal, Reason> {
-            self.verifier.verify(token, at).await
+            self.verifier.verify(token, at, Asker::anyone()).await
         }
 
         fn count(&self, outcome: IntrospectionOutcome) -> u64 {
@@ -929,7 +945,10 @@ mod tests {
         )
         .unwrap();
         plain.load().await.unwrap();
-        assert_eq!(plain.verify(OPAQUE, now()).await, Err(Reason::Malformed));
+        assert_eq!(
+            plain.verify(OPAQUE, now(), Asker::anyone()).await,
+            Err(Reason::Malformed)
+        );
     }
 
     #[tokio::test]

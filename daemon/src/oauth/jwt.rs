@@ -45,7 +45,7 @@ use super::keyset::{
     outcome_of,
 };
 use super::token::{SUPPORTED_ALGORITHMS, parse_header, signature_only, split};
-use super::{Clock, MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture};
+use super::{Asker, Clock, MAX_TOKEN_BYTES, Principal, RefreshFuture, Verifier, VerifyFuture};
 use crate::config::{KeyRefresh, KeySource};
 use crate::metrics::Metrics;
 use crate::vocab::Reason;
@@ -162,7 +162,7 @@ struct Inner {
     rescheduled: Arc<Notify>,
     clock: Clock,
     verified: Mutex<VerifiedCache>,
-    /// The lane of one for signature checks of suspect tokens ([`Verifier::verify_suspect`]).
+    /// The lane of one for signature checks of suspect tokens ([`Asker::suspect`]).
     suspect_lane: tokio::sync::Semaphore,
     signature_checks: AtomicU64,
     introspector: Option<Introspector>,
@@ -223,6 +223,7 @@ impl JwtVerifier {
                 settings,
                 &config.issuer,
                 clock.clone(),
+                metrics.clone(),
             )?),
             None => None,
         };
@@ -687,14 +688,14 @@ impl Inner {
         }
     }
 
-    /// `suspect`: the token comes from an address over its failure budget, so its
-    /// signature check (if one is needed) waits for the suspect lane and runs off the
-    /// request workers.
+    /// A suspect `asker` (over its failure budget) has its signature check, if one is
+    /// needed, wait for the suspect lane and run off the request workers; an opaque token
+    /// goes to the introspector with the asker.
     async fn check(
         self: &Arc<Self>,
         token: &str,
         now: SystemTime,
-        suspect: bool,
+        asker: Asker<'_>,
     ) -> Result<Principal, Reason> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(Reason::Oversize);
@@ -715,14 +716,7 @@ impl Inner {
             return match &self.introspector {
                 Some(introspector) => {
                     introspector
-                        .check(
-                            &self.fetcher,
-                            &self.metrics,
-                            &self.policy,
-                            token,
-                            &digest,
-                            now,
-                        )
+                        .check(&self.fetcher, &self.policy, token, &digest, now, asker)
                         .await
                 }
                 None => Err(Reason::Malformed),
@@ -738,7 +732,7 @@ impl Inner {
             .find_map(|(alg, v)| (*alg == key.alg).then_some(v))
             .ok_or(Reason::UnsupportedAlgorithm)?;
         self.signature_checks.fetch_add(1, Ordering::Relaxed);
-        let decoded = if suspect {
+        let decoded = if asker.suspect {
             // One at a time, on a blocking thread: a flood of fresh forgeries from
             // addresses over budget occupies at most one thread, never the workers.
             let _turn = self
@@ -782,12 +776,8 @@ impl Inner {
 }
 
 impl Verifier for JwtVerifier {
-    fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a> {
-        Box::pin(self.0.check(token, now, false))
-    }
-
-    fn verify_suspect<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a> {
-        Box::pin(self.0.check(token, now, true))
+    fn verify<'a>(&'a self, token: &'a str, now: SystemTime, asker: Asker<'a>) -> VerifyFuture<'a> {
+        Box::pin(self.0.check(token, now, asker))
     }
 
     fn required_scopes(&self) -> &[String] {
@@ -820,7 +810,7 @@ mod tests {
     use super::*;
     use crate::oauth::testutil::{
         ISSUER, ManualClock, Route, TestKey, TestServer, build, config, file_verifier, jwks, now,
-        testutil_b64, unix, verdict, with, write,
+        suspect, testutil_b64, unix, verdict, with, write,
     };
 
     fn fetches(metrics: &Metrics, outcome: &str) -> u64 {
@@ -976,7 +966,7 @@ mod tests {
                 } else {
                     evil.sign(&header, &with(json!({"jti": format!("bad-{i}")})))
                 };
-                tokio::spawn(async move { (i, v.verify_suspect(&token, now()).await) })
+                tokio::spawn(async move { (i, v.verify(&token, now(), suspect()).await) })
             })
             .collect();
         for task in tasks {
@@ -990,7 +980,7 @@ mod tests {
         assert_eq!(v.signature_checks(), 24);
         // A suspect token that verified is cached like any other.
         let token = ours.token();
-        assert!(v.verify_suspect(&token, now()).await.is_ok());
+        assert!(v.verify(&token, now(), suspect()).await.is_ok());
         assert!(verdict(&v, &token).await.is_ok());
         assert_eq!(v.signature_checks(), 25);
         assert_eq!(
@@ -1275,7 +1265,7 @@ mod tests {
             let mut header = stranger.header();
             header["kid"] = json!(format!("random-{i}"));
             let token = stranger.sign(&header, &claims);
-            burst.spawn(async move { v.verify(&token, now()).await });
+            burst.spawn(async move { v.verify(&token, now(), Asker::anyone()).await });
         }
         while let Some(result) = burst.join_next().await {
             assert_eq!(result.unwrap(), Err(Reason::UnknownKey));
@@ -1590,7 +1580,7 @@ mod tests {
             let token = a.sign(&header, &claims);
             burst.spawn(async move {
                 let t = Instant::now();
-                (v.verify(&token, now()).await, t.elapsed())
+                (v.verify(&token, now(), Asker::anyone()).await, t.elapsed())
             });
         }
         // Meanwhile a known key is served at once.

@@ -6,6 +6,7 @@
 //! the closed set of [`Reason`]s shared with audit and metrics.
 
 use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -36,21 +37,49 @@ pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = Result<(), String>> + S
 /// (injectable for tests). The default is tokio's clock, so paused-time tests move it too.
 pub(crate) type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
+/// Who presents a token, as far as its verification cares (never the request itself):
+/// what decides how much of the daemon and of the issuer checking it may cost.
+#[derive(Clone, Copy)]
+pub struct Asker<'a> {
+    /// The client's address group: its opaque tokens share a few places with the issuer
+    /// ([`introspect::PER_CLIENT`]), and a client with fewer in flight gets a place first.
+    pub client: IpAddr,
+    /// Over its failure budget when the request came: a signature check it needs waits
+    /// its turn in a lane of one, off the request workers, so a flood of fresh forgeries
+    /// costs at most one thread. The verdict is the same.
+    pub suspect: bool,
+    /// Asked just before an opaque token goes to the issuer: may this client still cost
+    /// it a request? `false` refuses the token `not-introspected`, nothing sent.
+    pub may_introspect: &'a (dyn Fn() -> bool + Sync),
+}
+
+fn always() -> bool {
+    true
+}
+
+impl Asker<'static> {
+    /// A caller with no history: never suspect, never held back (tools, benches, tests).
+    pub fn anyone() -> Self {
+        Self {
+            client: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            suspect: false,
+            may_introspect: &always,
+        }
+    }
+}
+
 /// Decides whether an access token is acceptable at `now`.
 ///
 /// Refusal reasons a verifier may return: `oversize`, `malformed`, `wrong-type`,
 /// `unsupported-algorithm`, `ambiguous-key`, `unknown-key`, `key-mismatch`,
 /// `bad-signature`, `wrong-issuer`, `wrong-audience`, `expired`, `not-yet-valid`,
 /// `missing-scope`, `principal-not-allowed`, `keys-unavailable`,
-/// `introspection-unavailable`.
+/// `introspection-unavailable`, `not-introspected`. A valid JWT, or an opaque token whose
+/// answer is cached, is never refused for who presents it; only the issuer can vouch for
+/// an opaque token it has not been asked about, and a client over its budget gets few
+/// such questions.
 pub trait Verifier: Send + Sync + 'static {
-    fn verify<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a>;
-
-    /// [`Verifier::verify`] for a token from an address already over its failure budget:
-    /// the same verdict (a valid token is never refused for its address), but a signature
-    /// check it needs waits its turn in a lane of one, off the request workers, so a
-    /// flood of fresh forgeries costs at most one thread.
-    fn verify_suspect<'a>(&'a self, token: &'a str, now: SystemTime) -> VerifyFuture<'a>;
+    fn verify<'a>(&'a self, token: &'a str, now: SystemTime, asker: Asker<'a>) -> VerifyFuture<'a>;
 
     /// The scopes every request needs (for `scope=` in challenges).
     fn required_scopes(&self) -> &[String];
@@ -70,6 +99,7 @@ pub mod introspect;
 pub mod jwks;
 pub mod jwt;
 pub mod keyset;
+pub mod places;
 #[cfg(test)]
 mod testutil;
 pub mod token;

@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::b64;
 use super::jwt::{JwtConfig, JwtVerifier};
 use super::token::SUPPORTED_ALGORITHMS;
-use super::{Clock, Principal, Verifier};
+use super::{Asker, Clock, Principal, Verifier};
 use crate::config::KeySource;
 use crate::metrics::Metrics;
 use crate::vocab::Reason;
@@ -206,7 +206,15 @@ pub(crate) async fn file_verifier(dir: &std::path::Path, keys: &[&TestKey]) -> J
 }
 
 pub(crate) async fn verdict(v: &JwtVerifier, token: &str) -> Result<Principal, Reason> {
-    v.verify(token, now()).await
+    v.verify(token, now(), Asker::anyone()).await
+}
+
+/// A client over its failure budget, still allowed to have tokens introspected.
+pub(crate) fn suspect() -> Asker<'static> {
+    Asker {
+        suspect: true,
+        ..Asker::anyone()
+    }
 }
 
 /// `claims()` with `changes` applied (`null` removes a claim).

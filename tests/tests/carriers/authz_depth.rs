@@ -578,3 +578,183 @@ async fn a_client_secret_file_others_can_read_stops_the_start() {
     }
     assert!(!stderr.contains(INTROSPECTOR.secret));
 }
+
+/// A new opaque token nobody issued (base64url, no dots: never taken for a JWT), unique in
+/// this process, so no cache knows it.
+fn random_opaque() -> String {
+    use base64::Engine;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::UNIX_EPOCH.elapsed().map_or(0, |d| d.as_nanos());
+    let seed = format!("forged-{}-{nanos}-{n}", std::process::id());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(seed)
+}
+
+/// `n` connections from each of `addresses`, each sending `tools/list` with a fresh random
+/// opaque token again and again until `stop`; the tasks.
+fn flood(
+    d: &Daemon,
+    addresses: &[[u8; 4]],
+    n: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    use std::sync::atomic::Ordering;
+    let addr = d.remote_addr();
+    let mut tasks = Vec::new();
+    for a in addresses {
+        for _ in 0..n {
+            let (stop, from) = (stop.clone(), std::net::IpAddr::from(*a));
+            tasks.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let req = remote_mcp(Some(&random_opaque()), &tools_list(1));
+                    let _ = robota_e2e::http::try_exchange_from(from, addr, &req).await;
+                }
+            }));
+        }
+    }
+    tasks
+}
+
+/// The reproduction of the fifth outside attack: 64 connections from four addresses send
+/// random opaque tokens while the issuer answers at once, in 200 ms, in 1 s, or not at
+/// all. A JWT client on another address is served every time within 1 s, and a fresh
+/// valid opaque token from another address is served (503 only while the issuer stalls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_introspection_flood_from_four_addresses_shuts_nobody_out() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    let addr = d.remote_addr();
+    let attackers = [
+        [127, 0, 0, 2],
+        [127, 0, 0, 4],
+        [127, 0, 0, 5],
+        [127, 0, 0, 6],
+    ];
+    for (latency, stalled) in [
+        (None, false),
+        (Some(Duration::from_millis(200)), false),
+        (Some(Duration::from_secs(1)), false),
+        (Some(Duration::from_secs(600)), true),
+    ] {
+        oidc.set_introspection_delay(latency);
+        let refused = || metric(&d, &["robota_mcpd_refusals_total", "carrier=\"remote\""]);
+        let refused_before = refused();
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = flood(&d, &attackers, 16, &stop);
+        // The flood is under way before the clients come: the listener full of it, or
+        // its tokens being refused by the dozen.
+        let flooding =
+            robota_e2e::poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+                metric(&d, &["robota_mcpd_connections_open", "listener=\"remote\""]) >= 60.0
+                    || refused() - refused_before >= 64.0
+            })
+            .await;
+        assert!(flooding, "the flood never got under way ({latency:?})");
+        let mut slow = Vec::new();
+        for i in 0..10 {
+            let started = std::time::Instant::now();
+            let resp = robota_e2e::http::try_exchange_from(
+                [127, 0, 0, 3].into(),
+                addr,
+                &remote_mcp(Some(&jwt), &tools_list(i)),
+            )
+            .await;
+            let took = started.elapsed();
+            match resp {
+                Ok(r) if r.status == 200 && took < Duration::from_secs(1) => {}
+                other => slow.push(format!(
+                    "call {i}: {:?} after {took:?}",
+                    other.map(|r| r.describe())
+                )),
+            }
+        }
+        // A valid opaque token nobody has introspected yet.
+        let fresh = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+        let resp = robota_e2e::http::try_exchange_from(
+            [127, 0, 0, 7].into(),
+            addr,
+            &remote_mcp(Some(&fresh), &tools_list(99)),
+        )
+        .await
+        .expect("the opaque client's answer");
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            t.abort();
+        }
+        assert!(
+            slow.is_empty(),
+            "issuer latency {latency:?}: the JWT client was refused or slow: {slow:?}"
+        );
+        if stalled {
+            assert!(
+                resp.status == 200 || resp.status == 503,
+                "stalled issuer: {}",
+                resp.describe()
+            );
+        } else {
+            assert_eq!(
+                resp.status,
+                200,
+                "issuer latency {latency:?}: {}",
+                resp.describe()
+            );
+        }
+    }
+    oidc.set_introspection_delay(None);
+}
+
+/// An address over its failure budget costs the issuer a bounded number of introspection
+/// requests per window, whatever it sends: its failures up to the budget, then the
+/// allowance of an address over budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_address_costs_the_issuer_a_bounded_number_of_introspections() {
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let before: f64 = ["active", "inactive", "error"]
+        .iter()
+        .map(|o| introspections(&d, o))
+        .sum();
+    // Eight connections from one address, 400 requests in all.
+    let addr = d.remote_addr();
+    let from = std::net::IpAddr::from([127, 0, 0, 8]);
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        tasks.spawn(async move {
+            let mut seen = Vec::new();
+            for _ in 0..50 {
+                let req = remote_mcp(Some(&random_opaque()), &tools_list(1));
+                if let Ok(r) = robota_e2e::http::try_exchange_from(from, addr, &req).await {
+                    seen.push(r.status);
+                }
+            }
+            seen
+        });
+    }
+    while let Some(seen) = tasks.join_next().await {
+        for s in seen.expect("client") {
+            *statuses.entry(s).or_default() += 1;
+        }
+    }
+    let sent: f64 = ["active", "inactive", "error"]
+        .iter()
+        .map(|o| introspections(&d, o))
+        .sum::<f64>()
+        - before;
+    eprintln!("statuses {statuses:?}; introspection requests {sent}");
+    assert!(
+        statuses.get(&429).copied().unwrap_or(0) >= 300,
+        "{statuses:?}"
+    );
+    // 20 failures (the budget), the requests in flight when it ran out (2 places per
+    // client), the allowance over budget (2): 24. A freed place can reach a waiting
+    // request a moment before the answer that freed it is counted as a failure: 2 more.
+    assert!(
+        sent <= 26.0,
+        "{sent} introspection requests for one throttled address"
+    );
+}

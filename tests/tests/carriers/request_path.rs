@@ -910,6 +910,28 @@ fn malformed_cases() -> Vec<(&'static str, i64, Value)> {
             -32602,
             json!(10),
         ),
+        // An integer id past i64 (the SDK's ids) and a request that also carries `result`
+        // or `error` are JSON-RPC errors, on every method, never the SDK's plain text.
+        (
+            r#"{"jsonrpc":"2.0","id":9223372036854775808,"method":"ping"}"#,
+            -32600,
+            json!(9_223_372_036_854_775_808_u64),
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":18446744073709551615,"method":"tools/call","params":{"name":"system.info"}}"#,
+            -32600,
+            json!(u64::MAX),
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":11,"result":{},"method":"ping"}"#,
+            -32600,
+            json!(11),
+        ),
+        (
+            r#"{"jsonrpc":"2.0","id":12,"error":null,"method":"tools/call","params":{"name":"system.info"}}"#,
+            -32600,
+            json!(12),
+        ),
     ]
 }
 
@@ -960,7 +982,7 @@ async fn protocol_errors_are_answered_as_json_rpc_with_the_request_id() {
     for (cause, n) in [
         ("unsupported-version", 2.0),
         ("parse-error", 3.0),
-        ("invalid-request", 5.0),
+        ("invalid-request", 9.0),
         ("invalid-params", 5.0),
     ] {
         assert_eq!(

@@ -205,6 +205,18 @@ pub fn decide(
                 retry_after: Some(crate::oauth::introspect::RETRY_AFTER_SECS),
             });
         }
+        // The issuer was not asked because the client is over its budget: throttled,
+        // even if its window has just ended.
+        Failure::Token(Reason::NotIntrospected) => {
+            return Err(Refusal {
+                reason: Reason::NotIntrospected,
+                status: StatusCode::TOO_MANY_REQUESTS,
+                challenge: None,
+                counted: true,
+                throttled: true,
+                retry_after: Some(over_budget.unwrap_or(1).max(1)),
+            });
+        }
         Failure::Token(Reason::MissingScope) => (
             Reason::MissingScope,
             StatusCode::FORBIDDEN,

@@ -3,9 +3,11 @@
 //! A request is routed by the public URL's names (endpoint, RFC 9728 metadata, 404),
 //! checked for the public Host and Origin, then its bearer token is verified by the
 //! injected [`Verifier`] *before* the throttle decides, so a valid token is never
-//! throttled by failures sharing its address; from an address already over its budget the
-//! token goes to [`Verifier::verify_suspect`] (same verdict, any signature check in a lane
-//! of one off the workers), so such a flood cannot take the workers from valid clients.
+//! throttled by failures sharing its address. The verifier is told who asks
+//! ([`Asker`]): its client (whose opaque tokens share a few places with the issuer),
+//! whether it was over its budget (same verdict, any signature check in a lane of one off
+//! the workers, so such a flood cannot take the workers from valid clients), and whether
+//! it may still cost the issuer a request (over its budget: a few per window).
 //! Failures are counted per client address
 //! (`X-Forwarded-For` believed only from trusted proxies). Refusals have empty bodies and
 //! RFC 6750 challenges; every refusal is audited. Admitted requests go to the same
@@ -37,7 +39,7 @@ use crate::audit::{Audit, Record};
 use crate::config::{Limits, RemoteConfig, WireNameProfile};
 use crate::mcp::McpServer;
 use crate::metrics::Metrics;
-use crate::oauth::Verifier;
+use crate::oauth::{Asker, Verifier};
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::{Carrier, Drain};
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
@@ -238,18 +240,20 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let outcome = match admission::credentials(req.headers()) {
             Credentials::Missing => Err(Failure::Missing),
             Credentials::Malformed => Err(Failure::MalformedHeader),
-            // From an address over its failure budget, a token's signature check waits
-            // for the verifier's lane of one (its verdict is the same).
-            Credentials::Token(token) if c.throttle.check(client, Instant::now()).is_some() => c
-                .verifier
-                .verify_suspect(token, SystemTime::now())
-                .await
-                .map_err(Failure::Token),
-            Credentials::Token(token) => c
-                .verifier
-                .verify(token, SystemTime::now())
-                .await
-                .map_err(Failure::Token),
+            Credentials::Token(token) => {
+                // Asked when the token is about to go to the issuer, not now: a request
+                // that waited for its place sees the failures counted meanwhile.
+                let may_introspect = || c.throttle.may_introspect(client, Instant::now());
+                let asker = Asker {
+                    client: c.throttle.client(client),
+                    suspect: c.throttle.check(client, Instant::now()).is_some(),
+                    may_introspect: &may_introspect,
+                };
+                c.verifier
+                    .verify(token, SystemTime::now(), asker)
+                    .await
+                    .map_err(Failure::Token)
+            }
         };
         drop(yielded);
         let over_budget = match &outcome {

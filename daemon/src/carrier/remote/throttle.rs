@@ -7,6 +7,11 @@
 //! commonly holds a whole /64, so counting its addresses apart would hand it 2^64 budgets
 //! and let it evict every other client). At most `max_addresses` windows are tracked:
 //! expired ones are dropped first, then the oldest.
+//!
+//! A client over its budget still has its tokens verified (a valid JWT, or an opaque
+//! token whose answer is cached, is admitted), but only [`INTROSPECTIONS_OVER_BUDGET`] of
+//! its opaque tokens per window go to the issuer: a flood of random tokens from one
+//! client costs the authorization server its budget and those few requests, no more.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -16,10 +21,26 @@ use parking_lot::Mutex;
 
 use crate::config::ThrottleConfig;
 
+/// Opaque tokens of a client over its failure budget that are still introspected per
+/// window (so a valid new token behind that address can get in).
+pub const INTROSPECTIONS_OVER_BUDGET: u32 = 2;
+
 #[derive(Debug, Clone, Copy)]
 struct Window {
     start: Instant,
     failures: u32,
+    /// Introspections granted while over budget.
+    introspections: u32,
+}
+
+impl Window {
+    fn new(start: Instant) -> Self {
+        Self {
+            start,
+            failures: 1,
+            introspections: 0,
+        }
+    }
 }
 
 pub struct Throttle {
@@ -36,7 +57,7 @@ impl Throttle {
     }
 
     /// The client an address is counted as: the IPv4 address, or the IPv6 prefix.
-    fn client(&self, addr: IpAddr) -> IpAddr {
+    pub fn client(&self, addr: IpAddr) -> IpAddr {
         crate::vocab::address_group(addr, self.config.ipv6_prefix)
     }
 
@@ -59,6 +80,27 @@ impl Throttle {
         Some(left.as_secs_f64().ceil().max(1.0) as u64)
     }
 
+    /// Whether one more of `addr`'s opaque tokens may go to the issuer now: always under
+    /// the budget; over it, [`INTROSPECTIONS_OVER_BUDGET`] times per window (a `true`
+    /// uses one).
+    pub fn may_introspect(&self, addr: IpAddr, now: Instant) -> bool {
+        let client = self.client(addr);
+        let mut windows = self.windows.lock();
+        let Some(w) = windows.get_mut(&client) else {
+            return true;
+        };
+        if now.saturating_duration_since(w.start) >= self.config.window
+            || w.failures < self.config.failures
+        {
+            return true;
+        }
+        if w.introspections < INTROSPECTIONS_OVER_BUDGET {
+            w.introspections += 1;
+            return true;
+        }
+        false
+    }
+
     /// Count one failure for `addr`.
     pub fn record_failure(&self, addr: IpAddr, now: Instant) {
         let client = self.client(addr);
@@ -67,10 +109,7 @@ impl Throttle {
             if self.live(w, now) {
                 w.failures = w.failures.saturating_add(1);
             } else {
-                *w = Window {
-                    start: now,
-                    failures: 1,
-                };
+                *w = Window::new(now);
             }
             return;
         }
@@ -82,13 +121,7 @@ impl Throttle {
         {
             windows.remove(&oldest);
         }
-        windows.insert(
-            client,
-            Window {
-                start: now,
-                failures: 1,
-            },
-        );
+        windows.insert(client, Window::new(now));
     }
 
     pub fn tracked(&self) -> usize {
@@ -153,6 +186,30 @@ mod tests {
         t.record_failure(ip(5), t0 + Duration::from_secs(66));
         assert_eq!(t.tracked(), 3);
         assert!(t.check(ip(3), t0 + Duration::from_secs(66)).is_some());
+    }
+
+    #[test]
+    fn over_budget_a_few_introspections_per_window() {
+        let t = throttle(16);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert!(t.may_introspect(ip(1), t0), "under the budget: always");
+            t.record_failure(ip(1), t0);
+        }
+        let granted = (0..10).filter(|_| t.may_introspect(ip(1), t0)).count();
+        assert_eq!(granted, INTROSPECTIONS_OVER_BUDGET as usize);
+        assert!(
+            t.may_introspect(ip(2), t0),
+            "another client is not affected"
+        );
+        let next = t0 + Duration::from_secs(60);
+        assert!(t.may_introspect(ip(1), next), "a new window");
+        // Over budget again in the new window: the allowance is new too.
+        for _ in 0..3 {
+            t.record_failure(ip(1), next);
+        }
+        let granted = (0..10).filter(|_| t.may_introspect(ip(1), next)).count();
+        assert_eq!(granted, INTROSPECTIONS_OVER_BUDGET as usize);
     }
 
     fn ip6(s: &str) -> IpAddr {
