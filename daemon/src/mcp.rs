@@ -55,9 +55,13 @@ pub struct WireNames {
     generation: u64,
     targets: HashMap<String, Target>,
     tools: Vec<Tool>,
-    /// Collisions in this generation: `tools/list` answers an error naming them until
-    /// they are resolved; at start-up, any problem refuses the carrier.
+    /// Problems the configuration alone decides (an alias, a first-party name): at
+    /// start-up any of them refuses the carrier, and a collision among them makes
+    /// `tools/list` an error naming it.
     problems: Vec<WireError>,
+    /// Collisions an upstream's listing takes part in: their names are refused (answered
+    /// `unavailable` with why), logged, and nothing else changes.
+    refusals: Vec<WireError>,
     /// The `tools/list` result of this generation, serialized once when first asked for
     /// (the catalog changes only with its generation).
     encoded: std::sync::OnceLock<Option<bytes::Bytes>>,
@@ -112,12 +116,18 @@ impl WireNames {
             problems.push(WireError::UnknownAlias(alias.clone()));
         }
         let mut targets = HashMap::new();
+        let mut refusals = Vec::new();
         for (name, sources) in snapshot.conflicts() {
-            problems.push(WireError::SourceCollision {
+            let collision = WireError::SourceCollision {
                 name: name.clone(),
                 sources: sources.clone(),
-            });
-            let why = problems.last().map(ToString::to_string).unwrap_or_default();
+            };
+            let why = collision.to_string();
+            if snapshot.listed_conflict(name) {
+                refusals.push(collision);
+            } else {
+                problems.push(collision);
+            }
             targets.insert(wire_of(name, profile, aliases), Target::Refused(why));
         }
         let submission_free = !snapshot.conflicts().contains_key(&submission.name);
@@ -153,7 +163,11 @@ impl WireNames {
                     second: owners[1].0.name.clone(),
                 };
                 targets.insert(wire, Target::Refused(collision.to_string()));
-                problems.push(collision);
+                if owners.iter().any(|(spec, _)| spec.imported.is_some()) {
+                    refusals.push(collision);
+                } else {
+                    problems.push(collision);
+                }
                 continue;
             }
             if let Some((spec, target)) = owners.pop() {
@@ -166,7 +180,19 @@ impl WireNames {
             targets,
             tools,
             problems,
+            refusals,
             encoded: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Log the names an upstream's listing made collide (refused; the rest is served).
+    fn log_refusals(&self, carrier_profile: WireNameProfile) {
+        for refusal in &self.refusals {
+            tracing::warn!(
+                generation = self.generation,
+                wire_names = ?carrier_profile,
+                "names refused, the rest of the catalog is served: {refusal}"
+            );
         }
     }
 
@@ -449,6 +475,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     ) -> Result<Self, WireError> {
         let names = WireNames::build(&session.catalog(), profile, &aliases);
         names.check()?;
+        names.log_refusals(profile);
         Ok(Self {
             shared: Arc::new(Shared {
                 session,
@@ -478,6 +505,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             if let Some(problem) = names.listing_problem() {
                 tracing::error!(generation = snapshot.generation(), %problem, "the catalog has colliding names");
             }
+            names.log_refusals(self.shared.profile);
         }
         names.clone()
     }

@@ -10,7 +10,7 @@
 
 mod tool;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -122,6 +122,9 @@ pub struct Snapshot {
     entries: BTreeMap<String, Entry>,
     submission: ToolSpec,
     conflicts: BTreeMap<String, Vec<String>>,
+    /// The conflicts an upstream's listing takes part in: refused names, never a reason to
+    /// refuse the catalog.
+    listed: BTreeSet<String>,
     refused: Vec<Refused>,
 }
 
@@ -130,6 +133,8 @@ pub struct Snapshot {
 pub struct Refused {
     pub source: String,
     pub error: CatalogError,
+    /// Offered by an upstream (what it lists), not by the configuration.
+    pub upstream: bool,
 }
 
 impl Snapshot {
@@ -156,12 +161,14 @@ impl Snapshot {
                     Err(error) => refused.push(Refused {
                         source: source.name().to_owned(),
                         error,
+                        upstream: source.namespace().is_some(),
                     }),
                 }
             }
         }
         let mut entries = BTreeMap::new();
         let mut conflicts = BTreeMap::new();
+        let mut listed = BTreeSet::new();
         for (name, mut offers) in offered {
             let mut owners: Vec<String> = offers.iter().map(|e| e.source.clone()).collect();
             if name == submission.name {
@@ -172,6 +179,9 @@ impl Snapshot {
                     entries.insert(name, entry);
                 }
             } else {
+                if offers.iter().any(|e| e.spec.imported.is_some()) {
+                    listed.insert(name.clone());
+                }
                 conflicts.insert(name, owners);
             }
         }
@@ -184,16 +194,22 @@ impl Snapshot {
             entries,
             submission: submission.clone(),
             conflicts,
+            listed,
             refused,
         }
     }
 
-    /// The first problem, as a start-up error.
+    /// The first problem the configuration alone decides, as a start-up error. What an
+    /// upstream lists is not: its problems are refused names, recorded in the snapshot.
     fn strict(&self) -> Result<(), CatalogError> {
-        if let Some(r) = self.refused.first() {
+        if let Some(r) = self.refused.iter().find(|r| !r.upstream) {
             return Err(r.error.clone());
         }
-        if let Some((name, owners)) = self.conflicts.iter().next() {
+        let decided = self
+            .conflicts
+            .iter()
+            .find(|(name, _)| !self.listed.contains(*name));
+        if let Some((name, owners)) = decided {
             if owners.iter().any(|o| o == SUBMISSION_SOURCE) {
                 return Err(CatalogError::SubmissionCollision {
                     submission: name.clone(),
@@ -251,6 +267,11 @@ impl Snapshot {
         &self.conflicts
     }
 
+    /// Whether an upstream's listing takes part in the conflict over `name`.
+    pub fn listed_conflict(&self, name: &str) -> bool {
+        self.listed.contains(name)
+    }
+
     pub fn refused(&self) -> &[Refused] {
         &self.refused
     }
@@ -273,7 +294,9 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    /// The first generation; any collision or invalid tool refuses the catalog.
+    /// The first generation; a collision or invalid tool the configuration alone decides
+    /// refuses the catalog (one an upstream's listing causes is recorded, its names
+    /// refused).
     pub fn new(sources: Vec<Arc<dyn Source>>, submission: ToolSpec) -> Result<Self, CatalogError> {
         check_spec(&submission)?;
         let first = Snapshot::build(1, &sources, &submission);
@@ -291,7 +314,7 @@ impl Catalog {
     }
 
     /// Re-read every source into the next generation (a source changed). Conflicts and
-    /// invalid tools no longer refuse the catalog: they are recorded in the snapshot.
+    /// invalid tools never refuse the catalog here: they are recorded in the snapshot.
     pub fn rebuild(&self) -> Arc<Snapshot> {
         let mut current = self.current.write();
         let next = Arc::new(Snapshot::build(

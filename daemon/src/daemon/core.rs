@@ -637,7 +637,7 @@ fn problems_of(e: &super::plan::LoadError) -> Vec<String> {
 
 /// A new session generation: its upstreams started (in parallel, each within its connect
 /// bound and all within [`UPSTREAM_START_BOUND`]; those not ready keep trying), then its
-/// catalog — so a collision of names that can be seen now refuses the start — and the
+/// catalog (a collision their listings take part in refuses those names only) and the
 /// session over it. The upstreams rebuild the catalog when their tools change.
 pub(super) async fn start_session(
     plan: &Plan,

@@ -652,7 +652,30 @@ impl Upstream {
         }
     }
 
+    /// Its tools whose canonical names another tool claims too (refused, both).
+    fn collisions(&self) -> Vec<RefusedTool> {
+        let Some(catalog) = self.catalog.lock().upgrade() else {
+            return Vec::new();
+        };
+        let snapshot = catalog.snapshot();
+        let prefix = format!("{}.", self.config.name);
+        snapshot
+            .conflicts()
+            .iter()
+            .filter(|(name, _)| name.starts_with(&prefix))
+            .map(|(name, owners)| RefusedTool {
+                tool: name.clone(),
+                reason: format!(
+                    "refused: the name is claimed by {}; give one an alias",
+                    owners.join(" and ")
+                ),
+            })
+            .collect()
+    }
+
     fn status(&self) -> UpstreamStatus {
+        // Before its own locks: a catalog rebuild holds the catalog's while it reads them.
+        let collisions = self.collisions();
         let shown = self.shown.lock();
         let listing = self.listing.read();
         UpstreamStatus {
@@ -679,6 +702,7 @@ impl Upstream {
                     tool: tool.clone(),
                     reason: reason.clone(),
                 })
+                .chain(collisions)
                 .collect(),
             excluded: listing.excluded,
             listed_from_cache: shown.from_cache,

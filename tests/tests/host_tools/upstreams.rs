@@ -1,7 +1,8 @@
 //! Downstream MCP servers through the real daemon: the official Python SDK's server over
 //! stdio and over Streamable HTTP, our rmcp server (shared and per-call children, a unix
 //! socket backend), and a misbehaving double (crash mid-call, hang, garbage, flood, an
-//! answer over the limit, a changed tool list that collides, a child left behind). Each
+//! answer over the limit, a changed tool list that collides, a child left behind), and
+//! collisions an upstream lists, which refuse their names and nothing else. Each
 //! test owns its daemon and its servers.
 
 use std::time::Duration;
@@ -272,32 +273,98 @@ async fn poll_until_async_ok(client: &McpClient) -> bool {
     .await
 }
 
+/// The reason `robota-mcpctl upstreams` gives for `tool` of `name`, if it refuses it.
+fn refusal(d: &Daemon, name: &str, tool: &str) -> Option<String> {
+    upstream(d, name)
+        .refused
+        .into_iter()
+        .find(|r| r.tool == tool)
+        .map(|r| r.reason)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_changed_tool_list_that_collides_is_an_error_naming_both() {
+async fn a_changed_tool_list_that_collides_refuses_both_names_and_nothing_else() {
     // `said` is aliased to `echo`: once the list changes, `rogue.echo` is claimed twice.
     let d = rogue("[upstreams.rogue.aliases]\nsaid = \"echo\"\n");
     wait_state(&d, "rogue", "up");
     let client = McpClient::connect(&d, &d.bearer()).await;
     assert!(listed(&client).await.contains_key("rogue.echo"));
     client.call("rogue.change", json!({})).await.ok("change");
-    let deadline = std::time::Instant::now() + LIMIT;
-    let last = loop {
-        let last = match client.peer().list_all_tools().await {
-            Ok(tools) => format!("{:?}", tools.iter().map(|t| &t.name).collect::<Vec<_>>()),
-            Err(e) => break e.to_string(),
-        };
-        assert!(
-            std::time::Instant::now() < deadline,
-            "tools/list still answers: {last}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(last.contains("rogue.echo"), "{last}");
-    client
+    let refused = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+        refusal(&d, "rogue", "rogue.echo").is_some()
+    });
+    assert!(
+        refused,
+        "the collision never showed: {:?}",
+        upstream(&d, "rogue")
+    );
+    let why = refusal(&d, "rogue", "rogue.echo").unwrap_or_default();
+    assert!(
+        why.contains("\"echo\"") && why.contains("\"said\""),
+        "{why}"
+    );
+    // The listing goes on answering, without the name claimed twice.
+    let tools = listed(&client).await;
+    assert!(!tools.contains_key("rogue.echo"), "{tools:?}");
+    for name in ["rogue.pid", "rogue.run_query", "system.info"] {
+        assert!(tools.contains_key(name), "{name} missing from {tools:?}");
+    }
+    let message = client
         .call("rogue.echo", json!({}))
         .await
         .err("unavailable", "a name claimed twice");
+    assert!(message.contains("said"), "{message}");
     client.close().await;
+    assert!(
+        d.stderr_text()
+            .contains("names refused, the rest of the catalog is served"),
+        "{}",
+        d.stderr_text()
+    );
+}
+
+/// Lists everything but the two colliding names (compat wire names), and says why a call
+/// of one is refused.
+async fn serves_all_but_the_collisions(d: &Daemon) {
+    let client = McpClient::connect(d, &d.bearer()).await;
+    let tools = listed(&client).await;
+    for name in ["system_info", "rogue_pid", "agent_pid"] {
+        assert!(tools.contains_key(name), "{name} missing from {tools:?}");
+    }
+    for name in ["rogue_echo", "agent_submit"] {
+        assert!(!tools.contains_key(name), "{name} listed: {tools:?}");
+    }
+    let message = client
+        .call("agent_submit", json!({"prompt": "x"}))
+        .await
+        .err("unavailable", "a wire name claimed twice");
+    assert!(message.contains("agent.submit"), "{message}");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collisions_an_upstream_lists_never_stop_a_start_or_a_reload() {
+    // Two of rogue's tools claim `rogue.echo` (`run_query` aliased to `echo`); upstream
+    // `agent` offers `agent.submit`, whose compat wire name is the submission tool's.
+    let d = Daemon::builder().loopback("wire_names = \"compat\"").extra(format!(
+        "[upstreams.rogue]\ncommand = {rogue}\n[upstreams.rogue.aliases]\nrun_query = \"echo\"\n\
+         [upstreams.agent]\ncommand = {rogue}\n[upstreams.agent.aliases]\necho = \"submit\"\n{}",
+        allow(&["rogue", "agent"]),
+        rogue = fixture_command(&["rogue"]),
+    )).start();
+    wait_state(&d, "rogue", "up");
+    wait_state(&d, "agent", "up");
+    serves_all_but_the_collisions(&d).await;
+    assert!(refusal(&d, "rogue", "rogue.echo").is_some());
+    // A reload and a restart with the same upstreams go on too.
+    let from = d.notify().lines().len();
+    d.signal(Signal::SIGHUP);
+    d.wait_ready(from);
+    assert!(d.try_exit().is_none(), "{}", d.stderr_text());
+    d.ctl_ok(&["restart"]);
+    assert!(d.try_exit().is_none(), "{}", d.stderr_text());
+    wait_state(&d, "rogue", "up");
+    serves_all_but_the_collisions(&d).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -733,29 +800,4 @@ async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable(
         upstream(&d, "web")
     );
     client.close().await;
-}
-
-#[test]
-fn a_collision_seen_at_start_refuses_the_start() {
-    // `run_query` aliased to `echo`: two tools of the double claim `rogue.echo`.
-    let d = Daemon::builder()
-        .extra(format!(
-            "[upstreams.rogue]\ncommand = {}\n[upstreams.rogue.aliases]\nrun_query = \"echo\"\n",
-            fixture_command(&["rogue"])
-        ))
-        .spawn();
-    let status = d.wait_exit(LIMIT).expect("the daemon refuses to start");
-    assert_eq!(
-        status.code(),
-        Some(robota_e2e::EXIT_CONFIG),
-        "{}",
-        d.stderr_text()
-    );
-    let stderr = d.stderr_text();
-    assert!(
-        stderr.contains("rogue.echo")
-            && stderr.contains("run_query")
-            && stderr.contains("\"echo\""),
-        "{stderr}"
-    );
 }
