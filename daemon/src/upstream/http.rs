@@ -296,19 +296,21 @@ impl HttpLink {
             }
             StatusCode::ACCEPTED => Answer::Accepted,
             StatusCode::NOT_FOUND if sent_session => return Ok(None),
+            // The request reached the backend: whatever it says now, it may have acted
+            // on it, so none of these is "nothing was sent".
             s if s.is_redirection() => {
-                return Err(CallError::NotSent(format!(
-                    "the backend answered {s}; redirects are not followed"
+                return Err(CallError::Lost(format!(
+                    "the backend answered {s} (redirects are not followed); it may have acted on the request"
                 )));
             }
             s if s == StatusCode::UNAUTHORIZED || s == StatusCode::FORBIDDEN => {
-                return Err(CallError::NotSent(format!(
-                    "the backend refused the daemon's credential ({s})"
+                return Err(CallError::Lost(format!(
+                    "the backend refused the daemon's credential ({s}) after receiving the request"
                 )));
             }
             s if s.is_client_error() => {
-                return Err(CallError::NotSent(format!(
-                    "the backend refused the request ({s})"
+                return Err(CallError::Lost(format!(
+                    "the backend refused the request ({s}) after receiving it"
                 )));
             }
             s => return Err(CallError::Lost(format!("the backend failed ({s})"))),
@@ -329,7 +331,8 @@ impl HttpLink {
         loop {
             let Some((answer, conn)) = self.post(negotiated, method, body, true).await? else {
                 if renewed || negotiated.modern {
-                    return Err(CallError::NotSent(
+                    // Sent twice, answered 404 twice: the backend may have acted on it.
+                    return Err(CallError::Lost(
                         "the backend does not know the session it just created".into(),
                     ));
                 }

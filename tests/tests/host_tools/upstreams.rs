@@ -801,3 +801,124 @@ async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable(
     );
     client.close().await;
 }
+
+/// A Streamable HTTP backend that initializes and lists like any, then answers every
+/// `tools/call` it receives with `status` (and nothing else); the calls it received are
+/// counted. Plain HTTP/1.1 on loopback, one request per connection; bounded: it serves
+/// `max` requests, then stops.
+async fn refusing_backend(
+    status: u16,
+    max: usize,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    tokio::spawn(async move {
+        for _ in 0..max {
+            let Ok(Ok((mut s, _))) = tokio::time::timeout(LIMIT, listener.accept()).await else {
+                return;
+            };
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            // The head, then a body of Content-Length bytes.
+            let body = loop {
+                let Ok(Ok(n)) = tokio::time::timeout(LIMIT, s.read(&mut chunk)).await else {
+                    break None;
+                };
+                if n == 0 {
+                    break None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                let mut headers = [httparse::EMPTY_HEADER; 32];
+                let mut req = httparse::Request::new(&mut headers);
+                if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
+                    let length = req
+                        .headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                        .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
+                        .unwrap_or(0usize);
+                    if buf.len() >= head + length {
+                        break Some(buf[head..head + length].to_vec());
+                    }
+                }
+            };
+            let Some(body) = body else { continue };
+            let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let answer = |result: Value| {
+                json!({"jsonrpc": "2.0", "id": msg["id"], "result": result}).to_string()
+            };
+            let (code, text) = match msg["method"].as_str().unwrap_or_default() {
+                "initialize" => (
+                    200,
+                    answer(json!({
+                        "protocolVersion": msg["params"]["protocolVersion"],
+                        "capabilities": {"tools": {}},
+                        "serverInfo": {"name": "refusing", "version": "1"}
+                    })),
+                ),
+                "tools/list" => (
+                    200,
+                    answer(json!({"tools": [{
+                        "name": "act",
+                        "description": "acts, then the front says no",
+                        "inputSchema": {"type": "object"}
+                    }]})),
+                ),
+                "tools/call" => {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                    (status, String::new())
+                }
+                _ => (202, String::new()),
+            };
+            let ctype = if text.is_empty() {
+                ""
+            } else {
+                "Content-Type: application/json\r\n"
+            };
+            let location = if (300..400).contains(&code) {
+                "Location: http://127.0.0.1:9/\r\n"
+            } else {
+                ""
+            };
+            let head = format!(
+                "HTTP/1.1 {code} X\r\n{ctype}{location}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                text.len()
+            );
+            let _ = s.write_all(head.as_bytes()).await;
+            let _ = s.write_all(text.as_bytes()).await;
+            let _ = s.shutdown().await;
+        }
+    });
+    (url, calls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_backend_received_is_never_nothing_was_sent() {
+    use std::sync::atomic::Ordering;
+    for status in [307u16, 403, 404, 429] {
+        let (url, calls) = refusing_backend(status, 64).await;
+        let d = Daemon::start(&format!(
+            "[upstreams.web]\nurl = \"{url}\"\n\n{}",
+            allow(&["web"])
+        ));
+        wait_state(&d, "web", "up");
+        let client = McpClient::connect(&d, &d.bearer()).await;
+        let message = client
+            .call("web.act", json!({}))
+            .await
+            .err("outcome_unknown", &format!("a call answered {status}"));
+        assert!(
+            calls.load(Ordering::SeqCst) >= 1,
+            "{status}: the backend never saw the call"
+        );
+        assert!(!message.contains("nothing was sent"), "{status}: {message}");
+        client.close().await;
+    }
+}
