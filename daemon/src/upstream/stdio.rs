@@ -351,41 +351,56 @@ enum Line {
     End,
 }
 
-/// Reads lines of at most `limit` bytes; a longer line is skipped to its end, keeping its
-/// first [`PREFIX`] bytes.
+/// Reads lines of at most `limit` bytes. A longer line is reported (with its first
+/// [`PREFIX`] bytes) as soon as it passes the limit, whether or not its end has come; the
+/// rest of it is then read and dropped.
 struct Lines<R> {
     read: R,
     buf: BytesMut,
     limit: usize,
+    /// Inside a line already reported too long: drop bytes up to its newline.
+    discarding: bool,
 }
 
 impl<R: AsyncRead + Unpin> Lines<R> {
+    fn new(read: R, limit: usize) -> Self {
+        Self {
+            read,
+            buf: BytesMut::with_capacity(64 * 1024),
+            limit,
+            discarding: false,
+        }
+    }
+
     async fn next(&mut self) -> Line {
-        let mut skipping: Option<Vec<u8>> = None;
         let mut scanned = 0;
         loop {
             if let Some(at) = self.buf[scanned..].iter().position(|&b| b == b'\n') {
                 let end = scanned + at;
                 let mut line = self.buf.split_to(end + 1);
+                if std::mem::take(&mut self.discarding) {
+                    scanned = 0;
+                    continue;
+                }
                 line.truncate(end);
                 if line.last() == Some(&b'\r') {
                     line.truncate(end - 1);
                 }
-                return match skipping {
-                    Some(prefix) => Line::TooLong(prefix),
-                    None if line.len() > self.limit => {
-                        Line::TooLong(line[..PREFIX.min(line.len())].to_vec())
-                    }
-                    None => Line::Whole(line),
+                return if line.len() > self.limit {
+                    Line::TooLong(line[..PREFIX.min(line.len())].to_vec())
+                } else {
+                    Line::Whole(line)
                 };
             }
             scanned = self.buf.len();
-            if self.buf.len() > self.limit {
-                if skipping.is_none() {
-                    skipping = Some(self.buf[..PREFIX.min(self.buf.len())].to_vec());
-                }
+            if self.discarding {
                 self.buf.clear();
                 scanned = 0;
+            } else if self.buf.len() > self.limit {
+                let prefix = self.buf[..PREFIX.min(self.buf.len())].to_vec();
+                self.buf.clear();
+                self.discarding = true;
+                return Line::TooLong(prefix);
             }
             self.buf.reserve(64 * 1024);
             match self.read.read_buf(&mut self.buf).await {
@@ -397,11 +412,7 @@ impl<R: AsyncRead + Unpin> Lines<R> {
 }
 
 async fn read_stdout(link: Arc<ChildLink>, stdout: tokio::process::ChildStdout, limit: usize) {
-    let mut lines = Lines {
-        read: stdout,
-        buf: BytesMut::with_capacity(64 * 1024),
-        limit,
-    };
+    let mut lines = Lines::new(stdout, limit);
     let why = loop {
         let line = tokio::select! {
             line = lines.next() => line,
@@ -560,11 +571,7 @@ mod tests {
             "x".repeat(100_000)
         );
         let input = format!("{{\"a\":1}}\r\n\n{long}\n{{\"b\":2}}\n");
-        let mut lines = Lines {
-            read: input.as_bytes(),
-            buf: BytesMut::new(),
-            limit: 1000,
-        };
+        let mut lines = Lines::new(input.as_bytes(), 1000);
         assert!(matches!(lines.next().await, Line::Whole(l) if &l[..] == b"{\"a\":1}"));
         assert!(matches!(lines.next().await, Line::Whole(l) if l.is_empty()));
         match lines.next().await {
@@ -576,6 +583,31 @@ mod tests {
         }
         assert!(matches!(lines.next().await, Line::Whole(l) if &l[..] == b"{\"b\":2}"));
         assert!(matches!(lines.next().await, Line::End));
+    }
+
+    #[tokio::test]
+    async fn a_line_over_the_limit_is_reported_before_its_end_comes() {
+        let (mut write, read) = tokio::io::duplex(1 << 20);
+        let mut lines = Lines::new(read, 1000);
+        let start = format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":9,\"result\":\"{}",
+            "x".repeat(5000)
+        );
+        write.write_all(start.as_bytes()).await.unwrap();
+        // No newline yet, and none may ever come: the answer is at the limit.
+        let line = tokio::time::timeout(Duration::from_secs(5), lines.next())
+            .await
+            .expect("reported without waiting for the line's end");
+        match line {
+            Line::TooLong(prefix) => assert_eq!(id_in_prefix(&prefix), Some(9)),
+            _ => panic!("expected the line to be reported too long"),
+        }
+        // Its rest is dropped; the next line is whole.
+        write
+            .write_all(format!("{}\"}}\n{{\"b\":2}}\n", "y".repeat(3000)).as_bytes())
+            .await
+            .unwrap();
+        assert!(matches!(lines.next().await, Line::Whole(l) if &l[..] == b"{\"b\":2}"));
     }
 
     fn sh(script: &str) -> ChildSpec {
