@@ -344,6 +344,10 @@ async fn write_stdin(
     drop(stdin);
 }
 
+/// Longest the reading of a child's stdout waits for room to queue an answer to a request
+/// of the child's (it is not reading its stdin); then the child is cut off.
+const ANSWER_WAIT: Duration = Duration::from_secs(5);
+
 /// One line of stdout, bounded: a whole line, or the first bytes of one over the limit.
 enum Line {
     Whole(BytesMut),
@@ -448,7 +452,21 @@ async fn read_stdout(link: Arc<ChildLink>, stdout: tokio::process::ChildStdout, 
                         }
                     }
                     Incoming::Request { id, method } => {
-                        let _ = link.out.try_send(answer_server_request(id, &method));
+                        // Every request is answered: with 64 answers already waiting on
+                        // a child that does not read its stdin, its stdout waits too (up
+                        // to ANSWER_WAIT), then the child is cut off — never a request
+                        // dropped unanswered.
+                        let answer = answer_server_request(id, &method);
+                        match tokio::time::timeout(ANSWER_WAIT, link.out.send(answer)).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => return,
+                            Err(_) => {
+                                break format!(
+                                    "it sent requests and read none of their answers for {}",
+                                    humantime::format_duration(ANSWER_WAIT)
+                                );
+                            }
+                        }
                     }
                     Incoming::Stray(what) => {
                         tracing::debug!(upstream = %link.upstream, "ignored {what}");
@@ -643,6 +661,43 @@ mod tests {
         assert!(link.why().unwrap().contains("not JSON"), "{:?}", link.why());
         link.stop(Duration::ZERO).await;
         assert!(link.reaped.is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn every_request_of_a_burst_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let count = dir.path().join("answered");
+        // 1000 requests at once, then the answers read: more answers than the pipe to its
+        // stdin holds wait for it, and none may be missing.
+        let script = format!(
+            "i=0; while [ $i -lt 1000 ]; do echo '{{\"jsonrpc\":\"2.0\",\"id\":'$i',\"method\":\"roots/list\"}}'; i=$((i+1)); done; \
+             n=0; while [ $n -lt 1000 ] && read line; do n=$((n+1)); done; echo $n > {}; sleep 30",
+            count.display()
+        );
+        let link = ChildLink::spawn(
+            "t",
+            &sh(&script),
+            &Launcher::Direct,
+            1024,
+            Arc::new(Notify::new()),
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let answered = loop {
+            if let Ok(text) = std::fs::read_to_string(&count)
+                && text.ends_with('\n')
+            {
+                break text.trim().to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the child never read its answers"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(answered, "1000");
+        assert!(link.why().is_none(), "{:?}", link.why());
+        link.stop(Duration::ZERO).await;
     }
 
     #[tokio::test]
