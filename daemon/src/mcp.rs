@@ -24,7 +24,7 @@ use rmcp::{RoleServer, ServerHandler};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::catalog::{self, Snapshot, ToolError, ToolOutput, ToolSpec, UPSTREAM_META};
+use crate::catalog::{self, ERROR_META, Snapshot, ToolError, ToolOutput, ToolSpec, UPSTREAM_META};
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
 use crate::session::{JobOp, RuntimeTools, TurnSubmission};
@@ -561,9 +561,29 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             metrics.tool_call(tool, None, started.elapsed());
             return CallToolResponse::Task(CreateTaskResult::new(tasks::task(job)));
         }
-        let (rendered, code) = self.bounded(result, slot.map(|s| (s, shape.modern)));
+        let (mut rendered, code) = self.bounded(result, slot.map(|s| (s, shape.modern)));
         metrics.tool_call(tool, code, started.elapsed());
+        if let Some(code) = code {
+            self.mark_own_error(&mut rendered, tool, code);
+        }
         rendered.into()
+    }
+
+    /// An error the daemon made: marked as its own (an upstream's content never carries
+    /// the mark), and for an imported tool, naming its upstream like its results do.
+    fn mark_own_error(&self, rendered: &mut CallToolResult, tool: &str, code: ToolErrorCode) {
+        let meta = &mut rendered
+            .meta
+            .get_or_insert_with(|| rmcp::model::MetaObject(Map::new()))
+            .0;
+        meta.insert(
+            ERROR_META.into(),
+            json!({"by": "robota-mcpd", "code": code.as_str()}),
+        );
+        let snapshot = self.shared.session.catalog();
+        if let Some(imported) = snapshot.get(tool).and_then(|e| e.spec().imported.as_ref()) {
+            meta.insert(UPSTREAM_META.into(), imported.meta());
+        }
     }
 
     /// A `tools/call` of revision 2025-11-25 from a client without tasks, run without the

@@ -165,6 +165,15 @@ pub struct Imported {
 /// and on its results: `{"name": <upstream>, "tool": <its own name>}`.
 pub const UPSTREAM_META: &str = "io.robota/upstream";
 
+/// The `_meta` key of a tool error the daemon made itself (`{"by": "robota-mcpd", "code"}`),
+/// never of content an upstream made: the daemon's `io.robota/` keys are taken out of
+/// everything an upstream sends, so an upstream cannot pass its content off as the
+/// daemon's error.
+pub const ERROR_META: &str = "io.robota/error";
+
+/// The prefix of the daemon's own `_meta` keys.
+pub const OWN_META_PREFIX: &str = "io.robota/";
+
 impl Imported {
     /// The value of [`UPSTREAM_META`].
     pub fn meta(&self) -> Value {
