@@ -258,6 +258,9 @@ closed_set! {
         /// Not sent: no place for it within 1 s (16 in flight in all, or 2 of the same
         /// client's).
         Busy = "busy",
+        /// Sent, and the request that asked went away before the answer (its connection
+        /// closed, reset or evicted): counted as that client's failure.
+        Abandoned = "abandoned",
     }
 }
 

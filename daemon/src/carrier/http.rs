@@ -291,10 +291,24 @@ impl<H: Handler> Conn<H> {
                     } else {
                         handler.handle(req, peer).await
                     };
-                    if response.extensions().get::<Unadmitted>().is_some() {
-                        busy.0.unserve();
-                    }
-                    Ok::<_, Infallible>(response.map(|body| Tracked { body, _busy: busy }))
+                    let refusal = response
+                        .extensions()
+                        .get::<Unadmitted>()
+                        .is_some()
+                        .then(|| {
+                            busy.0.unserve();
+                            busy.0
+                                .table
+                                .inner
+                                .lock()
+                                .yielding(busy.0.id, true, Instant::now());
+                            Yielded(busy.0.clone())
+                        });
+                    Ok::<_, Infallible>(response.map(|body| Tracked {
+                        body,
+                        _busy: busy,
+                        _refusal: refusal,
+                    }))
                 }
             })
         };
@@ -452,15 +466,22 @@ impl Inner {
     /// The first connection of `group`, in eviction order, that may give way: one before
     /// admission, or an idle one waiting on its peer.
     fn evictable_in(&self, group: Option<IpAddr>) -> Option<IdleKey> {
+        self.evictable_by(group, true)
+    }
+
+    /// [`Self::evictable_in`]; a connection whose request is being verified only when
+    /// `requests` is set.
+    fn evictable_by(&self, group: Option<IpAddr>, requests: bool) -> Option<IdleKey> {
         self.groups
             .get(&group)?
             .idle
             .iter()
             .copied()
             .find(|(_, _, id)| {
-                self.slots
-                    .get(id)
-                    .is_some_and(|s| s.active > 0 || s.waiting.load(Ordering::Relaxed))
+                self.slots.get(id).is_some_and(|s| {
+                    (s.active > 0 && requests)
+                        || (s.active == 0 && s.waiting.load(Ordering::Relaxed))
+                })
             })
     }
 
@@ -469,13 +490,26 @@ impl Inner {
     /// among groups of that size), trusted proxies' last. So peers that fill the listener
     /// from a few addresses make room from their own connections, never from a client
     /// holding one.
-    fn evictable(&self) -> Option<u64> {
+    ///
+    /// Only a group at least as big as the newcomer's would be gives way to it (its own
+    /// always may), and a connection whose request is being verified only to a newcomer
+    /// whose group would then hold fewer: a client holding one connection never loses it
+    /// to a peer that holds more, and its request with the issuer is never abandoned for
+    /// a peer that holds as many.
+    fn evictable(&self, newcomer: Option<IpAddr>) -> Option<u64> {
+        let theirs = newcomer.map_or(0, |g| self.groups.get(&Some(g)).map_or(0, |g| g.open) + 1);
         let mut best: Option<(usize, IdleKey)> = None;
         for &(Reverse(open), group) in &self.by_size {
             if best.is_some_and(|(size, _)| open < size) {
                 break;
             }
-            if let Some(key) = self.evictable_in(Some(group))
+            // Its own group, or a bigger one: anything that may give way. One of the
+            // newcomer's size: only an idle connection. A smaller one: nothing.
+            let own = newcomer == Some(group);
+            if !own && open < theirs {
+                continue;
+            }
+            if let Some(key) = self.evictable_by(Some(group), own || open > theirs)
                 && best.is_none_or(|(_, b)| key < b)
             {
                 best = Some((open, key));
@@ -612,7 +646,7 @@ impl Table {
             }
         }
         if inner.slots.len() >= self.max {
-            match inner.evictable() {
+            match inner.evictable(group) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -877,6 +911,8 @@ pub fn give_way<B>(req: &Request<B>) -> Option<Yielded> {
 struct Tracked {
     body: Body,
     _busy: Busy,
+    /// A refusal being written: its connection counts as unauthenticated meanwhile.
+    _refusal: Option<Yielded>,
 }
 
 impl hyper::body::Body for Tracked {

@@ -343,7 +343,15 @@ impl Introspector {
         if !(asker.may_introspect)() {
             return Err(Reason::NotIntrospected);
         }
-        let answer = match self.ask(fetcher, &url, token).await {
+        // Sent from here on: if this future is dropped before the answer, the issuer did
+        // the work for nothing, and that counts against the asker.
+        let mut pending = Pending {
+            abandoned: Some(asker.abandoned),
+            metrics: &self.metrics,
+        };
+        let asked = self.ask(fetcher, &url, token).await;
+        pending.abandoned = None;
+        let answer = match asked {
             Ok(answer) => answer,
             Err(why) => {
                 self.metrics.introspection(IntrospectionOutcome::Error);
@@ -443,6 +451,21 @@ impl Introspector {
             return Err("the answer has no boolean `active`".to_owned());
         }
         Ok(answer)
+    }
+}
+
+/// A request sent to the issuer whose answer has not come back yet.
+struct Pending<'a> {
+    abandoned: Option<&'a (dyn Fn() + Sync)>,
+    metrics: &'a Metrics,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.abandoned.take() {
+            self.metrics.introspection(IntrospectionOutcome::Abandoned);
+            abandoned();
+        }
     }
 }
 
@@ -916,6 +939,41 @@ mod tests {
             took >= INTROSPECTION_TIMEOUT && took < INTROSPECTION_TIMEOUT * 2,
             "{took:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_abandoned_after_it_was_sent_counts_against_its_client() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
+        s.server.route("/introspect", Route::hang());
+        let abandoned = AtomicUsize::new(0);
+        let on_abandoned = || {
+            abandoned.fetch_add(1, Ordering::SeqCst);
+        };
+        let asker = Asker {
+            abandoned: &on_abandoned,
+            ..Asker::anyone()
+        };
+        // The caller goes away while the issuer works on it.
+        let gone = tokio::time::timeout(
+            Duration::from_millis(500),
+            s.verifier.verify(OPAQUE, now(), asker),
+        )
+        .await;
+        assert!(gone.is_err());
+        assert_eq!(abandoned.load(Ordering::SeqCst), 1);
+        assert_eq!(s.count(IntrospectionOutcome::Abandoned), 1);
+        // One that is answered (even with no usable answer) is not abandoned.
+        s.server.route("/introspect", Route::status(500));
+        let asker = Asker {
+            abandoned: &on_abandoned,
+            ..Asker::anyone()
+        };
+        assert_eq!(
+            s.verifier.verify(OPAQUE, now(), asker).await,
+            Err(Reason::IntrospectionUnavailable)
+        );
+        assert_eq!(abandoned.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

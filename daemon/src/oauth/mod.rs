@@ -51,11 +51,17 @@ pub struct Asker<'a> {
     /// Asked just before an opaque token goes to the issuer: may this client still cost
     /// it a request? `false` refuses the token `not-introspected`, nothing sent.
     pub may_introspect: &'a (dyn Fn() -> bool + Sync),
+    /// Called when a request about its token was sent to the issuer and the asker went
+    /// away before the answer (its connection closed, reset or evicted): the issuer did
+    /// the work, so it counts as the client's failure.
+    pub abandoned: &'a (dyn Fn() + Sync),
 }
 
 fn always() -> bool {
     true
 }
+
+fn nothing() {}
 
 impl Asker<'static> {
     /// A caller with no history: never suspect, never held back (tools, benches, tests).
@@ -64,6 +70,7 @@ impl Asker<'static> {
             client: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             suspect: false,
             may_introspect: &always,
+            abandoned: &nothing,
         }
     }
 }

@@ -758,3 +758,46 @@ async fn a_throttled_address_costs_the_issuer_a_bounded_number_of_introspections
         "{sent} introspection requests for one throttled address"
     );
 }
+
+/// Found by the sixth outside attack: requests that go away while the issuer works on
+/// their token (closed after 50 ms, the issuer taking 1 s) never came back as failures,
+/// so one address made the issuer work without end. Now an abandoned request counts as
+/// its client's failure, and the bound holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_go_away_before_the_issuer_answers_are_bounded_too() {
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    oidc.set_introspection_delay(Some(Duration::from_secs(1)));
+    let addr = d.remote_addr();
+    let from = std::net::IpAddr::from([127, 0, 0, 9]);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        tasks.spawn(async move {
+            let until = std::time::Instant::now() + Duration::from_secs(8);
+            while std::time::Instant::now() < until {
+                let req = remote_mcp(Some(&random_opaque()), &tools_list(1));
+                if let Ok(mut conn) = robota_e2e::http::Conn::connect_from(from, addr).await {
+                    let _ = conn.write(&req.to_bytes()).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    oidc.set_introspection_delay(None);
+    let sent: f64 = ["active", "inactive", "error", "abandoned"]
+        .iter()
+        .map(|o| introspections(&d, o))
+        .sum();
+    eprintln!(
+        "introspection requests {sent} ({} abandoned)",
+        introspections(&d, "abandoned")
+    );
+    assert!(introspections(&d, "abandoned") >= 1.0);
+    // The budget (20), the places of one client (2), the allowance (2), and 2 for a
+    // place freed a moment before its failure is counted.
+    assert!(
+        sent <= 26.0,
+        "{sent} introspection requests from one address that never waits"
+    );
+}

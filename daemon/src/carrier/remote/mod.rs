@@ -233,29 +233,36 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
             Route::Metadata => return server::unadmitted(self.metadata(req.method())),
             Route::Endpoint => {}
         }
-        // While its token is being verified (an opaque one with the issuer, a suspect's
-        // signature in the lane of one), the connection counts as unauthenticated and
-        // gives way to a newcomer when the listener is full.
-        let yielded = server::give_way(&req);
         let outcome = match admission::credentials(req.headers()) {
             Credentials::Missing => Err(Failure::Missing),
             Credentials::Malformed => Err(Failure::MalformedHeader),
             Credentials::Token(token) => {
+                let suspect = c.throttle.check(client, Instant::now()).is_some();
+                // While it waits on something other than the processor — an opaque token
+                // with the issuer, a suspect's signature in the lane of one — the
+                // connection counts as unauthenticated and gives way to a newcomer.
+                // A JWT from a client in good standing is checked at once and holds.
+                let yielded = (suspect || !crate::oauth::introspect::jwt_shaped(token))
+                    .then(|| server::give_way(&req));
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
+                let abandoned = || c.throttle.record_failure(client, Instant::now());
                 let asker = Asker {
                     client: c.throttle.client(client),
-                    suspect: c.throttle.check(client, Instant::now()).is_some(),
+                    suspect,
                     may_introspect: &may_introspect,
+                    abandoned: &abandoned,
                 };
-                c.verifier
+                let verdict = c
+                    .verifier
                     .verify(token, SystemTime::now(), asker)
                     .await
-                    .map_err(Failure::Token)
+                    .map_err(Failure::Token);
+                drop(yielded);
+                verdict
             }
         };
-        drop(yielded);
         let over_budget = match &outcome {
             Ok(_) => None,
             Err(_) => c.throttle.check(client, Instant::now()),
