@@ -683,6 +683,12 @@ proptest! {
             prop_assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
             prop_assert!(r.retry_after.is_some_and(|s| s >= 1));
             prop_assert!(r.challenge.is_none());
+        } else if reason == Reason::NotIntrospected {
+            // Only ever decided over budget: throttled even if the window just ended.
+            prop_assert!(r.counted && r.throttled);
+            prop_assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+            prop_assert_eq!(r.retry_after, Some(over_budget.unwrap_or(1).max(1)));
+            prop_assert!(r.challenge.is_none());
         } else if let Some(seconds) = over_budget {
             prop_assert!(r.counted && r.throttled);
             prop_assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
