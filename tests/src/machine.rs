@@ -5,10 +5,13 @@
 //! The copy is an overlay mount (the image read-only below, a private upper directory
 //! above), so every [`Machine`] starts from the same clean root in milliseconds and leaves
 //! the image untouched. Each machine has a private network namespace holding only its
-//! own loopback, so the package's default ports never meet another test's. Commands run
-//! inside with `nsenter` into every namespace of the machine's PID 1, with a clean
-//! environment. Every wait is bounded; dropping a machine powers it off (then kills it),
-//! unmounts the copy and removes it.
+//! own loopback, so the package's default ports never meet another test's, and its own
+//! cgroup in every process-tracking hierarchy: with `--keep-unit` systemd-nspawn runs the
+//! machine in the cgroup it was started in, and machines sharing one would share
+//! `system.slice/robota-mcpd.service` — one machine's `systemctl stop` would kill the
+//! other's daemon. Commands run inside with `nsenter` into every namespace of the
+//! machine's PID 1, with a clean environment. Every wait is bounded; dropping a machine
+//! powers it off (then kills what is left in its cgroup), unmounts the copy and removes it.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -49,6 +52,7 @@ pub struct Machine {
     /// The machine's PID 1, as this host numbers it.
     leader: i32,
     mounted: bool,
+    cgroup: Cgroup,
 }
 
 impl Machine {
@@ -89,15 +93,23 @@ impl Machine {
         run_bounded(mount, COMMAND_LIMIT).expect_code(0, "mount the machine's overlay");
         // The overlay's root is the upper directory's: the machine's / must be 0755.
         fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).expect("chmod root");
+        let cgroup = Cgroup::create(&name);
         let mut machine = Machine {
             name,
             dir,
             nspawn: None,
             leader: 0,
             mounted: true,
+            cgroup,
         };
         let console = fs::File::create(machine.dir.path().join("console.log")).expect("log");
-        let child = Command::new("systemd-nspawn")
+        // The shell joins the machine's cgroups, then becomes systemd-nspawn (same pid).
+        let child = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1" || exit 1; shift; done; shift; exec "$@""#)
+            .arg("sh")
+            .args(machine.cgroup.procs_files())
+            .args(["--", "systemd-nspawn"])
             .arg("--quiet")
             .arg(format!("--directory={}", root.display()))
             .arg(format!("--machine={}", machine.name))
@@ -131,6 +143,12 @@ impl Machine {
             found,
             "systemd-nspawn started no init within {BOOT_LIMIT:?}:\n{}",
             machine.console()
+        );
+        let placed =
+            fs::read_to_string(format!("/proc/{}/cgroup", machine.leader)).unwrap_or_default();
+        assert!(
+            placed.contains(&format!("/robota-machine-{}/", machine.name)),
+            "the machine's init runs outside the machine's own cgroup:\n{placed}"
         );
         let deadline = Instant::now() + BOOT_LIMIT;
         loop {
@@ -283,6 +301,7 @@ impl Machine {
 impl Drop for Machine {
     fn drop(&mut self) {
         self.poweroff();
+        self.cgroup.remove();
         if self.mounted {
             let root = self.root();
             let unmounted =
@@ -300,6 +319,87 @@ impl Drop for Machine {
             self.mounted = false;
         }
     }
+}
+
+/// A machine's own cgroup, one directory per process-tracking hierarchy this host mounts
+/// (the unified one and, on a hybrid host, the named `systemd` one), under the cgroup
+/// the tests run in.
+struct Cgroup {
+    dirs: Vec<PathBuf>,
+}
+
+impl Cgroup {
+    fn create(name: &str) -> Cgroup {
+        let mounts = fs::read_to_string("/proc/self/mounts").expect("/proc/self/mounts");
+        let ours = fs::read_to_string("/proc/self/cgroup").expect("/proc/self/cgroup");
+        let mut dirs = Vec::new();
+        for line in mounts.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let [_, at, kind, options, ..] = fields[..] else {
+                continue;
+            };
+            // Which line of /proc/self/cgroup names our place in this hierarchy.
+            let key = match kind {
+                "cgroup2" => "0::".to_owned(),
+                "cgroup" if options.split(',').any(|o| o == "name=systemd") => {
+                    ":name=systemd:".to_owned()
+                }
+                _ => continue,
+            };
+            let place = ours
+                .lines()
+                .find_map(|l| {
+                    if key == "0::" {
+                        l.strip_prefix("0::")
+                    } else {
+                        l.split_once(&key).map(|(_, p)| p)
+                    }
+                })
+                .unwrap_or("/");
+            let mut dir = Path::new(at).join(place.trim_start_matches('/'));
+            if !dir.is_dir() {
+                dir = PathBuf::from(at);
+            }
+            let dir = dir.join(format!("robota-machine-{name}"));
+            fs::create_dir(&dir)
+                .unwrap_or_else(|e| panic!("create the machine's cgroup {}: {e}", dir.display()));
+            dirs.push(dir);
+        }
+        assert!(
+            !dirs.is_empty(),
+            "this host mounts no cgroup hierarchy systemd-nspawn can track a machine in"
+        );
+        Cgroup { dirs }
+    }
+
+    fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// Kills whatever is left in it (a machine that did not power off), then removes it.
+    fn remove(&mut self) {
+        for dir in self.dirs.drain(..) {
+            let kill = dir.join("cgroup.kill");
+            if kill.exists() {
+                let _ = fs::write(&kill, "1");
+            }
+            let _ =
+                poll_until_blocking(Duration::from_secs(10), Duration::from_millis(100), || {
+                    remove_tree(&dir);
+                    !dir.exists()
+                });
+        }
+    }
+}
+
+/// Removes a cgroup and its descendants, deepest first (cgroups go with rmdir only).
+fn remove_tree(dir: &Path) {
+    for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&entry.path());
+        }
+    }
+    let _ = fs::remove_dir(dir);
 }
 
 /// The process systemd-nspawn started as the machine's init: its child running systemd.
