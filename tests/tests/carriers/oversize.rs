@@ -12,7 +12,7 @@ use base64::Engine as _;
 use robota_e2e::http::{
     Conn, Request, Response, exchange, tool_error_code, tools_call, tools_list,
 };
-use robota_e2e::{Daemon, metric_sum, within};
+use robota_e2e::{Daemon, metric_sum, poll_until, within};
 use serde_json::{Value, json};
 
 const QUICK: Duration = Duration::from_secs(5);
@@ -769,7 +769,8 @@ async fn oversize_round(
             .post(Some(bearer), &headers, TestBody::spaces(2 * 1024 * 1024))
             .await
             .map(|r| r.0);
-        if got.is_err() && h2.is_closed() {
+        // The request's error can arrive just before the connection's driver ends.
+        if got.is_err() && poll_until(QUICK, Duration::from_millis(20), || h2.is_closed()).await {
             *statuses.entry("h2 goaway".to_owned()).or_default() += 1;
             h2 = H2Conn::connect(addr).await;
             got = h2
