@@ -535,15 +535,7 @@ mod tests {
         // A second daemon cannot take the same socket.
         assert!(matches!(bind(&c), Err(ControlError::Locked { .. })));
 
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(
-            socket,
-            Arc::new(parking_lot::RwLock::new(c.clone())),
-            Arc::new(Echo),
-            Arc::new(Audit::new()),
-            Metrics::new(),
-            shutdown.clone(),
-        ));
+        let (shutdown, server) = serve_echo(socket, &c);
         let mut stream = UnixStream::connect(&c.socket).await.unwrap();
         let reply = roundtrip(&mut stream, b"{\"v\":1,\"cmd\":\"status\"}\n").await;
         assert!(
@@ -580,12 +572,11 @@ mod tests {
         drop(bind(&c).unwrap());
     }
 
-    #[tokio::test]
-    async fn one_uid_holds_at_most_its_share_and_a_trickled_frame_is_cut() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut c = config(&[], &[]);
-        c.socket = dir.path().join("control.sock");
-        let socket = bind(&c).unwrap();
+    /// The control server over `socket`, answering with [`Echo`]; its stop token and task.
+    fn serve_echo(
+        socket: ControlSocket,
+        c: &ControlConfig,
+    ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
         let shutdown = CancellationToken::new();
         let server = tokio::spawn(serve(
             socket,
@@ -595,6 +586,16 @@ mod tests {
             Metrics::new(),
             shutdown.clone(),
         ));
+        (shutdown, server)
+    }
+
+    #[tokio::test]
+    async fn one_uid_holds_at_most_its_share_and_a_trickled_frame_is_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(&[], &[]);
+        c.socket = dir.path().join("control.sock");
+        let socket = bind(&c).unwrap();
+        let (shutdown, server) = serve_echo(socket, &c);
         // Each holds a request begun and not finished.
         let mut held = Vec::new();
         for _ in 0..ROOT_MAX {

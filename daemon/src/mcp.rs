@@ -55,9 +55,9 @@ pub struct WireNames {
     generation: u64,
     targets: HashMap<String, Target>,
     tools: Vec<Tool>,
-    /// Problems the configuration alone decides (an alias, a first-party name): at
-    /// start-up any of them refuses the carrier, and a collision among them makes
-    /// `tools/list` an error naming it.
+    /// Problems the configuration alone decides (an alias, a first-party name, the
+    /// submission tool): any of them refuses the carrier at start-up, and as the
+    /// configuration does not change within a session, no later generation has one.
     problems: Vec<WireError>,
     /// Collisions an upstream's listing takes part in: their names are refused (answered
     /// `unavailable` with why), logged, and nothing else changes.
@@ -85,16 +85,6 @@ pub enum WireError {
         wire: String,
         problem: String,
     },
-}
-
-impl WireError {
-    /// Whether it makes the listing wrong (a collision), not only a start-up mistake.
-    fn breaks_listing(&self) -> bool {
-        matches!(
-            self,
-            WireError::Collision { .. } | WireError::SourceCollision { .. }
-        )
-    }
 }
 
 impl WireNames {
@@ -197,14 +187,10 @@ impl WireNames {
     }
 
     /// The whole `tools/list` result of this generation as JSON, shaped for revision
-    /// 2025-11-25, serialized on first use; `None` while a collision breaks the listing
-    /// (the handler answers that error).
+    /// 2025-11-25, serialized on first use.
     fn encoded_listing(&self) -> Option<bytes::Bytes> {
         self.encoded
             .get_or_init(|| {
-                if self.listing_problem().is_some() {
-                    return None;
-                }
                 legacy_json(rmcp::model::ServerResult::ListToolsResult(
                     ListToolsResult::with_all_items(self.tools.clone()),
                 ))
@@ -218,17 +204,6 @@ impl WireNames {
             Some(problem) => Err(problem.clone()),
             None => Ok(()),
         }
-    }
-
-    /// Why `tools/list` cannot be answered truthfully now, if it cannot.
-    fn listing_problem(&self) -> Option<String> {
-        let broken: Vec<String> = self
-            .problems
-            .iter()
-            .filter(|p| p.breaks_listing())
-            .map(ToString::to_string)
-            .collect();
-        (!broken.is_empty()).then(|| broken.join("; "))
     }
 
     fn resolve(&self, wire: &str) -> Option<&Target> {
@@ -502,17 +477,13 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                 self.shared.profile,
                 &self.shared.aliases,
             ));
-            if let Some(problem) = names.listing_problem() {
-                tracing::error!(generation = snapshot.generation(), %problem, "the catalog has colliding names");
-            }
             names.log_refusals(self.shared.profile);
         }
         names.clone()
     }
 
     /// The current generation's whole `tools/list` result for revision 2025-11-25,
-    /// serialized (what the SDK answers from [`ServerHandler::list_tools`]); `None` when
-    /// the listing is an error.
+    /// serialized (what the SDK answers from [`ServerHandler::list_tools`]).
     pub fn encoded_listing(&self) -> Option<bytes::Bytes> {
         self.names().encoded_listing()
     }
@@ -784,15 +755,9 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        let names = self.names();
-        if let Some(problem) = names.listing_problem() {
-            // Never a listing that silently drops or picks one of two tools.
-            return Err(ErrorData::internal_error(
-                format!("the tool catalog has colliding names: {problem}"),
-                None,
-            ));
-        }
-        Ok(ListToolsResult::with_all_items(names.tools.clone()))
+        // Names in a collision are left out (and refused when called), never one of two
+        // picked: a server is built only over names the configuration does not collide.
+        Ok(ListToolsResult::with_all_items(self.names().tools.clone()))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {

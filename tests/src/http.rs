@@ -225,7 +225,10 @@ pub struct Conn {
 
 impl Conn {
     pub async fn connect(addr: SocketAddr) -> io::Result<Conn> {
-        let stream = TcpStream::connect(addr).await?;
+        Conn::over(TcpStream::connect(addr).await?)
+    }
+
+    fn over(stream: TcpStream) -> io::Result<Conn> {
         stream.set_nodelay(true)?;
         Ok(Conn {
             stream,
@@ -238,12 +241,7 @@ impl Conn {
     pub async fn connect_from(from: std::net::IpAddr, addr: SocketAddr) -> io::Result<Conn> {
         let socket = tokio::net::TcpSocket::new_v4()?;
         socket.bind(SocketAddr::new(from, 0))?;
-        let stream = socket.connect(addr).await?;
-        stream.set_nodelay(true)?;
-        Ok(Conn {
-            stream,
-            buf: Vec::new(),
-        })
+        Conn::over(socket.connect(addr).await?)
     }
 
     pub async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
@@ -400,18 +398,7 @@ impl Conn {
 
 /// Sends `req` on a new connection and reads the whole response (bounded).
 pub async fn try_exchange(addr: SocketAddr, req: &Request) -> io::Result<Response> {
-    let fut = async {
-        let mut c = Conn::connect(addr).await?;
-        c.write(&req.to_bytes()).await?;
-        c.read_response().await
-    };
-    match tokio::time::timeout(EXCHANGE_LIMIT, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("no complete response within {EXCHANGE_LIMIT:?}"),
-        )),
-    }
+    exchange_on(Conn::connect(addr), req).await
 }
 
 /// [`try_exchange`] on a connection from the loopback address `from`.
@@ -420,8 +407,17 @@ pub async fn try_exchange_from(
     addr: SocketAddr,
     req: &Request,
 ) -> io::Result<Response> {
+    exchange_on(Conn::connect_from(from, addr), req).await
+}
+
+/// `req` on the connection `connect` makes, and the whole response, within
+/// [`EXCHANGE_LIMIT`].
+async fn exchange_on(
+    connect: impl Future<Output = io::Result<Conn>>,
+    req: &Request,
+) -> io::Result<Response> {
     let fut = async {
-        let mut c = Conn::connect_from(from, addr).await?;
+        let mut c = connect.await?;
         c.write(&req.to_bytes()).await?;
         c.read_response().await
     };

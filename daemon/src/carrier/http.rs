@@ -297,12 +297,7 @@ impl<H: Handler> Conn<H> {
                         .is_some()
                         .then(|| {
                             busy.0.unserve();
-                            busy.0
-                                .table
-                                .inner
-                                .lock()
-                                .yielding(busy.0.id, true, Instant::now());
-                            Yielded(busy.0.clone())
+                            Yielded::start(&busy.0)
                         });
                     Ok::<_, Infallible>(response.map(|body| Tracked {
                         body,
@@ -737,16 +732,19 @@ impl Ticket {
             .is_some_and(|s| s.active > 0)
     }
 
-    /// Resolves once a request is in flight on this connection.
-    async fn until_busy(&self) {
-        let rx = self
-            .table
+    /// The connection's phase as it changes (`None`: evicted already).
+    fn phase(&self) -> Option<watch::Receiver<Phase>> {
+        self.table
             .inner
             .lock()
             .slots
             .get(&self.id)
-            .map(|s| s.phase.subscribe());
-        let Some(mut rx) = rx else {
+            .map(|s| s.phase.subscribe())
+    }
+
+    /// Resolves once a request is in flight on this connection.
+    async fn until_busy(&self) {
+        let Some(mut rx) = self.phase() else {
             return std::future::pending().await;
         };
         if rx.wait_for(|p| matches!(p, Phase::Busy)).await.is_err() {
@@ -773,13 +771,7 @@ impl Ticket {
     /// Resolves when the connection has been idle too long: before its first request,
     /// `header_timeout` from accept; after one, `idle_timeout` from the last answer.
     fn deadline(&self, bounds: &HttpLimits) -> impl Future<Output = Expired> + Send + 'static {
-        let rx = self
-            .table
-            .inner
-            .lock()
-            .slots
-            .get(&self.id)
-            .map(|s| s.phase.subscribe());
+        let rx = self.phase();
         let (head, idle) = (bounds.header_timeout, bounds.idle_timeout);
         async move {
             // Evicted before we looked: the kill token ends the connection.
@@ -884,6 +876,17 @@ impl Drop for Busy {
 /// authenticated yet never holds a slot a newcomer cannot take.
 pub struct Yielded(Ticket);
 
+impl Yielded {
+    fn start(ticket: &Ticket) -> Self {
+        ticket
+            .table
+            .inner
+            .lock()
+            .yielding(ticket.id, true, Instant::now());
+        Yielded(ticket.clone())
+    }
+}
+
 impl Drop for Yielded {
     fn drop(&mut self) {
         let id = self.0.id;
@@ -898,13 +901,7 @@ impl Drop for Yielded {
 /// Marks `req` (come through [`serve`]) as waiting on its own verification until the
 /// returned guard is dropped.
 pub fn give_way<B>(req: &Request<B>) -> Option<Yielded> {
-    let ticket = req.extensions().get::<Ticket>()?.clone();
-    ticket
-        .table
-        .inner
-        .lock()
-        .yielding(ticket.id, true, Instant::now());
-    Some(Yielded(ticket))
+    req.extensions().get::<Ticket>().map(Yielded::start)
 }
 
 /// A response body that keeps its connection busy until it has been sent (or dropped).
@@ -1160,10 +1157,7 @@ mod tests {
         let (verifying, served) = (verifying.unwrap(), served.unwrap());
         // Both have a request in flight; one of them waits on its token.
         let _v = serving(&verifying);
-        let waiting_on_token = {
-            t.inner.lock().yielding(verifying.id, true, Instant::now());
-            Yielded(verifying.clone())
-        };
+        let waiting_on_token = Yielded::start(&verifying);
         let _s = serving(&served);
         let (newcomer, evicted) = admit(&t, None, Instant::now());
         assert!(newcomer.is_some() && evicted);

@@ -1,7 +1,7 @@
 //! The verified-token cache, and beside it the digests of tokens whose signature failed:
 //! what spares a replayed token its signature check; both bounded.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::SystemTime;
 
 use super::Principal;
@@ -12,21 +12,71 @@ pub const VERIFIED_CACHE_ENTRIES: usize = 10_000;
 /// Most tokens remembered as forged (a bad signature against the held key set).
 pub const FORGED_CACHE_ENTRIES: usize = 4_096;
 
-/// A full verified-token cache shrinks to this size (expired entries first, then the
-/// oldest).
-const EVICT_TO: usize = VERIFIED_CACHE_ENTRIES / 10 * 9;
-
-/// Tokens that verified, by SHA-256 of the token text, until they expire. Bounded: when
-/// full, expired entries go first, then the oldest, down to [`EVICT_TO`].
-///
-/// Beside them, tokens whose signature failed, by digest, oldest dropped first past
-/// [`FORGED_CACHE_ENTRIES`]: a bad signature stays bad while the key set is the same.
-#[derive(Default)]
-pub(super) struct VerifiedCache {
-    entries: HashMap<[u8; 32], Checked>,
+/// Values by token digest (SHA-256 of the token text), at most `max` of them. A full map
+/// drops first the entries `lapsed` says are done, then the oldest, down to nine tenths of
+/// `max` in one go, so that a full map does not sweep on every insert. The one bounded
+/// memory of tokens: verified ones and forged ones here, introspection answers beside.
+pub(super) struct ByDigest<V> {
+    max: usize,
+    entries: HashMap<[u8; 32], V>,
     order: VecDeque<[u8; 32]>,
-    forged: HashSet<[u8; 32]>,
-    forged_order: VecDeque<[u8; 32]>,
+}
+
+impl<V> ByDigest<V> {
+    pub(super) fn new(max: usize) -> Self {
+        Self {
+            max,
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    pub(super) fn get(&self, digest: &[u8; 32]) -> Option<&V> {
+        self.entries.get(digest)
+    }
+
+    pub(super) fn insert(&mut self, digest: [u8; 32], value: V, lapsed: impl Fn(&V) -> bool) {
+        if self.entries.len() >= self.max {
+            self.entries.retain(|_, v| !lapsed(v));
+            let entries = &self.entries;
+            self.order.retain(|d| entries.contains_key(d));
+            while self.entries.len() >= self.max / 10 * 9 {
+                let Some(oldest) = self.order.pop_front() else {
+                    break;
+                };
+                self.entries.remove(&oldest);
+            }
+        }
+        if self.entries.insert(digest, value).is_none() {
+            self.order.push_back(digest);
+        }
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.entries.clear();
+        self.order.clear();
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Tokens that verified, until they expire; beside them, tokens whose signature failed: a
+/// bad signature stays bad while the key set is the same. Both emptied with the key set.
+pub(super) struct VerifiedCache {
+    entries: ByDigest<Checked>,
+    forged: ByDigest<()>,
+}
+
+impl Default for VerifiedCache {
+    fn default() -> Self {
+        Self {
+            entries: ByDigest::new(VERIFIED_CACHE_ENTRIES),
+            forged: ByDigest::new(FORGED_CACHE_ENTRIES),
+        }
+    }
 }
 
 impl VerifiedCache {
@@ -40,49 +90,25 @@ impl VerifiedCache {
     }
 
     pub(super) fn insert(&mut self, digest: [u8; 32], checked: &Checked, now: SystemTime) {
-        if self.entries.len() >= VERIFIED_CACHE_ENTRIES {
-            self.entries
-                .retain(|_, e| !expired(e.principal.expires_at, now));
-            let entries = &self.entries;
-            self.order.retain(|d| entries.contains_key(d));
-            // Evict in a batch so that a full cache does not sweep on every insert.
-            while self.entries.len() >= EVICT_TO {
-                let Some(oldest) = self.order.pop_front() else {
-                    break;
-                };
-                self.entries.remove(&oldest);
-            }
-        }
         let entry = Checked {
             principal: checked.principal.clone(),
             not_before: checked.not_before,
         };
-        if self.entries.insert(digest, entry).is_none() {
-            self.order.push_back(digest);
-        }
+        self.entries
+            .insert(digest, entry, |e| expired(e.principal.expires_at, now));
     }
 
     pub(super) fn forged(&self, digest: &[u8; 32]) -> bool {
-        self.forged.contains(digest)
+        self.forged.get(digest).is_some()
     }
 
     pub(super) fn insert_forged(&mut self, digest: [u8; 32]) {
-        if !self.forged.insert(digest) {
-            return;
-        }
-        self.forged_order.push_back(digest);
-        if self.forged_order.len() > FORGED_CACHE_ENTRIES
-            && let Some(oldest) = self.forged_order.pop_front()
-        {
-            self.forged.remove(&oldest);
-        }
+        self.forged.insert(digest, (), |()| false);
     }
 
     pub(super) fn clear(&mut self) {
         self.entries.clear();
-        self.order.clear();
         self.forged.clear();
-        self.forged_order.clear();
     }
 }
 
@@ -198,15 +224,14 @@ mod tests {
         for i in 0..=FORGED_CACHE_ENTRIES {
             cache.insert_forged(digest(i));
         }
-        assert_eq!(cache.forged.len(), FORGED_CACHE_ENTRIES);
+        // Full at the last insert: the oldest tenth went in one go.
+        assert_eq!(cache.forged.len(), FORGED_CACHE_ENTRIES / 10 * 9);
         assert!(!cache.forged(&digest(0)), "the oldest went first");
         assert!(cache.forged(&digest(FORGED_CACHE_ENTRIES)));
+        let before = cache.forged.len();
         cache.insert_forged(digest(FORGED_CACHE_ENTRIES));
-        assert_eq!(
-            cache.forged_order.len(),
-            FORGED_CACHE_ENTRIES,
-            "no duplicate"
-        );
+        assert_eq!(cache.forged.len(), before, "no duplicate");
+        assert_eq!(cache.forged.order.len(), before);
     }
 
     #[test]
@@ -241,15 +266,16 @@ mod tests {
         assert_eq!(cache.entries.len(), VERIFIED_CACHE_ENTRIES / 2 + 1);
         assert!(cache.get(&digest(1), later).is_some());
         assert!(cache.get(&digest(0), later).is_none());
-        // Full with nothing expired: the oldest go, down to EVICT_TO.
+        // Full with nothing expired: the oldest go, down to nine tenths.
         let mut i = VERIFIED_CACHE_ENTRIES + 1;
         while cache.entries.len() < VERIFIED_CACHE_ENTRIES {
             cache.insert(digest(i), &checked(1000), later);
             i += 1;
         }
         cache.insert(digest(i), &checked(1000), later);
-        assert_eq!(cache.entries.len(), EVICT_TO);
-        assert_eq!(cache.order.len(), EVICT_TO);
+        let evict_to = VERIFIED_CACHE_ENTRIES / 10 * 9;
+        assert_eq!(cache.entries.len(), evict_to);
+        assert_eq!(cache.entries.order.len(), evict_to);
         assert!(cache.get(&digest(1), later).is_none(), "oldest evicted");
         assert!(cache.get(&digest(i - 1), later).is_some());
         assert!(cache.get(&digest(i), later).is_some());

@@ -20,7 +20,6 @@
 //! URL; a JWT never comes here (the verifier decides by the token's shape); the secret
 //! file is refused unless only its owner (root or the daemon's user) can read it.
 
-use std::collections::{HashMap, VecDeque};
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -31,6 +30,7 @@ use parking_lot::Mutex;
 use reqwest::Url;
 use serde_json::Value;
 
+use super::cache::ByDigest;
 use super::claims::{Policy, StrictObject, check_claims};
 use super::jwks::{FetchError, Fetcher, https_url};
 use super::places::Places;
@@ -490,19 +490,18 @@ fn judge(
     check_claims(answer, policy, now).map(|checked| checked.principal)
 }
 
-/// A full cache shrinks to this size.
-const EVICT_TO: usize = CACHE_ENTRIES / 10 * 9;
-
 /// Answers by token digest, each until a time that is never past the token's `exp`.
-#[derive(Default)]
-struct AnswerCache {
-    entries: HashMap<[u8; 32], (Result<Principal, Reason>, SystemTime)>,
-    order: VecDeque<[u8; 32]>,
+struct AnswerCache(ByDigest<(Result<Principal, Reason>, SystemTime)>);
+
+impl Default for AnswerCache {
+    fn default() -> Self {
+        Self(ByDigest::new(CACHE_ENTRIES))
+    }
 }
 
 impl AnswerCache {
     fn get(&self, digest: &[u8; 32], now: SystemTime) -> Option<Result<Principal, Reason>> {
-        let (answer, until) = self.entries.get(digest)?;
+        let (answer, until) = self.0.get(digest)?;
         (now < *until).then(|| answer.clone())
     }
 
@@ -513,25 +512,13 @@ impl AnswerCache {
         until: SystemTime,
         now: SystemTime,
     ) {
-        if self.entries.len() >= CACHE_ENTRIES {
-            self.entries.retain(|_, (_, until)| *until > now);
-            let entries = &self.entries;
-            self.order.retain(|d| entries.contains_key(d));
-            while self.entries.len() >= EVICT_TO {
-                let Some(oldest) = self.order.pop_front() else {
-                    break;
-                };
-                self.entries.remove(&oldest);
-            }
-        }
-        if self.entries.insert(digest, (answer, until)).is_none() {
-            self.order.push_back(digest);
-        }
+        self.0
+            .insert(digest, (answer, until), |(_, until)| *until <= now);
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.entries.len()
+        self.0.len()
     }
 }
 
