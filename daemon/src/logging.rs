@@ -13,6 +13,9 @@
 //!   target is exempt: the audit folds refusals past its own rate at the source.
 //! - On stderr, every line is also cut at [`MAX_LINE`] bytes (marked) and line breaks
 //!   inside it are escaped, so one event is one line.
+//! - In the journal, an event's `MESSAGE` is its message followed by its other fields as
+//!   `name=value` (the readable format's line), so the reason shows in the one-line view
+//!   of `journalctl -u robota-mcpd`; every field is also kept as its own journal field.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -59,9 +62,9 @@ pub fn init(journal: bool, filter: Option<&str>) {
     let registry = tracing_subscriber::registry().with(filter);
     if journal && let Ok(layer) = tracing_journald::layer() {
         let _ = registry
-            .with(Guard::new(
-                layer.with_syslog_identifier("robota-mcpd".into()),
-            ))
+            .with(
+                Guard::new(layer.with_syslog_identifier("robota-mcpd".into())).fields_in_message(),
+            )
             .try_init();
         return;
     }
@@ -238,6 +241,9 @@ pub struct Guard<L> {
     inner: L,
     limiter: Mutex<Limiter>,
     clock: Arc<dyn Fn() -> u64 + Send + Sync>,
+    /// Whether the output is given each event with its fields written into its message
+    /// too (the journal, whose one-line view shows the message only).
+    inline: bool,
 }
 
 impl<L> Guard<L> {
@@ -252,7 +258,14 @@ impl<L> Guard<L> {
             inner,
             limiter: Mutex::new(Limiter::default()),
             clock,
+            inline: false,
         }
+    }
+
+    /// The output is given each event with its message followed by its other fields.
+    pub fn fields_in_message(mut self) -> Self {
+        self.inline = true;
+        self
     }
 }
 
@@ -290,7 +303,87 @@ impl<L> Guard<L> {
             ),
         ];
         let set = fields.value_set(&pairs);
-        self.inner.on_event(&Event::new(meta, &set), ctx);
+        let event = Event::new(meta, &set);
+        if !self.inline || !self.inline_fields(&event, ctx.clone()) {
+            self.inner.on_event(&event, ctx);
+        }
+    }
+}
+
+/// Most fields an event may have for [`Guard::inline_fields`] to rewrite it (more is
+/// handed on as it is).
+const INLINE_MAX: usize = 32;
+
+/// An event's fields as text, in order: the message apart.
+#[derive(Default)]
+struct Texts {
+    message: Option<String>,
+    others: Vec<(Field, String)>,
+}
+
+impl Visit for Texts {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.message = Some(value.to_owned());
+        } else {
+            self.others.push((field.clone(), value.to_owned()));
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.record_str(field, &format!("{value:?}"));
+    }
+}
+
+impl<L> Guard<L> {
+    /// Hands `inner` the event again with the same callsite and fields, its message being
+    /// the message followed by ` name=value` for each other field (a value with spaces,
+    /// quotes or nothing in it quoted). False when there is nothing to add, or the event
+    /// cannot be rewritten (no message field, or more than [`INLINE_MAX`] fields).
+    fn inline_fields<S>(&self, event: &Event<'_>, ctx: Context<'_, S>) -> bool
+    where
+        L: Layer<S>,
+        S: Subscriber + for<'a> LookupSpan<'a>,
+    {
+        let meta = event.metadata();
+        let fields = meta.fields();
+        let Some(message_field) = fields.field("message") else {
+            return false;
+        };
+        let mut texts = Texts::default();
+        event.record(&mut texts);
+        if texts.others.is_empty() || texts.others.len() >= INLINE_MAX {
+            return false;
+        }
+        let mut message = texts.message.unwrap_or_default();
+        for (field, value) in &texts.others {
+            let plain = !value.is_empty() && !value.contains([' ', '"', '=', '\\']);
+            if plain {
+                let _ = write!(message, " {}={value}", field.name());
+            } else {
+                let _ = write!(message, " {}={value:?}", field.name());
+            }
+        }
+        let message = message.as_str();
+        let values: Vec<&str> = texts.others.iter().map(|(_, v)| v.as_str()).collect();
+        // Unused entries repeat the message field with no value: a value set records the
+        // entries that carry one.
+        let mut pairs: [(&Field, Option<&dyn tracing::Value>); INLINE_MAX] =
+            [(&message_field, None); INLINE_MAX];
+        pairs[0] = (&message_field, Some(&message as &dyn tracing::Value));
+        for (i, (field, _)) in texts.others.iter().enumerate() {
+            pairs[i + 1] = (field, Some(&values[i] as &dyn tracing::Value));
+        }
+        let set = fields.value_set(&pairs);
+        let copy = if event.is_root() {
+            Event::new_child_of(None::<span::Id>, meta, &set)
+        } else if let Some(parent) = event.parent() {
+            Event::new_child_of(parent.clone(), meta, &set)
+        } else {
+            Event::new(meta, &set)
+        };
+        self.inner.on_event(&copy, ctx);
+        true
     }
 }
 
@@ -369,7 +462,9 @@ where
             render.0
         };
         if rendered(0).total <= FIELD_CAP {
-            self.inner.on_event(event, ctx);
+            if !self.inline || !self.inline_fields(event, ctx.clone()) {
+                self.inner.on_event(event, ctx);
+            }
             return;
         }
         let Bounded { text, total, .. } = rendered(FIELD_CAP);
@@ -518,6 +613,41 @@ mod tests {
         let subscriber = tracing_subscriber::registry().with(guard);
         tracing::subscriber::with_default(subscriber, || f(&clock));
         recorder.0.lock().clone()
+    }
+
+    #[test]
+    fn in_the_journal_the_message_carries_the_fields_and_they_stay() {
+        let recorder = Recorder::default();
+        let subscriber =
+            tracing_subscriber::registry().with(Guard::new(recorder.clone()).fields_in_message());
+        tracing::subscriber::with_default(subscriber, || {
+            let problem = "upstreams.fs.command: no such file";
+            tracing::error!(problem, "reload refused; the running configuration stays");
+            tracing::warn!(target: "robota_mcpd::audit", reason = "bad-bearer", carrier = %"loopback", "request refused");
+            tracing::info!("ready");
+        });
+        let seen = recorder.0.lock().clone();
+        assert_eq!(seen.len(), 3);
+        assert_eq!(
+            seen[0].field("message"),
+            Some(
+                "reload refused; the running configuration stays \
+                 problem=\"upstreams.fs.command: no such file\""
+            )
+        );
+        assert_eq!(
+            seen[0].field("problem"),
+            Some("upstreams.fs.command: no such file")
+        );
+        assert_eq!(seen[0].level, Level::ERROR);
+        assert_eq!(
+            seen[1].field("message"),
+            Some("request refused reason=bad-bearer carrier=loopback")
+        );
+        assert_eq!(seen[1].target, "robota_mcpd::audit");
+        assert_eq!(seen[1].field("reason"), Some("bad-bearer"));
+        assert_eq!(seen[2].field("message"), Some("ready"));
+        assert_eq!(seen[2].fields.len(), 1);
     }
 
     #[test]
