@@ -36,7 +36,7 @@ fn peer_uid_not_allowed_gets_exit_4() {
         .iter()
         .find(|c| c.name == "control")
         .expect("control");
-    assert_eq!(control.refused, 1, "{control:?}");
+    assert_eq!(control.refused, Some(1), "{control:?}");
     let out = d.ctl_as(NOBODY, NOBODY, &["bearer", "issue"]);
     out.expect_code(4, "bearer issue as uid 65534 without allow_uids");
     assert!(
@@ -130,8 +130,8 @@ fn status_reports_carriers_and_session() {
         .expect("control");
     assert_eq!(control.address, d.socket_path().display().to_string());
     // Control requests are counted: at least this `status` and the harness's own.
-    assert!(control.admitted >= 2, "{control:?}");
-    assert_eq!(control.refused, 0, "{control:?}");
+    assert!(control.admitted.is_some_and(|n| n >= 2), "{control:?}");
+    assert_eq!(control.refused, Some(0), "{control:?}");
     let lo = st
         .carriers
         .iter()
@@ -405,7 +405,10 @@ held, refused, said = [], 0, ""
 for _ in range(70):
     s = socket.socket(socket.AF_UNIX)
     s.connect(sys.argv[1])
-    s.sendall(b'{"v":1,"command"')
+    try:
+        s.sendall(b'{"v":1,"command"')
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused and closed before the frame began: its refusal is still there to read
     held.append(s)
 for s in held:
     s.settimeout(0.5)
