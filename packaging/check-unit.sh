@@ -50,13 +50,13 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
 echo "-- $unit: required settings"
-# Exact lines: the daemon's contract (readiness, watchdog, exit code 78, SIGHUP, the
+# Exact lines: the daemon's contract (readiness, watchdog, exit code 78, reload, the
 # directories it reads from the environment) and the hardening floor.
 for line in \
 	'Type=notify' \
 	'NotifyAccess=main' \
 	'ExecStart=/usr/bin/robota-mcpd' \
-	'ExecReload=/bin/kill -HUP $MAINPID' \
+	'ExecReload=/usr/bin/robota-mcpctl reload' \
 	'Restart=on-failure' \
 	'RestartPreventExitStatus=78' \
 	'User=robota-mcpd' \

@@ -33,7 +33,7 @@ CARGO_DEB_VERSION='^3.8'
 # Debian 12 with systemd as PID 1, and what the tests run inside it. A change here is a
 # new image (the directory name carries a digest of these lines).
 IMAGE_SUITE=bookworm
-IMAGE_PACKAGES=systemd,systemd-sysv,dbus,ca-certificates,curl,jq,procps,python3,python3-venv,iproute2
+IMAGE_PACKAGES=systemd,systemd-sysv,dbus,ca-certificates,curl,jq,procps,python3,python3-venv,iproute2,prometheus,polkitd,libpam-systemd
 
 say() { echo "setup: $*" >&2; }
 die() {
@@ -164,6 +164,13 @@ part_image() {
 	# The journal kept in memory: a test reads it while the container runs.
 	mkdir -p "$root/etc/systemd/journald.conf.d"
 	printf '[Journal]\nStorage=volatile\nRateLimitBurst=0\n' >"$root/etc/systemd/journald.conf.d/test.conf"
+	# Debian's prometheus is there for a test to start; it does not start at boot.
+	rm -f "$root/etc/systemd/system/multi-user.target.wants/prometheus.service"
+	# polkitd's own package kept, so that a test can remove it (a minimal Debian has none)
+	# and install it again with no network.
+	mkdir -p "$root/root/debs"
+	cp "$root"/var/cache/apt/archives/polkitd_*.deb "$root/root/debs/" 2>/dev/null ||
+		(cd "$root/root/debs" && bounded 120 "apt-get download polkitd (Debian's package registry)" apt-get download polkitd)
 	apt-get -o RootDir="$root" clean >/dev/null 2>&1 || rm -rf "$root/var/cache/apt/archives/"*.deb
 	touch "$dir/ready"
 }

@@ -119,12 +119,26 @@ Example:
   robota-mcpctl stop")]
     Stop,
 
-    /// Fresh attach: new session, new bearers, readiness re-announced
+    /// Read the configuration file again and serve it, or say why not (what `systemctl
+    /// reload robota-mcpd` runs)
+    #[command(after_help = "\
+Example:
+  robota-mcpctl reload
+
+Answered once the daemon has served the new configuration, or refused it: then every
+problem is printed, the running configuration stays, and the exit code is 78. The host
+bearer, and the labelled bearers, carry on unless [loopback] changed (then fetch the new
+host bearer with `robota-mcpctl bearer issue`).")]
+    Reload,
+
+    /// Reload with a fresh attach: new session, new host bearer, readiness re-announced
     #[command(after_help = "\
 Example:
   robota-mcpctl restart
 
-Every bearer stops working; fetch the new host bearer with `robota-mcpctl bearer issue`.")]
+The host bearer and the labelled bearers without a lifetime stop working; fetch the new
+host bearer with `robota-mcpctl bearer issue`. An invalid configuration changes nothing
+(exit 78), as with `reload`.")]
     Restart,
 }
 

@@ -81,9 +81,28 @@ fn connect_error(socket: &Path, source: io::Error) -> CtlError {
         io::ErrorKind::ConnectionRefused if is_socket(&socket) => CtlError::NotListening { socket },
         io::ErrorKind::ConnectionRefused => CtlError::NotASocket { socket },
         // std maps both EACCES and EPERM here.
-        io::ErrorKind::PermissionDenied => CtlError::SocketPermission { socket, source },
+        io::ErrorKind::PermissionDenied => CtlError::SocketPermission {
+            group: socket_group(&socket),
+            socket,
+            source,
+        },
         _ => CtlError::Connect { socket, source },
     }
+}
+
+/// The group owning `socket` (its name from /etc/group, else its number), if it can be
+/// read: who may connect besides its owner.
+fn socket_group(socket: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let gid = fs::metadata(socket).ok()?.gid();
+    let named = fs::read_to_string("/etc/group").ok().and_then(|groups| {
+        groups.lines().find_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            (fields.nth(1)?.parse::<u32>().ok()? == gid).then(|| name.to_owned())
+        })
+    });
+    Some(named.unwrap_or_else(|| format!("gid {gid}")))
 }
 
 fn is_socket(path: &Path) -> bool {

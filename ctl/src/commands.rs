@@ -154,6 +154,22 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reply @ Reply::Stopping => print_json(&reply),
             other => Err(unexpected("stopping", &other)),
         },
+        CtlCommand::Reload => match call(ctx, Command::Reload)? {
+            Reply::Reloaded {
+                status,
+                host_bearer_kept,
+            } if !ctx.json => print(&format!(
+                "robota-mcpd reloaded (generation {}); {}\n",
+                status.generation,
+                if host_bearer_kept {
+                    "the host bearer is kept"
+                } else {
+                    "[loopback] changed: a new host bearer (robota-mcpctl bearer issue)"
+                },
+            )),
+            reply @ Reply::Reloaded { .. } => print_json(&reply),
+            other => Err(unexpected("reloaded", &other)),
+        },
         CtlCommand::Restart => match call(ctx, Command::Restart)? {
             Reply::Restarted { status } if !ctx.json => print(&format!(
                 "robota-mcpd restarted (generation {})\n\n{}",

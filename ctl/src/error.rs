@@ -20,7 +20,12 @@ pub enum CtlError {
     /// Something other than a socket sits at the path (also ECONNREFUSED).
     NotASocket { socket: PathBuf },
     /// The socket's mode refused us (EACCES / EPERM).
-    SocketPermission { socket: PathBuf, source: io::Error },
+    SocketPermission {
+        socket: PathBuf,
+        /// The socket's group, whose members may connect.
+        group: Option<String>,
+        source: io::Error,
+    },
     /// Any other connect failure.
     Connect { socket: PathBuf, source: io::Error },
     /// Sending the request or reading the reply failed.
@@ -100,11 +105,16 @@ impl fmt::Display for CtlError {
                 "robota-mcpd is not running ({} is not a socket)",
                 socket.display()
             ),
-            CtlError::SocketPermission { socket, .. } => write!(
+            CtlError::SocketPermission { socket, group, .. } => write!(
                 f,
-                "permission denied on the control socket {} (allowed: root, the daemon's \
-                 user, and [control] allow_uids / allow_gids)",
-                socket.display()
+                "permission denied on the control socket {}: only its owner and the members \
+                 of its group{} may connect (usermod -aG, then log in again), and the daemon \
+                 then admits root, its own user, and [control] allow_uids / allow_gids",
+                socket.display(),
+                group
+                    .as_deref()
+                    .map(|g| format!(" ({g})"))
+                    .unwrap_or_default()
             ),
             CtlError::Connect { socket, .. } => {
                 write!(f, "cannot connect to {}", socket.display())

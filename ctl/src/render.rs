@@ -226,8 +226,13 @@ pub fn status(status: &Status) -> String {
     let mut out = table(&[("", Align::Left), ("", Align::Left)], &rows);
 
     for problem in &status.problems {
+        let counted = if problem.part.starts_with("upstream ") {
+            "restarts"
+        } else {
+            "failed writes"
+        };
         out.push_str(&format!(
-            "DEGRADED: {}: {} ({} failed writes since {})\n",
+            "DEGRADED: {}: {} ({} {counted} since {})\n",
             clean(&problem.part),
             clean(&problem.error),
             problem.failures,
@@ -255,8 +260,8 @@ pub fn status(status: &Status) -> String {
                     c.public_url
                         .as_deref()
                         .map_or_else(|| "-".to_owned(), |url| clean(url).into_owned()),
-                    c.admitted.to_string(),
-                    c.refused.to_string(),
+                    c.admitted.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+                    c.refused.map_or_else(|| "-".to_owned(), |n| n.to_string()),
                 ]
             })
             .collect();
@@ -697,8 +702,8 @@ mod tests {
                 name: "remote".into(),
                 address: "0.0.0.0:8443".into(),
                 public_url: Some("https://mcp.example.com/mcp".into()),
-                admitted: 7,
-                refused: 3,
+                admitted: Some(7),
+                refused: Some(3),
             }],
             catalog_size: 12,
             submission_tool: "agent_submit".into(),

@@ -161,7 +161,7 @@ pub struct StdioConfig {
     pub aliases: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LoopbackConfig {
     pub listen: SocketAddr,
     pub path: String,

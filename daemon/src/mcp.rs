@@ -590,11 +590,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     ) -> (Option<String>, Result<ToolOutput, ToolError>) {
         let names = self.names();
         let Some(target) = names.resolve(&request.name).cloned() else {
-            let unknown = ToolError::new(
-                ToolErrorCode::UnknownTool,
-                format!("no tool named {:?}", request.name),
-            );
-            return (None, Err(unknown));
+            return (None, Err(self.shared.session.unknown_tool(&request.name)));
         };
         let args = request.arguments.unwrap_or_default();
         let session = &self.shared.session;

@@ -264,9 +264,11 @@ impl Metrics {
         }
         // Every series of a closed label set exists from the start, at 0: a rule's
         // `increase()` then sees the first event too (a series born at 1 shows none).
+        // Only the label sets that can happen: a carrier's own refusal reasons, and the
+        // remote carrier's throttling.
+        throttled.with_label_values(&[Carrier::Remote.as_str()]);
         for carrier in Carrier::ALL {
-            throttled.with_label_values(&[carrier.as_str()]);
-            for reason in Reason::ALL {
+            for reason in Reason::ALL.into_iter().filter(|r| r.given_by(carrier)) {
                 refusals.with_label_values(&[carrier.as_str(), reason.as_str()]);
             }
         }
@@ -332,6 +334,37 @@ impl Metrics {
             .upstream_restarts
             .with_label_values(&[upstream])
             .inc();
+    }
+
+    /// Drops the series of upstreams that are no longer configured (a reload removed
+    /// them): an alert on `upstream_up == 0` must not fire for what is gone.
+    pub fn retain_upstreams(&self, configured: &[&str]) {
+        let inner = &self.0;
+        let gone = |family: &prometheus::proto::MetricFamily| -> Vec<String> {
+            family
+                .get_metric()
+                .iter()
+                .flat_map(|m| m.get_label())
+                .filter(|l| l.name() == "upstream" && !configured.contains(&l.value()))
+                .map(|l| l.value().to_owned())
+                .collect()
+        };
+        use prometheus::core::Collector as _;
+        for family in inner.upstream_up.collect() {
+            for name in gone(&family) {
+                let _ = inner.upstream_up.remove_label_values(&[&name]);
+            }
+        }
+        for family in inner.upstream_tools.collect() {
+            for name in gone(&family) {
+                let _ = inner.upstream_tools.remove_label_values(&[&name]);
+            }
+        }
+        for family in inner.upstream_restarts.collect() {
+            for name in gone(&family) {
+                let _ = inner.upstream_restarts.remove_label_values(&[&name]);
+            }
+        }
     }
 
     pub fn upstream_tools(&self, upstream: &str, tools: usize) {
@@ -494,6 +527,7 @@ impl Metrics {
     pub fn refused_count(&self, carrier: Carrier) -> u64 {
         Reason::ALL
             .iter()
+            .filter(|r| r.given_by(carrier))
             .map(|r| {
                 self.0
                     .refusals
@@ -549,6 +583,46 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_label_sets_a_carrier_can_produce_are_exported() {
+        let m = Metrics::new();
+        for carrier in Carrier::ALL {
+            // `status` reads every carrier's counts.
+            m.refused_count(carrier);
+        }
+        m.upstream_up("pg", false);
+        m.upstream_tools("pg", 3);
+        m.upstream_restart("pg");
+        m.upstream_up("fs", true);
+        m.retain_upstreams(&["fs"]);
+        let text = m.render();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(!line.contains("carrier=\"stdio\""), "{line}");
+            assert!(
+                !line.contains("carrier=\"control\"") || line.contains("peer-not-allowed"),
+                "{line}"
+            );
+            assert!(
+                !line.contains("upstream=\"pg\""),
+                "a removed upstream: {line}"
+            );
+        }
+        assert!(
+            text.contains("robota_mcpd_upstream_up{upstream=\"fs\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "robota_mcpd_refusals_total{carrier=\"loopback\",reason=\"wrong-path\"} 0"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("{carrier=\"loopback\",reason=\"expired\"}"),
+            "a reason only the remote carrier gives: {text}"
+        );
+    }
 
     #[test]
     fn counters_render_with_closed_set_labels() {

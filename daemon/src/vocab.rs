@@ -101,6 +101,29 @@ closed_set! {
     }
 }
 
+impl Reason {
+    /// Whether `carrier` can refuse a request for this reason: the series the metrics
+    /// export (only the remote carrier throttles).
+    pub fn given_by(self, carrier: Carrier) -> bool {
+        use Reason::*;
+        match carrier {
+            Carrier::Stdio => false,
+            Carrier::Control => self == PeerNotAllowed,
+            Carrier::Loopback => matches!(
+                self,
+                MissingToken
+                    | Oversize
+                    | Malformed
+                    | BadBearer
+                    | WrongHost
+                    | WrongOrigin
+                    | WrongPath
+            ),
+            Carrier::Remote => !matches!(self, BadBearer | WrongPath | PeerNotAllowed),
+        }
+    }
+}
+
 closed_set! {
     /// Coarse class of a client address; the address itself is never recorded.
     pub enum AddressClass {

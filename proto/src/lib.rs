@@ -157,7 +157,13 @@ pub enum Command {
     Mcp,
     /// Graceful stop of the whole daemon.
     Stop,
-    /// Fresh attach: a new session, new bearers, readiness re-announced.
+    /// Read the configuration file again and serve it (what SIGHUP and `systemctl
+    /// reload` do): invalid, nothing changes and the answer is an `invalid-config` error
+    /// with every problem; valid, a fresh session on it, the host bearer kept when the
+    /// loopback carrier's configuration did not change. Answered once done.
+    Reload,
+    /// A reload with a new host bearer whatever changed (the labelled bearers without a
+    /// lifetime gone), readiness re-announced.
     Restart,
     /// Fetch (or re-read) the remote verifier's signing keys now.
     KeysRefresh,
@@ -190,6 +196,7 @@ impl Command {
             | Command::BearerRotate
             | Command::Mcp
             | Command::Stop
+            | Command::Reload
             | Command::Restart
             | Command::KeysRefresh
             | Command::Upstreams => &[],
@@ -275,6 +282,12 @@ pub enum Reply {
     Restarted {
         status: Status,
     },
+    /// The configuration was read again and is served.
+    Reloaded {
+        status: Status,
+        /// Whether the host bearer carried on (the loopback carrier did not change).
+        host_bearer_kept: bool,
+    },
     /// The key set after a successful `keys-refresh`.
     KeySet(KeySetStatus),
     Upstreams {
@@ -302,6 +315,7 @@ impl Reply {
             Reply::Mcp => "mcp",
             Reply::Stopping => "stopping",
             Reply::Restarted { .. } => "restarted",
+            Reply::Reloaded { .. } => "reloaded",
             Reply::KeySet(_) => "key-set",
             Reply::Upstreams { .. } => "upstreams",
             Reply::Upstream { .. } => "upstream",
@@ -620,7 +634,7 @@ pub struct Status {
     pub uptime_secs: u64,
     /// `starting`, `serving`, `restarting` or `stopping`.
     pub state: String,
-    /// Restarts (fresh attaches) since the process started.
+    /// Reloads and restarts (fresh attaches) since the process started.
     pub generation: u64,
     pub carriers: Vec<CarrierStatus>,
     pub catalog_size: usize,
@@ -737,13 +751,14 @@ pub struct ReloadStatus {
 /// A part of the daemon that is failing now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Problem {
-    /// `audit` (the audit file) or `store` (the job, grant and idempotency store).
+    /// `audit` (the audit file), `store` (the job, grant and idempotency store), or
+    /// `upstream <name>` (a downstream MCP server that is not up).
     pub part: String,
-    /// The last error.
+    /// The last error (for an upstream: its state, then why it last failed).
     pub error: String,
     /// Since when it fails (Unix seconds).
     pub since: u64,
-    /// Failed writes since then.
+    /// Failed writes since then (for an upstream: its restarts in this session).
     pub failures: u64,
 }
 
@@ -814,8 +829,12 @@ pub struct CarrierStatus {
     pub address: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_url: Option<String>,
-    pub admitted: u64,
-    pub refused: u64,
+    /// Requests admitted and refused at admission; none for `metrics` (a scrape is not
+    /// admitted: the listener has no admission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admitted: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<u64>,
 }
 
 /// Exit codes of `robota-mcpctl`, distinct per failure class.

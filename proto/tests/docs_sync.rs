@@ -49,7 +49,8 @@ fn all_commands() -> Vec<Command> {
             Command::GrantDeny { .. } => Some(Command::GrantRevoke { grant_id: 7 }),
             Command::GrantRevoke { .. } => Some(Command::Mcp),
             Command::Mcp => Some(Command::Stop),
-            Command::Stop => Some(Command::Restart),
+            Command::Stop => Some(Command::Reload),
+            Command::Reload => Some(Command::Restart),
             Command::Restart => Some(Command::KeysRefresh),
             Command::KeysRefresh => Some(Command::Upstreams),
             Command::Upstreams => Some(Command::UpstreamRestart { name: "pg".into() }),
@@ -92,7 +93,11 @@ fn all_replies() -> Vec<Reply> {
             Reply::Grant { .. } => Some(Reply::Mcp),
             Reply::Mcp => Some(Reply::Stopping),
             Reply::Stopping => Some(Reply::Restarted { status: status() }),
-            Reply::Restarted { .. } => Some(Reply::KeySet(key_set())),
+            Reply::Restarted { .. } => Some(Reply::Reloaded {
+                status: status(),
+                host_bearer_kept: true,
+            }),
+            Reply::Reloaded { .. } => Some(Reply::KeySet(key_set())),
             Reply::KeySet(_) => Some(Reply::Upstreams {
                 upstreams: vec![upstream()],
             }),

@@ -74,7 +74,7 @@ fn frame_like() -> impl Strategy<Value = Map<String, Value>> {
     let cmd = prop_oneof![
         4 => prop::sample::select(vec![
             "status", "bearer-issue", "bearer-list", "bearer-revoke", "bearer-rotate", "audit",
-            "mcp", "stop", "restart",
+            "mcp", "stop", "reload", "restart",
         ])
         .prop_map(Value::from),
         1 => json_value(),

@@ -34,6 +34,12 @@ pub trait Source: Send + Sync + 'static {
     fn namespace(&self) -> Option<&str> {
         None
     }
+
+    /// Why the tools of its namespace cannot be known now (an upstream that is not up
+    /// and has no list kept), if so.
+    fn unavailable(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A source whose tools never change (the first-party host tools).
@@ -306,6 +312,30 @@ impl Catalog {
             submission,
             current: RwLock::new(Arc::new(first)),
         })
+    }
+
+    /// The error for a name no tool answers to: `unavailable` when it lies in the
+    /// namespace (`pg.` or, as a compat wire name, `pg_`) of a source whose tools cannot
+    /// be known now, with why; else `unknown_tool`.
+    pub fn unknown(&self, name: &str) -> ToolError {
+        for source in &self.sources {
+            let (Some(ns), Some(why)) = (source.namespace(), source.unavailable()) else {
+                continue;
+            };
+            if name
+                .strip_prefix(ns)
+                .is_some_and(|rest| rest.starts_with(['.', '_']))
+            {
+                return ToolError::new(
+                    ToolErrorCode::Unavailable,
+                    format!("no tool named {name:?} is known now: {why}"),
+                );
+            }
+        }
+        ToolError::new(
+            ToolErrorCode::UnknownTool,
+            format!("no tool named {name:?}"),
+        )
     }
 
     /// The current snapshot.

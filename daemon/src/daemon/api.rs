@@ -8,7 +8,7 @@ use robota_proto::{BearerInfo, Command, ErrorCode, Reply, Response, Secret};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use super::core::{Core, Op, RestartFailure};
+use super::core::{Core, Op, Reloaded, RestartFailure};
 use crate::bearer::{BearerError, HOST_LABEL, unix_secs};
 use crate::control::{ControlApi, ControlReader, Peer};
 use crate::grants::{DecideError, Grant};
@@ -32,7 +32,8 @@ impl ControlApi for Api {
         match command {
             Command::Status => Response::ok(Reply::Status(core.status())),
             Command::Stop => lifecycle::stop(core, peer).await,
-            Command::Restart => lifecycle::restart(core, peer).await,
+            Command::Reload => lifecycle::reload(core, false, peer).await,
+            Command::Restart => lifecycle::reload(core, true, peer).await,
             Command::BearerIssue { label, ttl_secs } => bearers::issue(core, label, ttl_secs),
             Command::BearerList => bearers::list(core),
             Command::BearerRevoke { label } => bearers::revoke(core, label),
@@ -151,12 +152,24 @@ async fn upstream_restart(core: &Core, name: &str, peer: Peer) -> Response {
     };
     tracing::info!(uid = peer.uid, upstream = %name, "upstream restart requested over the control socket");
     match upstreams.restart(name).await {
-        Some(upstream) => Response::ok(Reply::Upstream { upstream }),
+        Some(upstream) if upstream.state == "up" => Response::ok(Reply::Upstream { upstream }),
+        Some(upstream) => Response::error(
+            ErrorCode::Unavailable,
+            format!(
+                "upstream {name} was started again but is not up: {}{}; it keeps trying \
+                 (robota-mcpctl upstreams shows when)",
+                upstream.state,
+                upstream
+                    .last_error
+                    .map(|e| format!(" ({e})"))
+                    .unwrap_or_default()
+            ),
+        ),
         None => Response::error(ErrorCode::NotFound, format!("no upstream named {name:?}")),
     }
 }
 
-/// `stop`, `restart`: asked of the main loop, which owns the lifecycle.
+/// `stop`, `reload`, `restart`: asked of the main loop, which owns the lifecycle.
 mod lifecycle {
     use super::*;
 
@@ -168,18 +181,33 @@ mod lifecycle {
         }
     }
 
-    pub(super) async fn restart(core: &Core, peer: Peer) -> Response {
-        tracing::info!(uid = peer.uid, "restart requested over the control socket");
-        let (tx, rx) = oneshot::channel();
-        if core.ops.send(Op::Restart(tx)).await.is_err() {
+    /// `reload`, or `restart` (`fresh`: a new host bearer whatever changed).
+    pub(super) async fn reload(core: &Core, fresh: bool, peer: Peer) -> Response {
+        let what = if fresh { "restart" } else { "reload" };
+        tracing::info!(uid = peer.uid, "{what} requested over the control socket");
+        let (reply, rx) = oneshot::channel();
+        if core.ops.send(Op::Reload { fresh, reply }).await.is_err() {
             return Response::error(ErrorCode::Unavailable, "the daemon is stopping");
         }
         match rx.await {
-            Ok(Ok(status)) => Response::ok(Reply::Restarted { status }),
+            Ok(Ok(Reloaded { status, .. })) if fresh => Response::ok(Reply::Restarted { status }),
+            Ok(Ok(Reloaded {
+                status,
+                host_bearer_kept,
+            })) => Response::ok(Reply::Reloaded {
+                status,
+                host_bearer_kept,
+            }),
             Ok(Err(RestartFailure::Refused(problems))) => Response::error(
                 ErrorCode::InvalidConfig,
                 format!(
-                    "the configuration was not reloaded (the running one stays):\n  {}",
+                    "the configuration{} was not reloaded (the running one stays):\n  {}",
+                    core.served()
+                        .plan
+                        .origin
+                        .as_ref()
+                        .map(|o| format!(" {}", o.source))
+                        .unwrap_or_default(),
                     problems.join("\n  ")
                 ),
             ),
@@ -188,7 +216,7 @@ mod lifecycle {
             }
             Err(_) => Response::error(
                 ErrorCode::Unavailable,
-                "the daemon stopped during the restart",
+                format!("the daemon stopped during the {what}"),
             ),
         }
     }

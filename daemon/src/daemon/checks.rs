@@ -304,7 +304,30 @@ pub fn run(
         access(config, subject, &mut found);
         new_file_groups(config, subject, &mut found);
     }
+    polkit(config, subject, Path::new(POLKIT_SERVICE), &mut found);
     found
+}
+
+/// The D-Bus activation file `polkitd` installs.
+const POLKIT_SERVICE: &str = "/usr/share/dbus-1/system-services/org.freedesktop.PolicyKit1.service";
+
+/// `service.action` as a user other than root is authorised by polkit: without `polkitd`
+/// systemd refuses every job (`AccessDenied`, after the job was asked for).
+fn polkit(config: &Config, subject: Option<&Subject>, activation: &Path, found: &mut Findings) {
+    let as_root = subject.is_some_and(|s| s.uid == 0);
+    if config.tools.service.units.is_empty() || as_root || activation.exists() {
+        return;
+    }
+    found.warn(
+        "tools.service.units",
+        format!(
+            "polkitd is not installed ({} is missing): systemd will refuse every \
+             service.action of the daemon's user with AccessDenied; install it (apt install \
+             polkitd) and the rule in packaging/README.md, or leave service.* to \
+             service.status",
+            activation.display()
+        ),
+    );
 }
 
 /// A `[[policy]]` tool pattern that matches no tool is an error (a `deny` that never
@@ -467,6 +490,9 @@ fn sandboxed(config: &Config, sandbox: &Sandbox, found: &mut Findings) {
             );
         }
     }
+    for upstream in &config.upstreams {
+        upstream_sandboxed(upstream, sandbox, &unit, found);
+    }
     if !sandbox.writable(&config.state_dir) {
         found.error(
             "daemon.state_dir",
@@ -475,6 +501,72 @@ fn sandboxed(config: &Config, sandbox: &Sandbox, found: &mut Findings) {
                 config.state_dir.display()
             ),
         );
+    }
+}
+
+/// An upstream's paths under the unit's sandbox: its executable, working directory,
+/// socket or bearer file hidden is an error (it cannot start or connect); an absolute path
+/// among its arguments that the unit hides is an error too, and a directory among them
+/// that it makes read-only a warning (a server that writes there fails at its first
+/// write).
+fn upstream_sandboxed(
+    upstream: &crate::config::UpstreamConfig,
+    sandbox: &Sandbox,
+    unit: &str,
+    found: &mut Findings,
+) {
+    use crate::config::{HttpTarget, UpstreamEndpoint};
+    let name = &upstream.name;
+    let mut hidden = |key: String, path: &Path| {
+        if let Some(why) = sandbox.hidden(path) {
+            found.error(key, format!("{}: {why} ({unit})", path.display()));
+            true
+        } else {
+            false
+        }
+    };
+    match &upstream.endpoint {
+        UpstreamEndpoint::Command { argv, cwd, .. } => {
+            if let Some(dir) = cwd {
+                hidden(format!("upstreams.{name}.cwd"), dir);
+            }
+            let mut read_only = Vec::new();
+            for (i, arg) in argv.iter().enumerate() {
+                // `--root=/home/x` as well as `/home/x`.
+                let path = Path::new(arg.rsplit_once('=').map_or(arg.as_str(), |(_, p)| p));
+                if !path.is_absolute() {
+                    continue;
+                }
+                let key = format!("upstreams.{name}.command[{i}]");
+                // A directory argument is likely what the server serves (a script or a
+                // data file is only read).
+                if !hidden(key.clone(), path) && i > 0 && path.is_dir() && !sandbox.writable(path) {
+                    read_only.push((key, path.to_owned()));
+                }
+            }
+            for (key, path) in read_only {
+                found.warn(
+                    key,
+                    format!(
+                        "{} is read-only for the service ({unit} has ProtectSystem=strict): a server that writes there fails; if it should, add ReadWritePaths={} in a drop-in (systemctl edit robota-mcpd)",
+                        path.display(),
+                        path.display()
+                    ),
+                );
+            }
+        }
+        UpstreamEndpoint::Http {
+            target,
+            bearer_file,
+            ..
+        } => {
+            if let HttpTarget::Unix(socket) = target {
+                hidden(format!("upstreams.{name}.url"), socket);
+            }
+            if let Some(file) = bearer_file {
+                hidden(format!("upstreams.{name}.bearer_file"), file);
+            }
+        }
     }
 }
 

@@ -43,7 +43,19 @@ pub(super) type Remote = McpTransport<Session, RemoteCarrier>;
 /// What the main loop is asked to do by the control plane.
 pub(super) enum Op {
     Stop,
-    Restart(oneshot::Sender<Result<Status, RestartFailure>>),
+    /// A reload (`reload`, or `restart` with `fresh`: a new host bearer even when the
+    /// loopback carrier stays as it was).
+    Reload {
+        fresh: bool,
+        reply: oneshot::Sender<Result<Reloaded, RestartFailure>>,
+    },
+}
+
+/// A reload that served the new configuration.
+pub(super) struct Reloaded {
+    pub status: Status,
+    /// Whether the host bearer (and the labelled bearers without a lifetime) carried on.
+    pub host_bearer_kept: bool,
 }
 
 /// Why `restart` did not serve a new configuration.
@@ -293,14 +305,20 @@ impl Core {
         status
     }
 
-    /// A fresh session (and host bearer), attached to every HTTP carrier and started.
-    pub(super) async fn attach_and_start(self: &Arc<Self>) -> Result<(), DaemonError> {
+    /// A fresh session, attached to every HTTP carrier and started; with `new_bearer`,
+    /// a new host bearer too (the labelled bearers without a lifetime gone).
+    pub(super) async fn attach_and_start(
+        self: &Arc<Self>,
+        new_bearer: bool,
+    ) -> Result<(), DaemonError> {
         let served = self.served();
         let view = Arc::new(Board(Arc::downgrade(self)));
         let (session, upstreams) = start_session(&served.plan, &self.host, view).await?;
         *self.upstreams.write() = Some(upstreams);
         let config = &served.plan.config;
-        self.host.bearers.fresh_attach();
+        if new_bearer {
+            self.host.bearers.fresh_attach();
+        }
         if let (Some(loopback), Some(l)) = (&served.loopback, &config.loopback) {
             let failed = |source| DaemonError::Loopback {
                 addr: l.listen,
@@ -326,22 +344,31 @@ impl Core {
     /// A reload: the configuration read and checked again first. An invalid one changes
     /// nothing (every problem is logged and kept for `status`); a valid one is served
     /// with a fresh attach, on the sockets of the carriers whose address did not change.
-    /// An error is returned only when the daemon cannot go on serving.
-    pub(super) async fn reload(self: &Arc<Self>) -> Result<Result<(), Vec<String>>, DaemonError> {
+    /// The host bearer is kept unless `fresh` asks for a new one or the loopback
+    /// carrier's configuration changed. An error is returned only when the daemon cannot
+    /// go on serving; else whether the host bearer was kept, or every problem.
+    pub(super) async fn reload(
+        self: &Arc<Self>,
+        fresh: bool,
+    ) -> Result<Result<bool, Vec<String>>, DaemonError> {
         *self.state.write() = State::Restarting;
         notify::reloading();
         tracing::info!("reloading: reading the configuration again");
         let outcome = match self.prepare().await {
             Err(problems) => {
+                let source = self
+                    .served()
+                    .plan
+                    .origin
+                    .as_ref()
+                    .map(|o| o.source.to_string())
+                    .unwrap_or_else(|| "the embedded default".to_owned());
                 for problem in &problems {
-                    tracing::error!(problem = %problem, "reload refused; the running configuration stays");
+                    tracing::error!(problem = %problem, config = %source, "reload refused; the running configuration stays");
                 }
                 Err(problems)
             }
-            Ok(next) => {
-                self.switch(next).await?;
-                Ok(())
-            }
+            Ok(next) => Ok(self.switch(next, fresh).await?),
         };
         *self.last_reload.lock() = Some(ReloadRecord {
             at: SystemTime::now(),
@@ -449,16 +476,20 @@ impl Core {
         })
     }
 
-    /// Hand the old carriers over, serve `next` on a fresh attach.
-    async fn switch(self: &Arc<Self>, next: Next) -> Result<(), DaemonError> {
+    /// Hand the old carriers over, serve `next` on a fresh attach (with a new host
+    /// bearer when `fresh` or when the loopback carrier changed); whether it was kept.
+    async fn switch(self: &Arc<Self>, next: Next, fresh: bool) -> Result<bool, DaemonError> {
         let config = next.served.plan.config.clone();
+        let new_bearer = fresh || self.served().plan.config.loopback != config.loopback;
         self.hand_over_carriers().await;
         *self.session.write() = None;
         self.stop_upstreams().await;
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
         *self.served.write() = Arc::new(next.served);
         self.settle(&config).await?;
-        self.attach_and_start().await?;
+        self.attach_and_start(new_bearer).await?;
+        let names: Vec<&str> = config.upstreams.iter().map(|u| u.name.as_str()).collect();
+        self.metrics.retain_upstreams(&names);
         let keep: Vec<_> = listens(&config)
             .into_iter()
             .map(|(_, name, addr)| (name, addr))
@@ -467,9 +498,10 @@ impl Core {
         self.generation.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             generation = self.generation.load(Ordering::Relaxed),
+            host_bearer = if new_bearer { "new" } else { "kept" },
             "reloaded"
         );
-        Ok(())
+        Ok(!new_bearer)
     }
 
     /// The process-wide parts a configuration sets: who may use the control socket, the

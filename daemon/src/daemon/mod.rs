@@ -1,7 +1,8 @@
 //! The daemon, in three steps: [`Plan`] (the configuration checked, nothing bound),
 //! bind (store, audit, control socket, metrics listener, carriers), serve (until SIGTERM,
-//! SIGINT or `stop`; SIGHUP or `restart` reload: the configuration read and planned again,
-//! then served on a fresh attach — or, when it is invalid, nothing changes). `--stdio` is
+//! SIGINT or `stop`; SIGHUP, `reload` or `restart` reload: the configuration read and
+//! planned again, then served on a fresh attach — with a new host bearer for `restart` or
+//! a changed loopback carrier — or, when it is invalid, nothing changes). `--stdio` is
 //! the same plan served on stdin/stdout.
 
 mod api;
@@ -20,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use self::api::Api;
-use self::core::{Core, Op, RestartFailure, Served, State};
+use self::core::{Core, Op, Reloaded, RestartFailure, Served, State};
 pub use self::plan::{LoadError, Origin, Plan, PlanError};
 use crate::audit::Audit;
 use crate::carrier::Sockets;
@@ -244,7 +245,7 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
         ops: ops_tx,
         last_reload: Mutex::new(None),
     });
-    core.attach_and_start().await?;
+    core.attach_and_start(true).await?;
     if let Some(addr) = core.served().plan.config.metrics {
         core.serve_metrics(addr)?;
     }
@@ -255,7 +256,7 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
     })
 }
 
-/// Serve until a stop; reload on SIGHUP or `restart`.
+/// Serve until a stop; reload on SIGHUP, `reload` or `restart`.
 async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonError> {
     let Bound {
         core,
@@ -306,15 +307,15 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break Ok(()); }
             () = shutdown.cancelled() => break Ok(()),
             _ = sighup.recv() => {
-                if let Err(e) = core.reload().await {
+                if let Err(e) = core.reload(false).await {
                     break Err(e);
                 }
             }
             op = ops.recv() => match op {
                 Some(Op::Stop) | None => break Ok(()),
-                Some(Op::Restart(reply)) => match core.reload().await {
-                    Ok(Ok(())) => {
-                        let _ = reply.send(Ok(core.status()));
+                Some(Op::Reload { fresh, reply }) => match core.reload(fresh).await {
+                    Ok(Ok(host_bearer_kept)) => {
+                        let _ = reply.send(Ok(Reloaded { status: core.status(), host_bearer_kept }));
                     }
                     Ok(Err(problems)) => {
                         let _ = reply.send(Err(RestartFailure::Refused(problems)));

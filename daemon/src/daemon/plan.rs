@@ -203,6 +203,10 @@ impl Plan {
                 launcher: self.launcher.clone(),
                 state_dir: Some(self.config.state_dir.clone()),
                 persist: true,
+                // systemd's CacheDirectory= (the packaged unit sets it).
+                cache_dir: std::env::var_os("CACHE_DIRECTORY")
+                    .map(std::path::PathBuf::from)
+                    .filter(|p| p.is_absolute()),
                 metrics: self.metrics.clone(),
             },
         )
@@ -302,6 +306,7 @@ fn inert_upstreams(config: &Config) -> Upstreams {
             launcher: Launcher::Direct,
             state_dir: None,
             persist: false,
+            cache_dir: None,
             metrics: Metrics::new(),
         },
     )

@@ -21,8 +21,8 @@ impl Core {
                 name: place.name.to_owned(),
                 address: place.address,
                 public_url: place.public_url,
-                admitted: place.carrier.map_or(0, |c| metrics.admitted_count(c)),
-                refused: place.carrier.map_or(0, |c| metrics.refused_count(c)),
+                admitted: place.carrier.map(|c| metrics.admitted_count(c)),
+                refused: place.carrier.map(|c| metrics.refused_count(c)),
             })
             .collect();
         let config = served.plan.origin.as_ref().map(|origin| {
@@ -43,7 +43,21 @@ impl Core {
             ok: r.problems.is_empty(),
             problems: r.problems,
         });
-        let problems = self.health_problems();
+        let upstreams = self.upstreams_status();
+        let mut problems = self.health_problems();
+        // An upstream that is not up is a problem of the host's service: its tools answer
+        // `unavailable`.
+        problems.extend(upstreams.iter().filter(|u| u.state != "up").map(|u| {
+            robota_proto::Problem {
+                part: format!("upstream {}", u.name),
+                error: match &u.last_error {
+                    Some(e) => format!("{}: {e}", u.state),
+                    None => u.state.clone(),
+                },
+                since: u.since,
+                failures: u.restarts,
+            }
+        }));
         Status {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             pid: std::process::id(),
@@ -78,7 +92,7 @@ impl Core {
             }
             .to_owned(),
             problems,
-            upstreams: self.upstreams_status(),
+            upstreams,
         }
     }
 

@@ -41,6 +41,10 @@ pub trait RuntimeTools: Send + Sync + 'static {
     /// The catalog as it is now; a request keeps the snapshot it took.
     fn catalog(&self) -> Arc<Snapshot>;
 
+    /// The error for a name no tool answers to (`unknown_tool`, or `unavailable` in the
+    /// namespace of an upstream whose tools are not known now).
+    fn unknown_tool(&self, name: &str) -> ToolError;
+
     fn invoke_runtime_tool(
         &self,
         caller: &Admitted,
@@ -198,6 +202,10 @@ impl RuntimeTools for Session {
         self.catalog.snapshot()
     }
 
+    fn unknown_tool(&self, name: &str) -> ToolError {
+        self.catalog.unknown(name)
+    }
+
     async fn invoke_runtime_tool(
         &self,
         admitted: &Admitted,
@@ -217,12 +225,7 @@ impl RuntimeTools for Session {
                     ),
                 ));
             }
-            Lookup::Missing => {
-                return Err(ToolError::new(
-                    ToolErrorCode::UnknownTool,
-                    format!("no tool named {name:?}"),
-                ));
-            }
+            Lookup::Missing => return Err(self.catalog.unknown(name)),
         };
         let spec = entry.spec();
         let args = crate::catalog::validate_args(entry, args)?;

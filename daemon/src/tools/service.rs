@@ -606,11 +606,19 @@ async fn run_action(conn: Connection, unit: String, verb: Verb, sink: OutputSink
         Err(e) => {
             return match error_reply(&e) {
                 Some((name, message)) => {
+                    // Without polkitd, or without a rule for the daemon's user, systemd
+                    // refuses every job of an unprivileged caller.
+                    let hint = if name == "org.freedesktop.DBus.Error.AccessDenied" {
+                        " (the daemon's user may start jobs only through polkit: polkitd \
+                         installed and a rule allowing it this unit, see the packaging README)"
+                    } else {
+                        ""
+                    };
                     log(
                         &sink,
-                        &format!("systemd refused {method} {unit}: {name}: {message}"),
+                        &format!("systemd refused {method} {unit}: {name}: {message}{hint}"),
                     );
-                    Finish::failed(format!("{name}: {message}"))
+                    Finish::failed(format!("{name}: {message}{hint}"))
                 }
                 None => {
                     tracing::warn!(error = %e, unit, method, "a systemd job request was interrupted");

@@ -14,6 +14,7 @@ pub mod protocol;
 pub mod stdio;
 pub mod tool;
 
+use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -50,6 +51,10 @@ pub struct Context {
     pub state_dir: Option<PathBuf>,
     /// Whether a list read from the upstream is written back there.
     pub persist: bool,
+    /// Where a child's caches and home go (`<cache_dir>/<upstream>/`, as HOME,
+    /// XDG_CACHE_HOME and npm's cache), unless its `env` says otherwise: not in the state
+    /// directory, which is backed up and holds the daemon's own files.
+    pub cache_dir: Option<PathBuf>,
     pub metrics: Metrics,
 }
 
@@ -160,6 +165,23 @@ impl Source for UpstreamSource {
 
     fn namespace(&self) -> Option<&str> {
         Some(&self.0.config.name)
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        let shown = self.0.shown.lock();
+        if shown.state == UpstreamState::Up || !self.0.listing.read().tools.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "upstream {} is {}{}",
+            self.0.config.name,
+            shown.state.as_str(),
+            shown
+                .last_error
+                .as_deref()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        ))
     }
 }
 
@@ -424,9 +446,29 @@ impl Upstream {
         let UpstreamEndpoint::Command { argv, env, cwd, .. } = &self.config.endpoint else {
             return Err("not a stdio upstream".into());
         };
+        // The configured environment comes last: a key it sets wins.
+        let mut vars = Vec::new();
+        if let Some(cache) = &self.context.cache_dir {
+            let home = cache.join(&self.config.name);
+            if let Err(e) = std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&home)
+            {
+                return Err(format!(
+                    "cannot make its cache directory {}: {e}",
+                    home.display()
+                ));
+            }
+            let home = home.display().to_string();
+            vars.push(("HOME".to_owned(), home.clone()));
+            vars.push(("XDG_CACHE_HOME".to_owned(), format!("{home}/.cache")));
+            vars.push(("npm_config_cache".to_owned(), format!("{home}/.npm")));
+        }
+        vars.extend(env.iter().map(|(k, v)| (k.clone(), v.clone())));
         let spec = ChildSpec {
             argv: argv.clone(),
-            env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            env: vars,
             cwd: cwd.clone(),
         };
         ChildLink::spawn(

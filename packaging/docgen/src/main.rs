@@ -223,6 +223,13 @@ fn daemon_sections() -> Roff {
     r.text([bold("robota-mcpctl"), roman("(1).")]);
     r.control("PP", []);
     r.text([roman(
+        "It can also front MCP servers already on the host: each [upstreams.<name>] table of \
+         the configuration (a command to start, or the URL of a local Streamable HTTP \
+         server) has its tools served as <name>.<tool>, behind the same policy, audit and \
+         metrics; robota-mcpctl upstreams shows them.",
+    )]);
+    r.control("PP", []);
+    r.text([roman(
         "With --stdio it serves the catalog to the client that launched it, on stdin and \
          stdout, with no control socket and no HTTP listener; logs go to stderr.",
     )]);
@@ -235,10 +242,15 @@ fn daemon_sections() -> Roff {
         ),
         (
             "SIGHUP",
-            "Restart with a fresh attach: a new session and new bearers; readiness is \
-             re-announced (RELOADING=1, then READY=1). The same as robota-mcpctl restart \
-             and systemctl reload robota-mcpd. The configuration file is not re-read; \
-             that takes a new process (systemctl restart robota-mcpd).",
+            "Reload: the configuration file is read and checked again. Valid, it is served \
+             on a fresh session (RELOADING=1, then READY=1); listeners whose address did not \
+             change keep their sockets, and the host bearer and every labelled bearer carry \
+             on unless [loopback] changed. Invalid, nothing changes: every problem is logged \
+             and shown by robota-mcpctl status. systemctl reload robota-mcpd runs \
+             robota-mcpctl reload, which does the same and fails (exit 78, the problems in \
+             the journal) when the file is refused. robota-mcpctl restart is the reload with \
+             a new host bearer. daemon.state_dir, daemon.runtime_dir and [control] socket \
+             take a new process (systemctl restart robota-mcpd).",
         ),
     ] {
         tagged(&mut r, bold(signal), meaning);
@@ -279,8 +291,9 @@ fn daemon_sections() -> Roff {
         (
             "/etc/robota-mcpd/config.toml",
             "The configuration, when present and no --config is given; else the embedded \
-             default (robota-mcpd default-config prints it). Read once, at start: validate \
-             edits with robota-mcpd check-config, then restart the service.",
+             default (robota-mcpd default-config prints it). Read at start and at every \
+             reload: validate edits with robota-mcpd check-config, then systemctl reload \
+             robota-mcpd.",
         ),
         (
             "/run/robota-mcpd/control.sock",

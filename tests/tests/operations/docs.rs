@@ -39,8 +39,9 @@
 //! - A not-runnable command may have a stand-in that leaves what the reader would have
 //!   afterwards: the token request of `remote-oauth.md` leaves `./token`, signed by the
 //!   test key with the claims that page requires; the rules install of `prometheus.md`
-//!   copies `docs/prometheus/alerts.yml` to the private `/etc/prometheus/rules/`, where the
-//!   doc's `promtool check rules` (Debian's `prometheus` package) reads it.
+//!   copies `docs/prometheus/alerts.yml` to the private `/etc/prometheus/rules/` and writes
+//!   the `prometheus.yml` the page describes, which the doc's `promtool check config`
+//!   (Debian's `prometheus` package) reads with the rules it names.
 //!
 //! # The other checks
 //!
@@ -81,10 +82,10 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(30);
 /// The token request of `docs/remote-oauth.md` (not runnable; its stand-in writes `./token`).
 const TOKEN_REQUEST: &str = "curl -s -K ./client.curlrc https://auth.example.com/oauth2/token -d grant_type=client_credentials -d scope=mcp --data-urlencode resource=https://mcp.example.com/mcp | jq -r .access_token > ./token";
 
-/// The rules install of `docs/prometheus.md` (not runnable; its stand-in copies the rules
-/// to the private `/etc/prometheus`).
-const RULES_INSTALL: &str =
-    "install -m 0644 docs/prometheus/alerts.yml /etc/prometheus/rules/robota-mcpd.yml";
+/// The rules install of `docs/prometheus.md` (not runnable: the package's copy of the rules
+/// is not installed here; its stand-in copies the rules to the private `/etc/prometheus`
+/// and leaves the `prometheus.yml` the page's blocks describe).
+const RULES_INSTALL: &str = "install -D -m 0644 /usr/share/doc/robota-mcpd/docs/prometheus/alerts.yml /etc/prometheus/rules/robota-mcpd.yml";
 
 /// Commands the docs show that cannot run on a build machine, each with the reason.
 /// Review an addition like a code change: a command belongs here only if running it here
@@ -208,7 +209,7 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "needs the journal with a robota-mcpd unit",
     ),
     (
-        "journalctl -u robota-mcpd -b -p warning",
+        "journalctl -u robota-mcpd -b -p notice",
         "needs the journal with a robota-mcpd unit",
     ),
     (
@@ -473,6 +474,13 @@ impl<'a> Scenario<'a> {
                     rules.join("robota-mcpd.yml"),
                 )
                 .expect("copy the alert rules");
+                // The scrape job and `rule_files:` as the page shows them.
+                let config = format!(
+                    "rule_files:\n  - {}/*.yml\n\nscrape_configs:\n  - job_name: robota-mcpd\n    scrape_interval: 30s\n    static_configs:\n      - targets: [\"127.0.0.1:9464\"]\n",
+                    rules.display()
+                );
+                std::fs::write(self.prometheus().join("prometheus.yml"), config)
+                    .expect("write prometheus.yml");
             }
             return;
         }

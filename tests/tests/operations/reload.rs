@@ -1,6 +1,8 @@
-//! Reload (SIGHUP, `robota-mcpctl restart`) reads the configuration again: a valid file is
-//! served with a fresh attach, an invalid one changes nothing and says why everywhere an
-//! operator looks; bearers issued with a lifetime outlive reloads and the process.
+//! Reload (SIGHUP, `robota-mcpctl reload`, `robota-mcpctl restart`) reads the
+//! configuration again: a valid file is served on a fresh session, an invalid one changes
+//! nothing and says why everywhere an operator looks; a reload keeps the host bearer unless
+//! `[loopback]` changed, `restart` never does; bearers issued with a lifetime outlive
+//! reloads and the process.
 
 use std::time::Duration;
 
@@ -311,4 +313,70 @@ async fn requests_across_reloads_see_no_difference() {
         failures.len(),
         answered + failures.len() as u64
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_bearers_unless_loopback_changed() {
+    let d = Daemon::start("");
+    let original = std::fs::read_to_string(d.config_path()).expect("config");
+    let host = d.bearer();
+    let ci = d.bearer_labeled("ci");
+    let generation = d.status().generation;
+
+    // A change elsewhere: the same bearers go on working.
+    write_config(
+        &d,
+        &format!("{original}\n[session]\nsubmission_tool = \"host_submit\"\n"),
+    );
+    let out = d.ctl_ok(&["reload"]);
+    assert!(
+        out.stdout.contains("the host bearer is kept"),
+        "{}",
+        out.stdout
+    );
+    let after = d.refresh_addrs();
+    assert_eq!(after.generation, generation + 1);
+    assert_eq!(after.submission_tool, "host_submit");
+    for (bearer, which) in [(&host, "host"), (&ci, "labelled without a lifetime")] {
+        let (status, names) = list(&d, bearer).await;
+        assert_eq!(status, 200, "the {which} bearer after a reload");
+        assert!(names.iter().any(|n| n == "host_submit"), "{names:?}");
+    }
+    assert_eq!(d.bearer(), host, "bearer issue prints the same host bearer");
+
+    // A refused file: `reload` exits 78 with every problem; the bearers stay.
+    write_config(&d, "[loopback\n");
+    let out = d.ctl(&["reload"]);
+    out.expect_code(EXIT_CONFIG, "reload of a file that is not TOML");
+    assert!(out.stderr.contains("invalid-config"), "{}", out.stderr);
+    assert_eq!(list(&d, &host).await.0, 200);
+
+    // [loopback] changed: a new host bearer, and the labelled bearer without a lifetime ends.
+    write_config(
+        &d,
+        &original.replacen("[loopback]\n", "[loopback]\nwire_names = \"compat\"\n", 1),
+    );
+    let out = d.ctl_ok(&["--json", "reload"]);
+    let reply: serde_json::Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(reply["host_bearer_kept"], false, "{reply}");
+    d.refresh_addrs();
+    assert_eq!(list(&d, &host).await.0, 401, "the old host bearer");
+    assert_eq!(
+        list(&d, &ci).await.0,
+        401,
+        "the labelled bearer without a lifetime"
+    );
+    let fresh = d.bearer();
+    assert_ne!(fresh, host);
+    assert_eq!(list(&d, &fresh).await.0, 200);
+
+    // `restart` with nothing changed: still a new host bearer.
+    d.ctl_ok(&["restart"]);
+    d.refresh_addrs();
+    assert_eq!(
+        list(&d, &fresh).await.0,
+        401,
+        "the host bearer after restart"
+    );
+    d.assert_no_secrets();
 }

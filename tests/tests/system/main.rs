@@ -178,40 +178,346 @@ fn a_start_that_cannot_get_ready_is_a_failed_unit_never_active() {
     );
 }
 
+/// A `tools/call` of `name` with `arguments` over the loopback carrier with the header
+/// file; the HTTP status and the body.
+fn call_tool(m: &Machine, name: &str, arguments: Value) -> (String, String) {
+    let request = serde_json::json!({
+        "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": {"name": name, "arguments": arguments},
+    });
+    m.write("/root/request.json", request.to_string().as_bytes(), 0o600);
+    let out = m.sh(&format!(
+        "curl -s -o /root/body -w '%{{http_code}}' {ENDPOINT} -H @/root/auth-header \
+         -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' \
+         -H 'MCP-Protocol-Version: 2025-11-25' --data-binary @/root/request.json"
+    ));
+    (out.stdout, m.read("/root/body").unwrap_or_default())
+}
+
+/// The `result` of a `tools/call` answered 200.
+fn tool_result(m: &Machine, name: &str, arguments: Value) -> Value {
+    let (code, body) = call_tool(m, name, arguments);
+    assert_eq!(code, "200", "{name}: {body}");
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{name}: {e}: {body}"));
+    v["result"].clone()
+}
+
+/// The metrics listener's exposition at `addr`.
+fn scrape(m: &Machine, addr: &str) -> String {
+    m.ok(&format!("curl -sf http://{addr}/metrics"))
+}
+
 #[test]
 fn reload_applies_a_valid_configuration_and_a_broken_one_changes_nothing() {
     let m = installed();
     let pid = main_pid(&m);
-    bearer(&m);
-    // A valid change: the metrics listener moves.
-    write_config(
-        &m,
-        &packaged_config_with(&m, "").replace("127.0.0.1:9464", "127.0.0.1:9465"),
-    );
-    m.ok("systemctl reload robota-mcpd");
-    assert!(
-        poll_until_blocking(SETTLE, Duration::from_millis(100), || {
-            m.sh("curl -sf http://127.0.0.1:9465/metrics >/dev/null")
-                .status
-                .success()
-        }),
-        "the reloaded metrics listener does not answer"
-    );
+    let host_bearer = bearer(&m);
+    // A valid change that leaves [loopback] as it was: the metrics listener moves, and an
+    // upstream that cannot start is added.
+    let packaged = packaged_config_with(&m, "");
+    let moved = packaged.replace("127.0.0.1:9464", "127.0.0.1:9465");
+    let with_upstream = format!("{moved}\n[upstreams.gone]\ncommand = [\"/bin/false\"]\n");
+    write_config(&m, &with_upstream);
+    // `systemctl reload` waits for the daemon's verdict: when it returns, the new
+    // configuration serves.
+    let out = m.ok("systemctl reload robota-mcpd && journalctl -u robota-mcpd -o cat --no-pager | grep reloaded");
+    assert!(out.contains("host_bearer=kept"), "{out}");
+    scrape(&m, "127.0.0.1:9465");
     assert_eq!(main_pid(&m), pid, "a reload is not a restart");
-    wait_for(&m, "ActiveState", "active", |s| s == "active");
+    assert_eq!(m.property(UNIT, "ActiveState"), "active");
+    // The loopback client is not logged out: the same bearer file still works.
+    let (code, body) = call_system_info(&m);
+    assert_eq!(code, "200", "the host bearer after a reload: {body}");
+    assert_eq!(
+        bearer(&m),
+        host_bearer,
+        "the host bearer changed though [loopback] did not"
+    );
 
-    // A broken file: the running configuration stays, and says so.
+    // An upstream that is not up: status says degraded and why, its names answer
+    // `unavailable` (not `unknown_tool`), a restart of it says it did not come up.
+    let metrics_up = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("robota_mcpd_upstream_up{upstream=\"gone\"}"))
+            .map(str::to_owned)
+    };
+    assert!(
+        poll_until_blocking(SETTLE, Duration::from_millis(200), || {
+            metrics_up(&scrape(&m, "127.0.0.1:9465")).is_some()
+        }),
+        "no upstream_up series for the new upstream"
+    );
+    let status = m.ok("robota-mcpctl status");
+    assert!(status.contains("degraded"), "{status}");
+    assert!(status.contains("DEGRADED: upstream gone"), "{status}");
+    let v = tool_result(&m, "gone.anything", serde_json::json!({}));
+    assert_eq!(v["isError"], true, "{v}");
+    assert_eq!(
+        v["structuredContent"]["code"], "unavailable",
+        "a tool of an upstream that is not up: {v}"
+    );
+    let restart = m.sh("robota-mcpctl upstreams restart gone");
+    assert_eq!(restart.code(), Some(1), "{restart:?}");
+    assert!(
+        restart.stderr.contains("not up"),
+        "says why: {}",
+        restart.stderr
+    );
+
+    // The upstream removed again: its series go with it.
+    write_config(&m, &moved);
+    m.ok("systemctl reload robota-mcpd");
+    let text = scrape(&m, "127.0.0.1:9465");
+    assert!(
+        !text.contains("upstream=\"gone\""),
+        "a removed upstream's series are still exported:\n{}",
+        text.lines()
+            .filter(|l| l.contains("gone"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // Label sets no carrier can produce are not exported.
+    assert!(!text.contains("carrier=\"stdio\""), "stdio series exported");
+    assert!(
+        !text.contains("{carrier=\"control\",reason=\"bad-bearer\"}"),
+        "control bad-bearer exported"
+    );
+
+    // A broken file: `systemctl reload` fails, the reason is in the journal's text, and
+    // the running configuration stays.
     write_config(&m, "[loopback\nlisten = \"127.0.0.1:8765\"\n");
-    m.sh("systemctl reload robota-mcpd");
-    wait_for(&m, "ActiveState", "active", |s| s == "active");
+    let out = m.sh("systemctl reload robota-mcpd");
+    assert_ne!(
+        out.code(),
+        Some(0),
+        "systemctl reload of a broken file: {out:?}"
+    );
+    assert_eq!(m.property(UNIT, "ActiveState"), "active");
+    let log = m.ok("journalctl -u robota-mcpd -o cat --no-pager -n 30");
+    assert!(
+        log.contains("reload refused; the running configuration stays problem="),
+        "the daemon's line carries the problem:\n{log}"
+    );
+    assert!(
+        log.contains("config.toml"),
+        "the problem names the file:\n{log}"
+    );
+    assert!(
+        log.contains("robota-mcpctl: invalid-config"),
+        "ExecReload's verdict is in the journal:\n{log}"
+    );
     let status = m.ok("robota-mcpctl status");
     assert!(
         status.contains("FAILED"),
         "status shows the refused reload:\n{status}"
     );
     assert_eq!(main_pid(&m), pid);
-    m.ok("curl -sf http://127.0.0.1:9465/metrics >/dev/null");
-    assert_serves(&m, "after a refused reload");
+    scrape(&m, "127.0.0.1:9465");
+    let (code, body) = call_system_info(&m);
+    assert_eq!(code, "200", "after a refused reload: {body}");
+
+    // `robota-mcpctl restart` stays the fresh attach: a new host bearer.
+    write_config(&m, &packaged);
+    m.ok("robota-mcpctl restart >/dev/null");
+    let (code, _) = call_system_info(&m);
+    assert_eq!(code, "401", "the old host bearer after a restart");
+    assert_ne!(bearer(&m), host_bearer);
+}
+
+#[test]
+fn a_group_member_reaches_the_control_socket_as_the_docs_configure_it() {
+    let m = installed();
+    // docs/operations.md, "Who may use the control socket": the group, then the uid.
+    m.ok("useradd --create-home alice && usermod -aG robota-mcpd alice");
+    let uid = m.ok("id -u alice").trim().to_owned();
+    let refused = m.sh("runuser -u alice -- robota-mcpctl status");
+    assert_eq!(refused.code(), Some(4), "{refused:?}");
+    for needed in ["allow_uids", "allow_gids", &format!("uid {uid}")] {
+        assert!(
+            refused.stderr.contains(needed),
+            "the refusal says what admits a peer ({needed}): {}",
+            refused.stderr
+        );
+    }
+    let config =
+        packaged_config_with(&m, "").replace("allow_uids = []", &format!("allow_uids = [{uid}]"));
+    write_config(&m, &config);
+    m.ok("systemctl reload robota-mcpd");
+    let status = m.ok("runuser -u alice -- robota-mcpctl status");
+    assert!(status.contains("serving"), "{status}");
+    // Not in the group: the socket file's mode stops it before the daemon sees it.
+    m.ok("useradd --create-home bob");
+    let bob = m.sh("runuser -u bob -- robota-mcpctl status");
+    assert_eq!(bob.code(), Some(4), "{bob:?}");
+    assert!(
+        bob.stderr.contains("robota-mcpd"),
+        "names the group: {}",
+        bob.stderr
+    );
+}
+
+/// The job `service.action` started for `unit`, once it has ended (`robota-mcpctl jobs`).
+fn ended_job(m: &Machine, job_id: &Value) -> Value {
+    let mut job = Value::Null;
+    let ended = poll_until_blocking(SETTLE, Duration::from_millis(200), || {
+        let list: Value =
+            serde_json::from_str(&m.ok("robota-mcpctl --json jobs list")).expect("jobs list JSON");
+        job = list["jobs"]
+            .as_array()
+            .and_then(|jobs| jobs.iter().find(|j| &j["job_id"] == job_id))
+            .cloned()
+            .unwrap_or(Value::Null);
+        job["state"].as_str().is_some_and(|s| s != "running")
+    });
+    assert!(ended, "the job did not end: {job}");
+    job
+}
+
+#[test]
+fn service_action_needs_polkitd_and_the_rule_the_docs_give() {
+    let m = installed();
+    m.write(
+        "/etc/systemd/system/demo.service",
+        b"[Service]\nExecStart=/bin/sleep 600\n",
+        0o644,
+    );
+    m.ok("systemctl daemon-reload");
+    // A minimal Debian has no polkit.
+    m.ok("apt-get remove -y polkitd >/dev/null 2>&1");
+    write_config(
+        &m,
+        &packaged_config_with(
+            &m,
+            "[tools.service]\nunits = [\"demo.service\"]\n\n[[policy]]\ncallers = [\"bearer:default\"]\ntools = [\"service.action\"]\ndecision = \"allow\"\n",
+        ),
+    );
+    let check = m.sh("robota-mcpd check-config");
+    assert_eq!(check.code(), Some(0), "{check:?}");
+    assert!(
+        check.stderr.contains("polkitd is not installed"),
+        "check-config warns: {}",
+        check.stderr
+    );
+    m.ok("systemctl reload robota-mcpd");
+    bearer(&m);
+    let start = serde_json::json!({"unit": "demo.service", "action": "start"});
+    let v = tool_result(&m, "service.action", start.clone());
+    assert_eq!(v["isError"], false, "{v}");
+    let job = ended_job(&m, &v["structuredContent"]["job_id"]);
+    assert_eq!(job["state"], "failed", "{job}");
+    let detail = job["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("AccessDenied") && detail.contains("polkit"),
+        "the job says why: {detail}"
+    );
+    m.sh("systemctl is-active demo.service")
+        .expect_code(3, "demo.service stays inactive");
+
+    // polkitd and the rule from packaging/README.md: the same call starts it.
+    m.ok("dpkg -i /root/debs/polkitd_*.deb");
+    m.write(
+        "/etc/polkit-1/rules.d/50-robota-mcpd.rules",
+        br#"polkit.addRule(function (action, subject) {
+    if (action.id == "org.freedesktop.systemd1.manage-units" &&
+        subject.user == "robota-mcpd") {
+        var unit = action.lookup("unit");
+        if (unit == "demo.service") {
+            return polkit.Result.YES;
+        }
+    }
+});
+"#,
+        0o644,
+    );
+    let check = m.sh("robota-mcpd check-config");
+    assert!(
+        !check.stderr.contains("polkitd is not installed"),
+        "{}",
+        check.stderr
+    );
+    let v = tool_result(&m, "service.action", start);
+    let job = ended_job(&m, &v["structuredContent"]["job_id"]);
+    assert_eq!(job["state"], "succeeded", "{job}");
+    m.ok("systemctl is-active demo.service");
+}
+
+#[test]
+fn debian_prometheus_with_the_documented_rules_sees_a_refusal_spike() {
+    let m = installed();
+    // docs/prometheus.md: the scrape job, then the rules installed as it says.
+    let prometheus_yml = m
+        .read("/etc/prometheus/prometheus.yml")
+        .expect("Debian's prometheus.yml");
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/prometheus.md"
+    ))
+    .expect("docs/prometheus.md");
+    let install = docs
+        .split("```sh\n")
+        .find(|block| block.starts_with("install -D -m 0644 /usr/share/doc/robota-mcpd"))
+        .and_then(|block| block.split("```").next())
+        .expect("the install commands in docs/prometheus.md");
+    // Scraped and evaluated every 2 s, so the test need not wait for Debian's 15 s.
+    let config = prometheus_yml
+        .replace("evaluation_interval: 15s", "evaluation_interval: 2s")
+        .replacen(
+            "rule_files:\n",
+            "rule_files:\n  - /etc/prometheus/rules/*.yml\n",
+            1,
+        )
+        .replacen(
+            "scrape_configs:\n",
+            "scrape_configs:\n  - job_name: robota-mcpd\n    scrape_interval: 2s\n    static_configs:\n      - targets: [\"127.0.0.1:9464\"]\n",
+            1,
+        );
+    assert!(config.contains("/etc/prometheus/rules/*.yml"), "{config}");
+    m.write("/etc/prometheus/prometheus.yml", config.as_bytes(), 0o644);
+    m.ok(&install.replace(
+        "systemctl reload prometheus",
+        "systemctl restart prometheus",
+    ));
+    let api = |path: &str| -> Value {
+        let out = m.sh(&format!("curl -sf http://127.0.0.1:9090{path}"));
+        serde_json::from_str(&out.stdout).unwrap_or(Value::Null)
+    };
+    let up = poll_until_blocking(Duration::from_secs(60), Duration::from_millis(500), || {
+        api("/api/v1/query?query=up%7Bjob%3D%22robota-mcpd%22%7D")["data"]["result"][0]["value"][1]
+            == "1"
+    });
+    assert!(
+        up,
+        "prometheus never scraped the daemon: {}",
+        m.sh("journalctl -u prometheus --no-pager -n 30").stdout
+    );
+    let rules = api("/api/v1/rules");
+    assert!(
+        rules.to_string().contains("RobotaMcpdRefusalSpike"),
+        "the rules are not loaded: {rules}"
+    );
+    // An auth-failure flood on the loopback carrier: 40 requests with a wrong bearer.
+    m.ok(&format!(
+        "for i in $(seq 40); do curl -s -o /dev/null {ENDPOINT} -H 'Authorization: Bearer {}' \
+         -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' \
+         -d '{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}}'; done",
+        "0".repeat(64)
+    ));
+    let mut alerts = Value::Null;
+    let pending = poll_until_blocking(Duration::from_secs(90), Duration::from_millis(500), || {
+        alerts = api("/api/v1/alerts");
+        alerts["data"]["alerts"].as_array().is_some_and(|list| {
+            list.iter().any(|a| {
+                a["labels"]["alertname"] == "RobotaMcpdRefusalSpike"
+                    && a["labels"]["reason"] == "bad-bearer"
+                    && a["labels"]["carrier"] == "loopback"
+                    && a["state"] == "pending"
+            })
+        })
+    });
+    assert!(
+        pending,
+        "RobotaMcpdRefusalSpike never went pending: {alerts}"
+    );
 }
 
 #[test]
@@ -349,6 +655,7 @@ fn remove_and_purge_leave_nothing_running_and_nothing_behind() {
     for path in [
         "/etc/robota-mcpd",
         "/var/lib/robota-mcpd",
+        "/var/cache/robota-mcpd",
         "/run/robota-mcpd",
         "/etc/systemd/system/multi-user.target.wants/robota-mcpd.service",
         "/var/lib/systemd/deb-systemd-helper-enabled/robota-mcpd.service.dsh-also",
