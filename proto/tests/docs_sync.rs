@@ -328,7 +328,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 19, "the command chain lost a link");
+    assert_eq!(commands.len(), 20, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -342,7 +342,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 15, "the reply chain lost a link");
+    assert_eq!(replies.len(), 16, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(
