@@ -222,10 +222,15 @@ pub async fn serve<A: ControlApi>(
                 }
             },
         };
-        // Who may connect is read per connection: a reload changes it for the next one.
-        let config = config.read().clone();
-        let (api, audit, metrics, slots) =
-            (api.clone(), audit.clone(), metrics.clone(), slots.clone());
+        // Who may connect is read at the connection and again at each of its requests: a
+        // reload that removes a peer ends what it can do on connections it already holds.
+        let (api, audit, metrics, slots, config) = (
+            api.clone(),
+            audit.clone(),
+            metrics.clone(),
+            slots.clone(),
+            config.clone(),
+        );
         tracker.spawn(async move {
             connection(
                 stream,
@@ -306,7 +311,7 @@ impl Drop for Slot {
 async fn connection<A: ControlApi>(
     mut stream: UnixStream,
     own_uid: u32,
-    config: &ControlConfig,
+    config: &parking_lot::RwLock<ControlConfig>,
     slots: &Arc<Slots>,
     api: &A,
     audit: &Audit,
@@ -323,7 +328,10 @@ async fn connection<A: ControlApi>(
             return;
         }
     };
-    if !peer_allowed(peer, own_uid, config, user_groups) {
+    let refusal = |peer: Peer| {
+        if peer_allowed(peer, own_uid, &config.read(), user_groups) {
+            return None;
+        }
         audit.refused(
             metrics,
             Record {
@@ -335,7 +343,7 @@ async fn connection<A: ControlApi>(
             },
         );
         tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
-        let reply = Response::error(
+        Some(Response::error(
             ErrorCode::PermissionDenied,
             format!(
                 "uid {} is not allowed on the control socket: the daemon admits root, its own \
@@ -343,7 +351,9 @@ async fn connection<A: ControlApi>(
                  [control] allow_gids of its configuration",
                 peer.uid
             ),
-        );
+        ))
+    };
+    if let Some(reply) = refusal(peer) {
         let _ = write_frame(&mut stream, &reply).await;
         return;
     }
@@ -394,6 +404,11 @@ async fn connection<A: ControlApi>(
                 ErrorCode::TooLarge,
                 format!("a request is at most {MAX_REQUEST_BYTES} bytes"),
             );
+            let _ = write_frame(&mut writer, &reply).await;
+            return;
+        }
+        // The allow lists may have changed since the connection was accepted.
+        if let Some(reply) = refusal(peer) {
             let _ = write_frame(&mut writer, &reply).await;
             return;
         }

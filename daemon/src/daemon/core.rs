@@ -366,6 +366,12 @@ impl Core {
                 for problem in &problems {
                     tracing::error!(problem = %problem, config = %source, "reload refused; the running configuration stays");
                 }
+                // Sockets bound for the refused file's new addresses close again.
+                let running: Vec<_> = listens(&self.served().plan.config)
+                    .into_iter()
+                    .map(|(_, name, addr)| (name, addr))
+                    .collect();
+                self.sockets.retain(&running);
                 Err(problems)
             }
             Ok(next) => Ok(self.switch(next, fresh).await?),

@@ -172,15 +172,12 @@ impl Source for UpstreamSource {
         if shown.state == UpstreamState::Up || !self.0.listing.read().tools.is_empty() {
             return None;
         }
+        // Its state only: why it failed (its own error text, paths of the host) is for the
+        // operator (`robota-mcpctl upstreams`), not for every caller.
         Some(format!(
-            "upstream {} is {}{}",
+            "upstream {} is {} (robota-mcpctl upstreams on the host says why)",
             self.0.config.name,
             shown.state.as_str(),
-            shown
-                .last_error
-                .as_deref()
-                .map(|e| format!(" ({e})"))
-                .unwrap_or_default()
         ))
     }
 }
@@ -450,16 +447,7 @@ impl Upstream {
         let mut vars = Vec::new();
         if let Some(cache) = &self.context.cache_dir {
             let home = cache.join(&self.config.name);
-            if let Err(e) = std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&home)
-            {
-                return Err(format!(
-                    "cannot make its cache directory {}: {e}",
-                    home.display()
-                ));
-            }
+            own_private_dir(&home)?;
             let home = home.display().to_string();
             vars.push(("HOME".to_owned(), home.clone()));
             vars.push(("XDG_CACHE_HOME".to_owned(), format!("{home}/.cache")));
@@ -752,6 +740,31 @@ impl Upstream {
             last_error: shown.last_error.clone(),
         }
     }
+}
+
+/// Makes `dir` (and its parents) when missing; it must then be a directory of the
+/// daemon's own user, not a symlink, and is made 0700 (a child's home, readable by no one
+/// else).
+fn own_private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let shown = dir.display();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("cannot make its cache directory {shown}: {e}"))?;
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| format!("cannot read its cache directory {shown}: {e}"))?;
+    if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(format!(
+            "its cache directory {shown} is not a directory of the daemon's own user (a symlink, or another owner); remove it"
+        ));
+    }
+    if meta.mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("cannot make its cache directory {shown} private: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Kills a per-call child's group when its call's future ends, however it ends.

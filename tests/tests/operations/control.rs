@@ -451,3 +451,59 @@ time.sleep(60)
         "status as uid 65533 while uid 65534 holds its connections",
     );
 }
+
+/// A reload that removes a uid from `allow_uids` ends what that uid can do on a control
+/// connection it opened before: its next request is refused, and the connection closed.
+#[test]
+fn a_reload_that_removes_a_peer_refuses_its_open_connection() {
+    use std::io::{BufRead, Write};
+    use std::os::unix::process::CommandExt;
+    let d = Daemon::start("[control]\nallow_uids = [65534]\n");
+    open_socket_to_all(&d);
+    let script = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+f = s.makefile("rwb")
+def ask():
+    f.write(b'{"v":1,"cmd":"status"}\n'); f.flush()
+    return f.readline().decode().strip()
+print(ask()[:40], flush=True)
+sys.stdin.readline()
+print(ask(), flush=True)
+"#;
+    let mut holder = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(d.socket_path())
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut out = std::io::BufReader::new(holder.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    out.read_line(&mut first).expect("the first answer");
+    assert!(first.contains("\"ok\""), "allowed at first: {first}");
+    let config = fs::read_to_string(d.config_path()).expect("config");
+    fs::write(
+        d.config_path(),
+        config.replace("allow_uids = [65534]", "allow_uids = []"),
+    )
+    .expect("write config");
+    d.ctl_ok(&["reload"]);
+    holder
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"go\n")
+        .expect("go");
+    let mut second = String::new();
+    out.read_line(&mut second).expect("the second answer");
+    let _ = holder.wait();
+    assert!(
+        second.contains("permission-denied") && second.contains("uid 65534"),
+        "the removed peer's open connection: {second}"
+    );
+}
