@@ -7,7 +7,7 @@
 # --binary   a built robota-mcpd (default: $CARGO_TARGET_DIR/release/robota-mcpd). The unit is
 #            verified as a copy whose ExecStart names this file, because systemd-analyze
 #            verify refuses an ExecStart binary that does not exist, and this machine has
-#            no /usr/bin/robota-mcpd.
+#            no /usr/bin/robota-mcpd (ExecReload= likewise names robota-mcpctl beside it).
 # --man-dir  a man tree (man1/, man8/): verify then also checks that every man: page in
 #            Documentation= exists there. Without it, man pages are not checked.
 # --root     an unpacked package tree holding usr/lib/sysusers.d/robota-mcpd.conf and
@@ -93,11 +93,16 @@ seconds() {
 (($(seconds TimeoutStartSec) > 15)) || fail "TimeoutStartSec must exceed the daemon's 15 s start bound"
 (($(seconds WatchdogSec) > 0)) || fail "WatchdogSec= is not set"
 
-echo "-- systemd-analyze verify (ExecStart=$binary)"
+# ExecReload= runs robota-mcpctl, built next to the daemon.
+ctl=$(dirname "$binary")/robota-mcpctl
+[[ -x $ctl ]] || { echo "check-unit: no executable $ctl (build it first)" >&2 && exit 1; }
+echo "-- systemd-analyze verify (ExecStart=$binary, ExecReload=$ctl reload)"
 mkdir -p "$scratch/unit"
 copy=$scratch/unit/$(basename "$unit")
-sed "s|^ExecStart=/usr/bin/robota-mcpd\$|ExecStart=$binary|" "$unit" >"$copy"
+sed -e "s|^ExecStart=/usr/bin/robota-mcpd\$|ExecStart=$binary|" \
+	-e "s|^ExecReload=/usr/bin/robota-mcpctl reload\$|ExecReload=$ctl reload|" "$unit" >"$copy"
 grep -qxF "ExecStart=$binary" "$copy" || fail "could not point ExecStart at $binary"
+grep -qxF "ExecReload=$ctl reload" "$copy" || fail "could not point ExecReload at $ctl"
 if [[ -n $man_dir ]]; then
 	verify=(env MANPATH="$(realpath "$man_dir")" systemd-analyze verify --man=yes "$copy")
 else
