@@ -340,31 +340,9 @@ impl Metrics {
     /// them): an alert on `upstream_up == 0` must not fire for what is gone.
     pub fn retain_upstreams(&self, configured: &[&str]) {
         let inner = &self.0;
-        let gone = |family: &prometheus::proto::MetricFamily| -> Vec<String> {
-            family
-                .get_metric()
-                .iter()
-                .flat_map(|m| m.get_label())
-                .filter(|l| l.name() == "upstream" && !configured.contains(&l.value()))
-                .map(|l| l.value().to_owned())
-                .collect()
-        };
-        use prometheus::core::Collector as _;
-        for family in inner.upstream_up.collect() {
-            for name in gone(&family) {
-                let _ = inner.upstream_up.remove_label_values(&[&name]);
-            }
-        }
-        for family in inner.upstream_tools.collect() {
-            for name in gone(&family) {
-                let _ = inner.upstream_tools.remove_label_values(&[&name]);
-            }
-        }
-        for family in inner.upstream_restarts.collect() {
-            for name in gone(&family) {
-                let _ = inner.upstream_restarts.remove_label_values(&[&name]);
-            }
-        }
+        drop_gone(&inner.upstream_up, configured);
+        drop_gone(&inner.upstream_tools, configured);
+        drop_gone(&inner.upstream_restarts, configured);
     }
 
     pub fn upstream_tools(&self, upstream: &str, tools: usize) {
@@ -577,6 +555,25 @@ impl Metrics {
         // Encoding into a Vec cannot fail for well-formed families.
         let _ = TextEncoder::new().encode(&families, &mut out);
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// Removes the series of `vec` whose `upstream` label names none of `configured`.
+fn drop_gone<P: prometheus::core::MetricVecBuilder>(
+    vec: &prometheus::core::MetricVec<P>,
+    configured: &[&str],
+) {
+    use prometheus::core::Collector as _;
+    let gone: Vec<String> = vec
+        .collect()
+        .iter()
+        .flat_map(|family| family.get_metric())
+        .flat_map(|m| m.get_label())
+        .filter(|l| l.name() == "upstream" && !configured.contains(&l.value()))
+        .map(|l| l.value().to_owned())
+        .collect();
+    for name in gone {
+        let _ = vec.remove_label_values(&[&name]);
     }
 }
 

@@ -152,7 +152,9 @@ async fn upstream_restart(core: &Core, name: &str, peer: Peer) -> Response {
     };
     tracing::info!(uid = peer.uid, upstream = %name, "upstream restart requested over the control socket");
     match upstreams.restart(name).await {
-        Some(upstream) if upstream.state == "up" => Response::ok(Reply::Upstream { upstream }),
+        Some(upstream) if upstream.state == crate::vocab::UpstreamState::Up.as_str() => {
+            Response::ok(Reply::Upstream { upstream })
+        }
         Some(upstream) => Response::error(
             ErrorCode::Unavailable,
             format!(

@@ -47,17 +47,20 @@ impl Core {
         let mut problems = self.health_problems();
         // An upstream that is not up is a problem of the host's service: its tools answer
         // `unavailable`.
-        problems.extend(upstreams.iter().filter(|u| u.state != "up").map(|u| {
-            robota_proto::Problem {
-                part: format!("upstream {}", u.name),
-                error: match &u.last_error {
-                    Some(e) => format!("{}: {e}", u.state),
-                    None => u.state.clone(),
-                },
-                since: u.since,
-                failures: u.restarts,
-            }
-        }));
+        problems.extend(
+            upstreams
+                .iter()
+                .filter(|u| u.state != crate::vocab::UpstreamState::Up.as_str())
+                .map(|u| robota_proto::Problem {
+                    part: format!("upstream {}", u.name),
+                    error: match &u.last_error {
+                        Some(e) => format!("{}: {e}", u.state),
+                        None => u.state.clone(),
+                    },
+                    since: u.since,
+                    failures: u.restarts,
+                }),
+        );
         Status {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             pid: std::process::id(),
