@@ -5,17 +5,21 @@
 //! - **Slots.** At most `max_connections` connections, and at most
 //!   `max_connections_per_address` from one client address (IPv6 by its /64; peers in
 //!   `shared_peers`, the trusted proxies, are exempt, since every client behind one shares
-//!   its address). A connection that has not sent a complete request head — never, or not
-//!   since its last answer — and whose every byte so far has been read (we are waiting on
-//!   the peer) is *idle*; one whose requests in flight all wait on their own verification
-//!   (a token with the issuer, a signature check in the suspects' lane: the handler says
-//!   so with [`give_way`]) is as good as unauthenticated. When the listener (or the
-//!   address) is full, the oldest connection that is idle or unauthenticated gives way to
-//!   the new one — one that never sent a head or whose requests are being verified before
-//!   one kept alive after an answer; when none can, the new one is refused at once (`503`
-//!   on plain HTTP, a close on TLS) and counted. So a flood of silent or slow sockets, or of
-//!   tokens the issuer is slow to judge, keeps each other out, not the clients that hold a
-//!   valid credential.
+//!   its address). A connection holds its slot only while a request its handler admitted
+//!   ([`admit`]: the credentials are good) is in flight; otherwise it may give way — a
+//!   request not yet decided (a token with the issuer, a signature being checked, a
+//!   refusal being written) is as good as none, and killing it cancels nothing that ran.
+//!   A connection kept alive after an admitted request may give way once every byte its
+//!   peer sent has been read (its client's next request may be on its way). When the
+//!   listener (or the address) is full, one that may gives way to the new one: from the
+//!   address group holding the most connections, those refused (or whose client the
+//!   handler knows has failed lately: [`distrust`]) and never admitted first, then those
+//!   never admitted (each by when they were accepted, so asking again does not
+//!   move a connection back), then those kept alive after an answer (longest idle first);
+//!   when none can, the new one is refused at once (`503` on plain HTTP, a close on TLS)
+//!   and counted. So a flood of silent or slow sockets, of forged tokens or of tokens the
+//!   issuer is slow to judge, from a few addresses or from many, keeps itself out, not the
+//!   clients that hold a valid credential.
 //! - **Deadlines.** Every byte before the first complete request head — the TLS
 //!   handshake, HTTP/1-vs-HTTP/2 detection, the HTTP/2 preface and SETTINGS, the head
 //!   itself — is under `header_timeout`, counted from accept. After an answer, an HTTP/1.1
@@ -80,18 +84,6 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a full listener writes to a plain-text peer it cannot make room for.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
 
-/// Marks a response to a request that was not admitted (a refusal, a 404, metadata): the
-/// connection counts as one that has not been served, so it is evicted first and held
-/// only to the head deadline — an unauthenticated peer cannot keep slots by asking.
-#[derive(Debug, Clone, Copy)]
-pub struct Unadmitted;
-
-/// `response`, marked [`Unadmitted`].
-pub fn unadmitted(mut response: Response<Body>) -> Response<Body> {
-    response.extensions_mut().insert(Unadmitted);
-    response
-}
-
 /// Why a request was refused on its head, before any handler saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadRefusal {
@@ -109,6 +101,12 @@ pub trait Handler: Clone + Send + Sync + 'static {
 
     /// A request refused on its head by the listener itself (it never reached `handle`).
     fn head_refused(&self, _peer: SocketAddr, _why: HeadRefusal) {}
+
+    /// Whether the handler knows a connection from `peer` comes from a client that has
+    /// failed lately: until a request on it is admitted, it gives way before the others.
+    fn distrusts(&self, _peer: IpAddr) -> bool {
+        false
+    }
 }
 
 /// How a listener is run.
@@ -179,7 +177,8 @@ pub async fn serve<H: Handler>(listener: TcpListener, options: Options, handler:
         };
         let group = (!shared_peers.iter().any(|net| net.contains(&peer.ip())))
             .then(|| address_group(peer.ip(), ipv6_prefix));
-        let (ticket, evicted) = table.admit(group, Instant::now());
+        let distrusted = handler.distrusts(peer.ip());
+        let (ticket, evicted) = admit_once_read(&table, group, distrusted, &drain).await;
         if evicted {
             metrics.connection(name, ConnOutcome::Evicted);
         }
@@ -212,6 +211,34 @@ pub async fn serve<H: Handler>(listener: TcpListener, options: Options, handler:
     drop(listener);
     tracker.close();
     tracker.wait().await;
+}
+
+/// Longest the accept loop waits for accepted connections to be read when one of them
+/// could then make room ([`admit_once_read`]).
+const READ_WAIT: Duration = Duration::from_millis(100);
+
+/// [`Table::admit`]; when nothing may give way but a connection accepted earlier has not
+/// been read yet, first wait (at most [`READ_WAIT`], accepting nothing meanwhile) for the
+/// connections' tasks to read what their peers sent. So the accept loop never outruns the
+/// connections it accepted, evicting them before they could be served: a flood of
+/// connections waits its turn in the kernel's accept queue with everyone else.
+async fn admit_once_read(
+    table: &Arc<Table>,
+    group: Option<IpAddr>,
+    distrusted: bool,
+    drain: &Drain,
+) -> (Option<Ticket>, bool) {
+    let deadline = Instant::now() + READ_WAIT;
+    loop {
+        let (ticket, evicted) = table.admit(group, distrusted, Instant::now());
+        if ticket.is_some() || Instant::now() >= deadline || !table.inner.lock().any_unread() {
+            return (ticket, evicted);
+        }
+        tokio::select! {
+            () = drain.accept.cancelled() => return (None, evicted),
+            () = tokio::time::sleep(Duration::from_millis(1)) => {}
+        }
+    }
 }
 
 /// One accepted connection.
@@ -281,29 +308,17 @@ impl<H: Handler> Conn<H> {
             let max_header_bytes = self.bounds.max_header_bytes;
             hyper::service::service_fn(move |mut req: Request<Incoming>| {
                 let busy = ticket.busy();
-                req.extensions_mut().insert(ticket.clone());
+                req.extensions_mut().insert(busy.clone());
                 let handler = handler.clone();
                 async move {
                     let response = if head_too_large(&req, max_header_bytes) {
                         handler.head_refused(peer, HeadRefusal::TooLarge);
                         discard_body(req);
-                        unadmitted(empty(http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE))
+                        empty(http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
                     } else {
                         handler.handle(req, peer).await
                     };
-                    let refusal = response
-                        .extensions()
-                        .get::<Unadmitted>()
-                        .is_some()
-                        .then(|| {
-                            busy.0.unserve();
-                            Yielded::start(&busy.0)
-                        });
-                    Ok::<_, Infallible>(response.map(|body| Tracked {
-                        body,
-                        _busy: busy,
-                        _refusal: refusal,
-                    }))
+                    Ok::<_, Infallible>(response.map(|body| Tracked { body, _busy: busy }))
                 }
             })
         };
@@ -357,7 +372,7 @@ impl<H: Handler> Conn<H> {
         if e.is_parse_too_large() {
             self.handler.head_refused(self.peer, HeadRefusal::TooLarge);
         } else if e.is_timeout() {
-            let expired = if self.ticket.served() == 0 {
+            let expired = if self.ticket.admitted() == 0 {
                 Expired::Head
             } else {
                 Expired::Idle
@@ -394,18 +409,29 @@ fn head_too_large(req: &Request<Incoming>, max_header_bytes: usize) -> bool {
 #[derive(Debug, Clone, Copy)]
 enum Phase {
     Busy,
-    Idle { since: Instant, served: u64 },
+    Idle { since: Instant, admitted: u64 },
 }
 
+/// One open connection, as its listener sees it.
+///
+/// A connection holds its slot only while a request the handler admitted is in flight
+/// ([`admit`]); otherwise it may give way to a newcomer. So a request nobody has
+/// authenticated yet — its token with the issuer, its signature being checked, its
+/// refusal being written — never holds a slot a newcomer cannot take, and killing it
+/// cancels nothing that ran.
 struct Slot {
     group: Option<IpAddr>,
     /// Requests in flight.
     active: usize,
-    /// Requests in flight that are waiting on their own verification ([`give_way`]).
-    yielding: usize,
-    served: u64,
-    /// Since when the connection has been idle, or serving only requests that are not
-    /// admitted yet.
+    /// Requests in flight that the handler admitted.
+    held: usize,
+    /// Requests ever admitted on this connection.
+    admitted: u64,
+    /// A request ended without being admitted (refused, 404, metadata), or its handler
+    /// knew its client had failed lately ([`distrust`]).
+    distrusted: bool,
+    accepted: Instant,
+    /// Since when no request has been in flight (or since accept).
     idle_since: Instant,
     /// Our last read found nothing more to read: we are waiting on the peer.
     waiting: Arc<AtomicBool>,
@@ -414,20 +440,34 @@ struct Slot {
 }
 
 impl Slot {
-    /// Whether a newcomer may take this slot: every request in flight (if any) is waiting
-    /// on its own verification. An idle connection must also have had all its bytes read
-    /// ([`Inner::evictable`]); one whose requests wait on their credentials (a token with
-    /// the issuer, say) is as good as unauthenticated.
+    /// Whether a newcomer may take this slot: no admitted request is in flight. A
+    /// kept-alive connection must also have had all its bytes read
+    /// ([`Inner::evictable_in`]).
     fn may_give_way(&self) -> bool {
-        self.active <= self.yielding
+        self.held == 0
     }
 
-    /// Where a slot that may give way sorts among the candidates for eviction: the
-    /// unauthenticated first — never served, or with requests still being verified —
-    /// then those kept alive after an answer, oldest first within each.
+    /// Where a slot that may give way sorts among the candidates for eviction: first
+    /// those distrusted and never admitted, then those never admitted (silent, or with a
+    /// request not yet decided), each oldest accepted first — so a peer cannot move its
+    /// connections back by sending more requests — then those admitted before, longest
+    /// idle first.
     fn key(&self, id: u64) -> IdleKey {
-        let kept_alive = self.served > 0 && self.active == 0;
-        (u8::from(kept_alive), self.idle_since, id)
+        match (self.admitted, self.distrusted) {
+            (0, true) => (0, self.accepted, id),
+            (0, false) => (1, self.accepted, id),
+            _ => (2, self.idle_since, id),
+        }
+    }
+
+    /// Accepted, and nothing read from it yet: its task has not run, or its peer's bytes
+    /// are on their way. It cannot give way — a valid client's whole request may be in the
+    /// kernel's buffer — until it has been read.
+    fn unread(&self) -> bool {
+        self.admitted == 0
+            && self.active == 0
+            && !self.distrusted
+            && !self.waiting.load(Ordering::Relaxed)
     }
 }
 
@@ -458,15 +498,11 @@ struct Group {
 }
 
 impl Inner {
-    /// The first connection of `group`, in eviction order, that may give way: one before
-    /// admission, or an idle one waiting on its peer.
+    /// The first connection of `group`, in eviction order, that may give way now: one
+    /// whose requests in flight are all undecided, one distrusted and never admitted, or
+    /// an idle one waiting on its peer (one whose bytes are not all read may have a
+    /// request on its way).
     fn evictable_in(&self, group: Option<IpAddr>) -> Option<IdleKey> {
-        self.evictable_by(group, true)
-    }
-
-    /// [`Self::evictable_in`]; a connection whose request is being verified only when
-    /// `requests` is set.
-    fn evictable_by(&self, group: Option<IpAddr>, requests: bool) -> Option<IdleKey> {
         self.groups
             .get(&group)?
             .idle
@@ -474,23 +510,28 @@ impl Inner {
             .copied()
             .find(|(_, _, id)| {
                 self.slots.get(id).is_some_and(|s| {
-                    (s.active > 0 && requests)
-                        || (s.active == 0 && s.waiting.load(Ordering::Relaxed))
+                    s.active > 0
+                        || s.waiting.load(Ordering::Relaxed)
+                        || (s.admitted == 0 && s.distrusted)
                 })
             })
+    }
+
+    /// Whether some connection may give way once it has been read ([`Slot::unread`]).
+    fn any_unread(&self) -> bool {
+        self.slots.values().any(|s| s.held == 0 && s.unread())
     }
 
     /// The connection that gives way when the listener is full: from the address group
     /// holding the most connections that has one that may (the first in eviction order
     /// among groups of that size), trusted proxies' last. So peers that fill the listener
     /// from a few addresses make room from their own connections, never from a client
-    /// holding one.
+    /// holding one; and peers on many addresses, holding one each, make room from each
+    /// other's unauthenticated connections.
     ///
     /// Only a group at least as big as the newcomer's would be gives way to it (its own
-    /// always may), and a connection whose request is being verified only to a newcomer
-    /// whose group would then hold fewer: a client holding one connection never loses it
-    /// to a peer that holds more, and its request with the issuer is never abandoned for
-    /// a peer that holds as many.
+    /// always may): a client holding one connection never loses it to a peer that holds
+    /// more.
     fn evictable(&self, newcomer: Option<IpAddr>) -> Option<u64> {
         let theirs = newcomer.map_or(0, |g| self.groups.get(&Some(g)).map_or(0, |g| g.open) + 1);
         let mut best: Option<(usize, IdleKey)> = None;
@@ -498,13 +539,10 @@ impl Inner {
             if best.is_some_and(|(size, _)| open < size) {
                 break;
             }
-            // Its own group, or a bigger one: anything that may give way. One of the
-            // newcomer's size: only an idle connection. A smaller one: nothing.
-            let own = newcomer == Some(group);
-            if !own && open < theirs {
+            if newcomer != Some(group) && open < theirs {
                 continue;
             }
-            if let Some(key) = self.evictable_by(Some(group), own || open > theirs)
+            if let Some(key) = self.evictable_in(Some(group))
                 && best.is_none_or(|(_, b)| key < b)
             {
                 best = Some((open, key));
@@ -574,38 +612,44 @@ impl Inner {
             .collect()
     }
 
-    /// A request head arrived on `id`: the connection holds its slot.
+    /// A request head arrived on `id`.
     fn start_request(&mut self, id: u64) {
-        self.rekey(id, |slot| {
+        if let Some(slot) = self.slots.get_mut(&id) {
             if slot.active == 0 {
                 slot.phase.send_replace(Phase::Busy);
             }
             slot.active += 1;
-            slot.served += 1;
-        });
+        }
     }
 
-    /// A request on `id` waits on its own verification (`true`), or no longer does.
-    fn yielding(&mut self, id: u64, starts: bool, now: Instant) {
+    /// The handler admitted a request on `id`: the connection holds its slot until the
+    /// request's answer has been sent.
+    fn admit_request(&mut self, id: u64) {
         self.rekey(id, |slot| {
-            if starts {
-                slot.yielding += 1;
-                slot.idle_since = now;
-            } else {
-                slot.yielding = slot.yielding.saturating_sub(1);
-            }
+            slot.held += 1;
+            slot.admitted += 1;
         });
     }
 
-    /// A request on `id` was answered (or dropped).
-    fn end_request(&mut self, id: u64, now: Instant) {
+    /// `id`'s handler knows the client of a request on it has failed lately.
+    fn distrust(&mut self, id: u64) {
+        self.rekey(id, |slot| slot.distrusted = true);
+    }
+
+    /// A request on `id` was answered (or dropped); `admitted` if the handler admitted it.
+    fn end_request(&mut self, id: u64, admitted: bool, now: Instant) {
         self.rekey(id, |slot| {
             slot.active = slot.active.saturating_sub(1);
+            if admitted {
+                slot.held = slot.held.saturating_sub(1);
+            } else {
+                slot.distrusted = true;
+            }
             if slot.active == 0 {
                 slot.idle_since = now;
                 slot.phase.send_replace(Phase::Idle {
                     since: now,
-                    served: slot.served,
+                    admitted: slot.admitted,
                 });
             }
         });
@@ -621,10 +665,16 @@ impl Table {
         }
     }
 
-    /// A slot for a new connection from `group` (None: exempt from the per-address cap),
-    /// making room by evicting the oldest idle connection when full. Returns the ticket
-    /// (None: refused, nothing could give way) and whether a connection was evicted.
-    fn admit(self: &Arc<Self>, group: Option<IpAddr>, now: Instant) -> (Option<Ticket>, bool) {
+    /// A slot for a new connection from `group` (None: exempt from the per-address cap;
+    /// `distrusted`: its client has failed lately), making room by evicting a connection
+    /// that may give way when full. Returns the ticket (None: refused, nothing could give
+    /// way) and whether a connection was evicted.
+    fn admit(
+        self: &Arc<Self>,
+        group: Option<IpAddr>,
+        distrusted: bool,
+        now: Instant,
+    ) -> (Option<Ticket>, bool) {
         let mut inner = self.inner.lock();
         let mut evicted = false;
         let group_full = match (group, self.per_address) {
@@ -655,24 +705,25 @@ impl Table {
         let waiting = Arc::new(AtomicBool::new(false));
         let (phase, _) = watch::channel(Phase::Idle {
             since: now,
-            served: 0,
+            admitted: 0,
         });
-        inner.slots.insert(
-            id,
-            Slot {
-                group,
-                active: 0,
-                yielding: 0,
-                served: 0,
-                idle_since: now,
-                waiting: waiting.clone(),
-                kill: kill.clone(),
-                phase,
-            },
-        );
+        let slot = Slot {
+            group,
+            active: 0,
+            held: 0,
+            admitted: 0,
+            distrusted,
+            accepted: now,
+            idle_since: now,
+            waiting: waiting.clone(),
+            kill: kill.clone(),
+            phase,
+        };
+        let key = slot.key(id);
+        inner.slots.insert(id, slot);
         inner.resize(group, |open| *open += 1);
         if let Some(g) = inner.groups.get_mut(&group) {
-            g.idle.insert((0, now, id));
+            g.idle.insert(key);
         }
         let ticket = Ticket(Arc::new(TicketInner {
             table: self.clone(),
@@ -719,7 +770,10 @@ impl Ticket {
     /// response body) is dropped.
     fn busy(&self) -> Busy {
         self.table.inner.lock().start_request(self.id);
-        Busy(self.clone())
+        Busy(Arc::new(InFlight {
+            ticket: self.clone(),
+            admitted: AtomicBool::new(false),
+        }))
     }
 
     /// Whether a request is in flight on this connection.
@@ -752,20 +806,14 @@ impl Ticket {
         }
     }
 
-    /// The request just answered was not admitted: it does not count as served.
-    fn unserve(&self) {
-        if let Some(slot) = self.table.inner.lock().slots.get_mut(&self.id) {
-            slot.served = slot.served.saturating_sub(1);
-        }
-    }
-
-    fn served(&self) -> u64 {
+    /// Requests admitted on this connection so far.
+    fn admitted(&self) -> u64 {
         self.table
             .inner
             .lock()
             .slots
             .get(&self.id)
-            .map_or(0, |s| s.served)
+            .map_or(0, |s| s.admitted)
     }
 
     /// Resolves when the connection has been idle too long: before its first request,
@@ -786,8 +834,8 @@ impl Ticket {
                             return std::future::pending().await;
                         }
                     }
-                    Phase::Idle { since, served } => {
-                        let (limit, expired) = if served == 0 {
+                    Phase::Idle { since, admitted } => {
+                        let (limit, expired) = if admitted == 0 {
                             (head, Expired::Head)
                         } else {
                             (idle, Expired::Idle)
@@ -860,56 +908,58 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
     }
 }
 
-/// Marks its connection busy while it lives.
-struct Busy(Ticket);
+/// One request in flight; marks its connection busy while it lives (in the request's
+/// extensions, then in its response body).
+#[derive(Clone)]
+struct Busy(Arc<InFlight>);
 
-impl Drop for Busy {
-    fn drop(&mut self) {
-        let id = self.0.id;
-        self.0.table.inner.lock().end_request(id, Instant::now());
-    }
+struct InFlight {
+    ticket: Ticket,
+    admitted: AtomicBool,
 }
 
-/// While it lives, its request waits on its own verification (a token with the issuer, a
-/// signature check in the suspects' lane), and its connection counts as unauthenticated:
-/// it gives way to a newcomer like one that never sent a request, so a request nobody has
-/// authenticated yet never holds a slot a newcomer cannot take.
-pub struct Yielded(Ticket);
-
-impl Yielded {
-    fn start(ticket: &Ticket) -> Self {
-        ticket
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let admitted = self.admitted.load(Ordering::Relaxed);
+        let id = self.ticket.id;
+        self.ticket
             .table
             .inner
             .lock()
-            .yielding(ticket.id, true, Instant::now());
-        Yielded(ticket.clone())
+            .end_request(id, admitted, Instant::now());
     }
 }
 
-impl Drop for Yielded {
-    fn drop(&mut self) {
-        let id = self.0.id;
-        self.0
+/// The handler admitted `req` (come through [`serve`]): its credentials are good, and its
+/// connection holds its slot until the answer has been sent. Until then — a token with the
+/// issuer, a refusal being written — the connection counts as unauthenticated and gives
+/// way to a newcomer.
+pub fn admit<B>(req: &http::Request<B>) {
+    if let Some(Busy(request)) = req.extensions().get::<Busy>()
+        && !request.admitted.swap(true, Ordering::Relaxed)
+    {
+        request
+            .ticket
             .table
             .inner
             .lock()
-            .yielding(id, false, Instant::now());
+            .admit_request(request.ticket.id);
     }
 }
 
-/// Marks `req` (come through [`serve`]) as waiting on its own verification until the
-/// returned guard is dropped.
-pub fn give_way<B>(req: &Request<B>) -> Option<Yielded> {
-    req.extensions().get::<Ticket>().map(Yielded::start)
+/// The handler knows `req`'s client has failed lately (bad tokens, say): until it is
+/// admitted, its connection gives way before those of clients that have not.
+pub fn distrust<B>(req: &http::Request<B>) {
+    if let Some(Busy(request)) = req.extensions().get::<Busy>() {
+        let id = request.ticket.id;
+        request.ticket.table.inner.lock().distrust(id);
+    }
 }
 
-/// A response body that keeps its connection busy until it has been sent (or dropped).
+/// A response body that keeps its request in flight until it has been sent (or dropped).
 struct Tracked {
     body: Body,
     _busy: Busy,
-    /// A refusal being written: its connection counts as unauthenticated meanwhile.
-    _refusal: Option<Yielded>,
 }
 
 impl hyper::body::Body for Tracked {
@@ -1083,7 +1133,7 @@ mod tests {
     /// Admit, and mark the connection as waiting on its peer (as its task would once it
     /// has read everything the peer sent).
     fn admit(t: &Arc<Table>, group: Option<&str>, now: Instant) -> (Option<Ticket>, bool) {
-        let (ticket, evicted) = t.admit(group.map(ip), now);
+        let (ticket, evicted) = t.admit(group.map(ip), false, now);
         if let Some(ticket) = &ticket {
             ticket.waiting.store(true, Ordering::Relaxed);
         }
@@ -1129,55 +1179,138 @@ mod tests {
 
     #[test]
     fn a_connection_whose_bytes_are_not_read_yet_is_never_evicted() {
-        let t = Arc::new(Table::new(2, None));
+        let t = Arc::new(Table::new(3, None));
         let now = Instant::now() - Duration::from_secs(60);
+        // Admitted and answered; its peer's next request may be in the kernel buffer.
+        let (kept, _) = t.admit(None, false, now);
+        let kept = kept.unwrap();
+        drop(serving(&kept));
         // Accepted, its task not yet run: it may have a whole head in the kernel buffer.
-        let (unread, _) = t.admit(None, now);
-        let (waiting, _) = admit(&t, None, now + Duration::from_secs(1));
-        let (newcomer, evicted) = admit(&t, None, now + Duration::from_secs(2));
+        let (unread, _) = t.admit(None, false, now + Duration::from_secs(1));
+        let (waiting, _) = admit(&t, None, now + Duration::from_secs(2));
+        let (newcomer, evicted) = t.admit(None, false, now + Duration::from_secs(3));
         assert!(newcomer.is_some() && evicted);
         assert!(
             waiting.unwrap().kill.is_cancelled(),
             "the younger one, waiting on its peer"
         );
-        assert!(!unread.as_ref().unwrap().kill.is_cancelled());
+        let unread = unread.unwrap();
+        assert!(!unread.kill.is_cancelled() && !kept.kill.is_cancelled());
+        // Nothing may give way now, but some could once read.
+        assert!(
+            t.admit(None, false, now + Duration::from_secs(4))
+                .0
+                .is_none()
+        );
+        assert!(t.inner.lock().any_unread());
+        // Once read and refused, the unread one goes first.
+        drop(unread.busy());
+        let (_next, evicted) = t.admit(None, false, now + Duration::from_secs(5));
+        assert!(evicted && unread.kill.is_cancelled() && !kept.kill.is_cancelled());
     }
 
-    /// A request on `ticket` (the connection holds its slot).
+    /// A request on `ticket` that its handler admitted (the connection holds its slot).
     fn serving(ticket: &Ticket) -> Busy {
-        ticket.busy()
+        let busy = ticket.busy();
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(busy.clone());
+        super::admit(&req);
+        busy
     }
 
     #[test]
-    fn a_request_waiting_on_its_verification_gives_way_to_a_newcomer() {
+    fn only_an_admitted_request_holds_its_slot() {
         let t = Arc::new(Table::new(2, None));
         let now = Instant::now() - Duration::from_secs(60);
         let (verifying, _) = admit(&t, None, now);
         let (served, _) = admit(&t, None, now + Duration::from_secs(1));
         let (verifying, served) = (verifying.unwrap(), served.unwrap());
-        // Both have a request in flight; one of them waits on its token.
-        let _v = serving(&verifying);
-        let waiting_on_token = Yielded::start(&verifying);
+        // Both have a request in flight; one is admitted, the other is not decided yet
+        // (its token with the issuer, say).
+        let undecided = verifying.busy();
         let _s = serving(&served);
         let (newcomer, evicted) = admit(&t, None, Instant::now());
         assert!(newcomer.is_some() && evicted);
         assert!(
             verifying.kill.is_cancelled(),
-            "the request being verified gave way"
+            "the undecided request gave way"
         );
         assert!(!served.kill.is_cancelled());
-        drop(waiting_on_token);
-        // Verified, then answered: the newcomer's connection holds its slot while busy,
-        // and gives way again only once idle.
+        drop(undecided);
+        // The newcomer's request: undecided, it may give way; admitted, it holds until
+        // answered; then idle, it may again.
         let newcomer = newcomer.unwrap();
         let busy = newcomer.busy();
-        t.inner.lock().yielding(newcomer.id, true, Instant::now());
         assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
-        t.inner.lock().yielding(newcomer.id, false, Instant::now());
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(busy.clone());
+        super::admit(&req);
+        super::admit(&req);
         assert!(!t.inner.lock().idle_ids().contains(&newcomer.id));
-        drop(busy);
+        drop((busy, req));
         assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
-        assert_eq!(t.inner.lock().slots[&newcomer.id].yielding, 0);
+        let slot = &t.inner.lock().slots[&newcomer.id];
+        assert_eq!((slot.held, slot.admitted, slot.distrusted), (0, 1, false));
+    }
+
+    #[test]
+    fn the_refused_go_first_however_often_they_ask_then_the_undecided_by_age() {
+        let t = Arc::new(Table::new(3, None));
+        let t0 = Instant::now() - Duration::from_secs(60);
+        let at = |s| t0 + Duration::from_secs(s);
+        let (silent, _) = admit(&t, None, at(0));
+        let (undecided, _) = admit(&t, None, at(1));
+        let (refused, _) = admit(&t, None, at(2));
+        let (silent, undecided, refused) = (silent.unwrap(), undecided.unwrap(), refused.unwrap());
+        // Refused again and again, the last time just now: it still goes first.
+        for _ in 0..3 {
+            drop(refused.busy());
+        }
+        let (_a, evicted) = admit(&t, None, at(3));
+        assert!(evicted && refused.kill.is_cancelled());
+        assert!(!silent.kill.is_cancelled() && !undecided.kill.is_cancelled());
+        // Then the never-admitted by when they came, unless their handler distrusts them.
+        let pending = undecided.busy();
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(pending);
+        distrust(&req);
+        let (_b, evicted) = admit(&t, None, at(4));
+        assert!(evicted && undecided.kill.is_cancelled() && !silent.kill.is_cancelled());
+        let (_c, evicted) = admit(&t, None, at(5));
+        assert!(evicted && silent.kill.is_cancelled());
+        // A connection distrusted from its accept goes before the older undecided ones.
+        let (doubted, _) = t.admit(None, true, at(6));
+        let (_d, evicted) = admit(&t, None, at(7));
+        assert!(evicted && doubted.unwrap().kill.is_cancelled());
+    }
+
+    #[test]
+    fn peers_on_many_addresses_make_room_from_each_others_undecided_requests() {
+        let t = Arc::new(Table::new(4, Some(4)));
+        let t0 = Instant::now() - Duration::from_secs(60);
+        let at = |s| t0 + Duration::from_secs(s);
+        // Four addresses with one connection each, every one with a token being checked.
+        let flood: Vec<_> = (1..=4)
+            .map(|i| admit(&t, Some(&format!("203.0.113.{i}")), at(i)).0.unwrap())
+            .collect();
+        let _pending: Vec<_> = flood.iter().map(Ticket::busy).collect();
+        // A client on a fifth address holds one as well: it gets in.
+        let (client, evicted) = admit(&t, Some("198.51.100.9"), at(10));
+        assert!(
+            evicted && flood[0].kill.is_cancelled(),
+            "the oldest undecided"
+        );
+        let client = client.unwrap();
+        // Served and kept alive, it goes after every undecided connection of its size.
+        drop(serving(&client));
+        let (_next, evicted) = admit(&t, Some("203.0.113.9"), at(11));
+        assert!(evicted && flood[1].kill.is_cancelled() && !client.kill.is_cancelled());
+        // An admitted request in flight holds against a newcomer of the same size.
+        let _held = serving(&client);
+        for i in 20..26 {
+            let _ = admit(&t, Some(&format!("192.0.2.{i}")), at(i));
+        }
+        assert!(!client.kill.is_cancelled());
     }
 
     #[test]
@@ -1281,7 +1414,7 @@ mod tests {
         };
         let t = Arc::new(Table::new(4, None));
         let started = tokio::time::Instant::now();
-        let (ticket, _) = t.admit(None, started);
+        let (ticket, _) = t.admit(None, false, started);
         let ticket = ticket.unwrap();
         assert_eq!(ticket.deadline(&bounds).await, Expired::Head);
         assert_eq!(started.elapsed(), Duration::from_secs(5));

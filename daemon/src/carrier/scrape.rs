@@ -93,6 +93,7 @@ impl server::Handler for Scrape {
             );
             return response;
         }
+        server::admit(&req);
         self.metrics.audit_unpersisted(self.audit.unpersisted());
         for part in StatePart::ALL {
             self.metrics

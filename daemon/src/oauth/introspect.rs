@@ -20,6 +20,7 @@
 //! URL; a JWT never comes here (the verifier decides by the token's shape); the secret
 //! file is refused unless only its owner (root or the daemon's user) can read it.
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -29,6 +30,7 @@ use base64::Engine;
 use parking_lot::Mutex;
 use reqwest::Url;
 use serde_json::Value;
+use tokio::sync::watch;
 
 use super::cache::ByDigest;
 use super::claims::{Policy, StrictObject, check_claims};
@@ -46,6 +48,9 @@ pub const MAX_IN_FLIGHT: usize = 16;
 /// Of those, one client's (its address group) at most; a freed place goes to the waiting
 /// client with the fewest in flight, so a few busy clients never take every place.
 pub const PER_CLIENT: usize = 2;
+/// Of those, the places only clients that have not failed in the current throttle window
+/// may take; they also go first for every place that frees.
+pub const KEPT_FOR_CLEAN: usize = 4;
 /// Longest a token waits for a place among them (then `introspection-unavailable`).
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Least time between two on-demand discoveries of the endpoint after one failed.
@@ -203,6 +208,7 @@ pub(crate) struct Introspector {
     auth: ClientAuth,
     ttl: Duration,
     places: Places,
+    asking: Asking,
     metrics: Metrics,
     cache: Mutex<AnswerCache>,
     clock: Clock,
@@ -235,7 +241,8 @@ impl Introspector {
             secret: parking_lot::RwLock::new(None),
             auth: settings.auth,
             ttl: settings.cache,
-            places: Places::new(MAX_IN_FLIGHT, PER_CLIENT),
+            places: Places::new(MAX_IN_FLIGHT, PER_CLIENT, KEPT_FOR_CLEAN),
+            asking: Asking::default(),
             metrics,
             cache: Mutex::new(AnswerCache::default()),
             clock,
@@ -308,8 +315,10 @@ impl Introspector {
         }
     }
 
-    /// Decide on an opaque token (`digest` is its SHA-256): the cache, else the issuer,
-    /// once `asker` has a place and may still ask.
+    /// Decide on an opaque token (`digest` is its SHA-256): the cache, else the answer to
+    /// a question about it already on its way to the issuer, else the issuer, once
+    /// `asker` has a place and may still ask. One question per token at a time: tokens
+    /// sent by many clients at once cost the issuer one request.
     pub(super) async fn check(
         &self,
         fetcher: &Fetcher,
@@ -320,14 +329,19 @@ impl Introspector {
         asker: Asker<'_>,
     ) -> Result<Principal, Reason> {
         debug_assert!(token.len() <= MAX_TOKEN_BYTES);
-        if let Some(answer) = self.cache.lock().get(digest, now) {
-            return answer;
-        }
+        let question = match self.question(digest, now).await {
+            Ok(question) => question,
+            Err(answer) => return answer,
+        };
         let Some(url) = self.endpoint(fetcher).await else {
             return Err(Reason::IntrospectionUnavailable);
         };
         let deadline = tokio::time::Instant::now() + SLOT_WAIT;
-        let Some(_place) = self.places.take(asker.client, deadline).await else {
+        let Some(_place) = self
+            .places
+            .take(asker.client, asker.failing, deadline)
+            .await
+        else {
             self.metrics.introspection(IntrospectionOutcome::Busy);
             tracing::warn!(
                 in_flight = MAX_IN_FLIGHT,
@@ -336,7 +350,7 @@ impl Introspector {
             );
             return Err(Reason::IntrospectionUnavailable);
         };
-        // While it waited, another request may have asked about the same token.
+        // An answer cached just before this question began.
         if let Some(answer) = self.cache.lock().get(digest, now) {
             return answer;
         }
@@ -351,6 +365,52 @@ impl Introspector {
         };
         let asked = self.ask(fetcher, &url, token).await;
         pending.abandoned = None;
+        let verdict = self.verdict(asked, &url, policy, digest, now);
+        question.answer(&verdict);
+        verdict
+    }
+
+    /// The question about the token `digest` names, for this request to ask — or, when
+    /// the cache knows it or another request asks it already, the answer. A question
+    /// whose asker went away without an answer is asked again by one of those who waited,
+    /// a few times at most.
+    async fn question(
+        &self,
+        digest: &[u8; 32],
+        now: SystemTime,
+    ) -> Result<Question<'_>, Result<Principal, Reason>> {
+        for _ in 0..3 {
+            if let Some(answer) = self.cache.lock().get(digest, now) {
+                return Err(answer);
+            }
+            let mut answer = match self.asking.join(digest) {
+                Turn::Ask(question) => return Ok(question),
+                Turn::Wait(answer) => answer,
+            };
+            let waited = tokio::time::timeout(
+                SLOT_WAIT + INTROSPECTION_TIMEOUT,
+                answer.wait_for(Option::is_some),
+            )
+            .await;
+            match waited {
+                Ok(Ok(answer)) => return Err(answer.clone().expect("waited for an answer")),
+                Ok(Err(_gone)) => {}
+                Err(_late) => return Err(Err(Reason::IntrospectionUnavailable)),
+            }
+        }
+        Err(Err(Reason::IntrospectionUnavailable))
+    }
+
+    /// What the issuer's answer (or the failure to get one) means for the token; an
+    /// answer is cached.
+    fn verdict(
+        &self,
+        asked: Result<serde_json::Map<String, Value>, String>,
+        url: &Url,
+        policy: &Policy,
+        digest: &[u8; 32],
+        now: SystemTime,
+    ) -> Result<Principal, Reason> {
         let answer = match asked {
             Ok(answer) => answer,
             Err(why) => {
@@ -455,6 +515,58 @@ impl Introspector {
 }
 
 /// A request sent to the issuer whose answer has not come back yet.
+/// Questions to the issuer on their way, by token digest: one per token at a time.
+#[derive(Default)]
+struct Asking(Mutex<HashMap<[u8; 32], watch::Receiver<Option<Answer>>>>);
+
+type Answer = Result<Principal, Reason>;
+
+/// Whether a request asks the issuer about its token, or waits for the answer to the
+/// question another request asks.
+enum Turn<'a> {
+    Ask(Question<'a>),
+    Wait(watch::Receiver<Option<Answer>>),
+}
+
+/// A question about one token, asked by one request; those waiting on it see the closed
+/// channel (and ask again) if it goes away without an answer.
+struct Question<'a> {
+    asking: &'a Asking,
+    digest: [u8; 32],
+    answer: watch::Sender<Option<Answer>>,
+}
+
+impl Asking {
+    fn join(&self, digest: &[u8; 32]) -> Turn<'_> {
+        let mut asking = self.0.lock();
+        if let Some(answer) = asking.get(digest) {
+            return Turn::Wait(answer.clone());
+        }
+        let (answer, waiting) = watch::channel(None);
+        asking.insert(*digest, waiting);
+        Turn::Ask(Question {
+            asking: self,
+            digest: *digest,
+            answer,
+        })
+    }
+}
+
+impl Question<'_> {
+    /// What the issuer's answer meant (or its failure to give one): for everyone waiting.
+    fn answer(&self, verdict: &Answer) {
+        self.answer.send_replace(Some(verdict.clone()));
+    }
+}
+
+impl Drop for Question<'_> {
+    fn drop(&mut self) {
+        // Out of the map before the channel closes, so a waiter that finds it closed and
+        // asks again starts a new question.
+        self.asking.0.lock().remove(&self.digest);
+    }
+}
+
 struct Pending<'a> {
     abandoned: Option<&'a (dyn Fn() + Sync)>,
     metrics: &'a Metrics,
@@ -926,6 +1038,60 @@ mod tests {
             took >= INTROSPECTION_TIMEOUT && took < INTROSPECTION_TIMEOUT * 2,
             "{took:?}"
         );
+    }
+
+    fn from(n: u8) -> Asker<'static> {
+        Asker {
+            client: std::net::IpAddr::from([198, 51, 100, n]),
+            ..Asker::anyone()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_sent_by_many_clients_at_once_is_asked_about_once() {
+        let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
+        s.server.route("/introspect", Route::hang());
+        let v = &s.verifier;
+        let verdicts = tokio::join!(
+            v.verify(OPAQUE, now(), from(1)),
+            v.verify(OPAQUE, now(), from(2)),
+            v.verify(OPAQUE, now(), from(3)),
+            v.verify(OPAQUE, now(), from(4)),
+        );
+        let verdicts = [verdicts.0, verdicts.1, verdicts.2, verdicts.3];
+        assert!(
+            verdicts
+                .iter()
+                .all(|v| *v == Err(Reason::IntrospectionUnavailable)),
+            "{verdicts:?}"
+        );
+        assert_eq!(
+            s.server.hits("/introspect"),
+            1,
+            "one question for four requests"
+        );
+    }
+
+    #[tokio::test]
+    async fn when_the_one_asking_goes_away_one_of_those_waiting_asks_again() {
+        let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
+        s.server.route("/introspect", Route::hang());
+        let mut asking = Box::pin(s.verifier.verify(OPAQUE, now(), from(1)));
+        let mut waiting = Box::pin(s.verifier.verify(OPAQUE, now(), from(2)));
+        let tick = Duration::from_millis(1);
+        assert!(tokio::time::timeout(tick, &mut asking).await.is_err());
+        assert!(tokio::time::timeout(tick, &mut waiting).await.is_err());
+        for _ in 0..500 {
+            if s.server.hits("/introspect") == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(s.server.hits("/introspect"), 1, "only the first asks");
+        s.answer(&active());
+        drop(asking);
+        assert!(waiting.await.is_ok());
+        assert_eq!(s.server.hits("/introspect"), 2);
     }
 
     #[tokio::test]

@@ -48,6 +48,9 @@ pub struct Asker<'a> {
     /// its turn in a lane of one, off the request workers, so a flood of fresh forgeries
     /// costs at most one thread. The verdict is the same.
     pub suspect: bool,
+    /// Has failed in the current window: its opaque tokens wait for a place with the
+    /// issuer behind those of clients that have not ([`places`]).
+    pub failing: bool,
     /// Asked just before an opaque token goes to the issuer: may this client still cost
     /// it a request? `false` refuses the token `not-introspected`, nothing sent.
     pub may_introspect: &'a (dyn Fn() -> bool + Sync),
@@ -69,6 +72,7 @@ impl Asker<'static> {
         Self {
             client: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             suspect: false,
+            failing: false,
             may_introspect: &always,
             abandoned: &nothing,
         }

@@ -591,23 +591,45 @@ fn random_opaque() -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(seed)
 }
 
-/// `n` connections from each of `addresses`, each sending `tools/list` with a fresh random
-/// opaque token again and again until `stop`; the tasks.
+/// A JWT with the signature of `genuine` replaced by random bytes of the same length,
+/// unique in this process: it parses, names a real key, and fails its signature check.
+fn forged_jwt(genuine: &str) -> String {
+    use base64::Engine;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let (signed, signature) = genuine.rsplit_once('.').expect("a JWT");
+    let len = b64.decode(signature).expect("base64url").len();
+    let mut state = NEXT.fetch_add(1, Ordering::Relaxed) ^ u64::from(std::process::id()) << 32;
+    let bytes: Vec<u8> = (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    format!("{signed}.{}", b64.encode(bytes))
+}
+
+/// `n` connections from each of `addresses`, each sending `tools/list` with a fresh token
+/// from `forge` again and again until `stop`; the tasks.
 fn flood(
     d: &Daemon,
-    addresses: &[[u8; 4]],
+    addresses: &[std::net::IpAddr],
     n: usize,
+    forge: std::sync::Arc<dyn Fn() -> String + Send + Sync>,
     stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     use std::sync::atomic::Ordering;
     let addr = d.remote_addr();
     let mut tasks = Vec::new();
-    for a in addresses {
+    for &from in addresses {
         for _ in 0..n {
-            let (stop, from) = (stop.clone(), std::net::IpAddr::from(*a));
+            let (stop, forge) = (stop.clone(), forge.clone());
             tasks.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
-                    let req = remote_mcp(Some(&random_opaque()), &tools_list(1));
+                    let req = remote_mcp(Some(&forge()), &tools_list(1));
                     let _ = robota_e2e::http::try_exchange_from(from, addr, &req).await;
                 }
             }));
@@ -616,24 +638,92 @@ fn flood(
     tasks
 }
 
+/// A flood under way against `d`, stopped when dropped.
+struct Flood {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Flood {
+    /// `n` connections from each of `addresses` sending tokens from `forge`, once it is
+    /// under way: the listener full of it, or its tokens refused by the dozen.
+    async fn start(
+        d: &Daemon,
+        addresses: &[std::net::IpAddr],
+        n: usize,
+        forge: impl Fn() -> String + Send + Sync + 'static,
+        what: &str,
+    ) -> Self {
+        let refused = || metric(d, &["robota_mcpd_refusals_total", "carrier=\"remote\""]);
+        let refused_before = refused();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let tasks = flood(d, addresses, n, std::sync::Arc::new(forge), &stop);
+        let flooding =
+            robota_e2e::poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
+                metric(d, &["robota_mcpd_connections_open", "listener=\"remote\""]) >= 60.0
+                    || refused() - refused_before >= 64.0
+            })
+            .await;
+        assert!(flooding, "the flood never got under way ({what})");
+        Self { stop, tasks }
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Ten `tools/list` calls with `jwt`, each on a new connection from 127.0.0.3: those not
+/// answered 200 within 1 s.
+async fn slow_jwt_calls(d: &Daemon, jwt: &str) -> Vec<String> {
+    let mut slow = Vec::new();
+    for i in 0..10 {
+        let started = std::time::Instant::now();
+        let resp = robota_e2e::http::try_exchange_from(
+            [127, 0, 0, 3].into(),
+            d.remote_addr(),
+            &remote_mcp(Some(jwt), &tools_list(i)),
+        )
+        .await;
+        let took = started.elapsed();
+        match resp {
+            Ok(r) if r.status == 200 && took < Duration::from_secs(1) => {}
+            other => slow.push(format!(
+                "call {i}: {:?} after {took:?}",
+                other.map(|r| r.describe())
+            )),
+        }
+    }
+    slow
+}
+
+/// A valid opaque token nobody has introspected yet, from 127.0.0.7: the answer.
+async fn fresh_opaque_call(oidc: &Oidc, d: &Daemon) -> Response {
+    let fresh = token(oidc, d, OPAQUE_CLIENT, "mcp").await;
+    robota_e2e::http::try_exchange_from(
+        [127, 0, 0, 7].into(),
+        d.remote_addr(),
+        &remote_mcp(Some(&fresh), &tools_list(99)),
+    )
+    .await
+    .expect("the opaque client's answer")
+}
+
 /// The reproduction of the fifth outside attack: 64 connections from four addresses send
 /// random opaque tokens while the issuer answers at once, in 200 ms, in 1 s, or not at
 /// all. A JWT client on another address is served every time within 1 s, and a fresh
 /// valid opaque token from another address is served (503 only while the issuer stalls).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_introspection_flood_from_four_addresses_shuts_nobody_out() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
     let oidc = Oidc::start(300);
     let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
     let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
-    let addr = d.remote_addr();
-    let attackers = [
-        [127, 0, 0, 2],
-        [127, 0, 0, 4],
-        [127, 0, 0, 5],
-        [127, 0, 0, 6],
-    ];
+    let attackers: Vec<std::net::IpAddr> = [2, 4, 5, 6].map(|n| [127, 0, 0, n].into()).to_vec();
     for (latency, stalled) in [
         (None, false),
         (Some(Duration::from_millis(200)), false),
@@ -641,53 +731,14 @@ async fn an_introspection_flood_from_four_addresses_shuts_nobody_out() {
         (Some(Duration::from_secs(600)), true),
     ] {
         oidc.set_introspection_delay(latency);
-        let refused = || metric(&d, &["robota_mcpd_refusals_total", "carrier=\"remote\""]);
-        let refused_before = refused();
-        let stop = Arc::new(AtomicBool::new(false));
-        let tasks = flood(&d, &attackers, 16, &stop);
-        // The flood is under way before the clients come: the listener full of it, or
-        // its tokens being refused by the dozen.
-        let flooding =
-            robota_e2e::poll_until(Duration::from_secs(20), Duration::from_millis(50), || {
-                metric(&d, &["robota_mcpd_connections_open", "listener=\"remote\""]) >= 60.0
-                    || refused() - refused_before >= 64.0
-            })
-            .await;
-        assert!(flooding, "the flood never got under way ({latency:?})");
-        let mut slow = Vec::new();
-        for i in 0..10 {
-            let started = std::time::Instant::now();
-            let resp = robota_e2e::http::try_exchange_from(
-                [127, 0, 0, 3].into(),
-                addr,
-                &remote_mcp(Some(&jwt), &tools_list(i)),
-            )
-            .await;
-            let took = started.elapsed();
-            match resp {
-                Ok(r) if r.status == 200 && took < Duration::from_secs(1) => {}
-                other => slow.push(format!(
-                    "call {i}: {:?} after {took:?}",
-                    other.map(|r| r.describe())
-                )),
-            }
-        }
-        // A valid opaque token nobody has introspected yet.
-        let fresh = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
-        let resp = robota_e2e::http::try_exchange_from(
-            [127, 0, 0, 7].into(),
-            addr,
-            &remote_mcp(Some(&fresh), &tools_list(99)),
-        )
-        .await
-        .expect("the opaque client's answer");
-        stop.store(true, Ordering::Relaxed);
-        for t in tasks {
-            t.abort();
-        }
+        let what = format!("issuer latency {latency:?}");
+        let flood = Flood::start(&d, &attackers, 16, random_opaque, &what).await;
+        let slow = slow_jwt_calls(&d, &jwt).await;
+        let resp = fresh_opaque_call(&oidc, &d).await;
+        drop(flood);
         assert!(
             slow.is_empty(),
-            "issuer latency {latency:?}: the JWT client was refused or slow: {slow:?}"
+            "{what}: the JWT client was refused or slow: {slow:?}"
         );
         if stalled {
             assert!(
@@ -696,15 +747,70 @@ async fn an_introspection_flood_from_four_addresses_shuts_nobody_out() {
                 resp.describe()
             );
         } else {
-            assert_eq!(
-                resp.status,
-                200,
-                "issuer latency {latency:?}: {}",
-                resp.describe()
-            );
+            assert_eq!(resp.status, 200, "{what}: {}", resp.describe());
         }
     }
     oidc.set_introspection_delay(None);
+}
+
+/// The reproduction of the seventh outside attack: peers on many addresses holding one
+/// connection each — each of them as big as a newcomer — fill the listener with requests
+/// nobody has decided yet. 64 addresses with random opaque tokens while the issuer stalls,
+/// 128 with forged JWTs, 64 with random opaque tokens while the issuer takes 3 s: a JWT
+/// client on another address is served every time within 1 s, and (the issuer slow, not
+/// down) a fresh valid opaque token from another address is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floods_from_many_addresses_holding_one_connection_each_shut_nobody_out() {
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    let many =
+        |n: u8| -> Vec<std::net::IpAddr> { (1..=n).map(|i| [127, 0, 1, i].into()).collect() };
+    // The issuer stalled: every opaque request of the flood waits on it.
+    oidc.set_introspection_delay(Some(Duration::from_secs(600)));
+    let flood = Flood::start(
+        &d,
+        &many(64),
+        1,
+        random_opaque,
+        "64 addresses, stalled issuer",
+    )
+    .await;
+    let slow = slow_jwt_calls(&d, &jwt).await;
+    drop(flood);
+    assert!(slow.is_empty(), "64 addresses, stalled issuer: {slow:?}");
+    // Forged JWTs, refused at once, from more addresses than the listener has slots.
+    oidc.set_introspection_delay(None);
+    let genuine = jwt.clone();
+    let flood = Flood::start(
+        &d,
+        &many(128),
+        1,
+        move || forged_jwt(&genuine),
+        "128 addresses, forged JWTs",
+    )
+    .await;
+    let slow = slow_jwt_calls(&d, &jwt).await;
+    drop(flood);
+    assert!(slow.is_empty(), "128 addresses, forged JWTs: {slow:?}");
+    // The issuer slow but up: its places are the flood's, except those kept for clients
+    // that have not failed.
+    oidc.set_introspection_delay(Some(Duration::from_secs(3)));
+    let inactive = introspections(&d, "inactive");
+    let flood = Flood::start(&d, &many(64), 1, random_opaque, "64 addresses, issuer 3 s").await;
+    // Once the issuer has refused a wave of them, the flood's addresses have failed.
+    let refused =
+        robota_e2e::poll_until(Duration::from_secs(20), Duration::from_millis(100), || {
+            introspections(&d, "inactive") - inactive >= 12.0
+        })
+        .await;
+    assert!(refused, "the issuer never refused the flood's tokens");
+    let slow = slow_jwt_calls(&d, &jwt).await;
+    let resp = fresh_opaque_call(&oidc, &d).await;
+    drop(flood);
+    oidc.set_introspection_delay(None);
+    assert!(slow.is_empty(), "64 addresses, issuer 3 s: {slow:?}");
+    assert_eq!(resp.status, 200, "issuer 3 s: {}", resp.describe());
 }
 
 /// An address over its failure budget costs the issuer a bounded number of introspection

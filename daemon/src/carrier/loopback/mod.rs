@@ -164,6 +164,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
         });
         match admitted {
             Ok(label) => {
+                server::admit(&req);
                 s.metrics.admitted(CarrierName::Loopback);
                 s.endpoint
                     .serve(req, Caller::Bearer(label).into(), None)
@@ -219,6 +220,6 @@ impl<S> Loopback<S> {
                 HeaderValue::from_static(challenge),
             );
         }
-        server::unadmitted(endpoint::closing(response, version))
+        endpoint::closing(response, version)
     }
 }

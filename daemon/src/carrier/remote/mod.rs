@@ -228,22 +228,23 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         match route {
             Route::NotFound => {
                 c.metrics.rejected(Listener::Remote, Rejection::NotFound);
-                return server::unadmitted(server::empty(StatusCode::NOT_FOUND));
+                return server::empty(StatusCode::NOT_FOUND);
             }
-            Route::Metadata => return server::unadmitted(self.metadata(req.method())),
+            Route::Metadata => return self.metadata(req.method()),
             Route::Endpoint => {}
         }
         let outcome = match admission::credentials(req.headers()) {
             Credentials::Missing => Err(Failure::Missing),
             Credentials::Malformed => Err(Failure::MalformedHeader),
             Credentials::Token(token) => {
-                let suspect = c.throttle.check(client, Instant::now()).is_some();
-                // While it waits on something other than the processor — an opaque token
-                // with the issuer, a suspect's signature in the lane of one — the
-                // connection counts as unauthenticated and gives way to a newcomer.
-                // A JWT from a client in good standing is checked at once and holds.
-                let yielded = (suspect || !crate::oauth::introspect::jwt_shaped(token))
-                    .then(|| server::give_way(&req));
+                let now = Instant::now();
+                let suspect = c.throttle.check(client, now).is_some();
+                // A client that failed lately: until its token proves good, its connection
+                // gives way before those of clients that have not.
+                let failing = c.throttle.failing(client, now);
+                if failing {
+                    server::distrust(&req);
+                }
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
@@ -251,16 +252,14 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 let asker = Asker {
                     client: c.throttle.client(client),
                     suspect,
+                    failing,
                     may_introspect: &may_introspect,
                     abandoned: &abandoned,
                 };
-                let verdict = c
-                    .verifier
+                c.verifier
                     .verify(token, SystemTime::now(), asker)
                     .await
-                    .map_err(Failure::Token);
-                drop(yielded);
-                verdict
+                    .map_err(Failure::Token)
             }
         };
         let over_budget = match &outcome {
@@ -269,6 +268,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         };
         match admission::decide(outcome, over_budget, &s.challenges) {
             Ok(principal) => {
+                server::admit(&req);
                 c.metrics.admitted(CarrierName::Remote);
                 let caller = Caller::OAuth {
                     client_id: principal.client_id,
@@ -294,6 +294,12 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 response
             }
         }
+    }
+
+    /// A connection from an address that failed in its current throttle window (the TCP
+    /// peer: behind a trusted proxy, the proxy, which the throttle does not count).
+    fn distrusts(&self, peer: std::net::IpAddr) -> bool {
+        self.shared.carrier.throttle.failing(peer, Instant::now())
     }
 
     fn head_refused(&self, peer: SocketAddr, why: HeadRefusal) {
@@ -364,6 +370,6 @@ impl<S> Remote<S> {
         if let Some(seconds) = refusal.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        server::unadmitted(endpoint::closing(response, version))
+        endpoint::closing(response, version)
     }
 }

@@ -80,6 +80,16 @@ impl Throttle {
         Some(left.as_secs_f64().ceil().max(1.0) as u64)
     }
 
+    /// Whether `addr` has failed in the current window: its requests to the issuer wait
+    /// behind those of clients that have not.
+    pub fn failing(&self, addr: IpAddr, now: Instant) -> bool {
+        let client = self.client(addr);
+        self.windows
+            .lock()
+            .get(&client)
+            .is_some_and(|w| self.live(w, now))
+    }
+
     /// Whether one more of `addr`'s opaque tokens may go to the issuer now: always under
     /// the budget; over it, [`INTROSPECTIONS_OVER_BUDGET`] times per window (a `true`
     /// uses one).
