@@ -75,6 +75,7 @@ for line in \
 	'RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6' \
 	'SystemCallArchitectures=native' \
 	'SystemCallFilter=@system-service' \
+	'SystemCallFilter=landlock_create_ruleset landlock_add_rule landlock_restrict_self' \
 	'WantedBy=multi-user.target'; do
 	grep -qxF -- "$line" "$unit" || fail "missing line: $line"
 done

@@ -44,6 +44,18 @@ pub enum Sub {
         /// The daemon's pid: the command is not run if its parent is another process.
         #[arg(long)]
         parent: u32,
+        /// Confined: whether it may use the network ("none" or "any").
+        #[arg(long)]
+        network: Option<String>,
+        /// Confined: read and execute beneath this path too.
+        #[arg(long)]
+        read: Vec<std::path::PathBuf>,
+        /// Confined: write beneath this path.
+        #[arg(long)]
+        write: Vec<std::path::PathBuf>,
+        /// Confined: never reach this path.
+        #[arg(long)]
+        hide: Vec<std::path::PathBuf>,
         /// The command and its arguments.
         #[arg(last = true, required = true)]
         argv: Vec<std::ffi::OsString>,

@@ -24,9 +24,9 @@ pub use tools::{
     ToolsConfig, check_template_name,
 };
 pub use upstreams::{
-    Backoff, Children, HttpTarget, RESPONSE_LIMIT_CEILING, RESPONSE_LIMIT_DEFAULT,
-    STREAM_LIMIT_CEILING, STREAM_LIMIT_DEFAULT, UpstreamConfig, UpstreamEndpoint, UpstreamProtocol,
-    check_upstream_name,
+    Backoff, Children, Confine, HttpTarget, Network, RESPONSE_LIMIT_CEILING,
+    RESPONSE_LIMIT_DEFAULT, STREAM_LIMIT_CEILING, STREAM_LIMIT_DEFAULT, UpstreamConfig,
+    UpstreamEndpoint, UpstreamProtocol, check_upstream_name,
 };
 pub use values::{
     KeyRefresh, KeySource, MAX_NAME_LEN, PublicUrl, caller_matches, check_caller_pattern,

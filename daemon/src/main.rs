@@ -18,11 +18,38 @@ use crate::cli::{Args, Sub};
 fn main() -> ExitCode {
     close_inherited_fds();
     let args = Args::parse();
-    if let Some(Sub::ExecUpstream { parent, argv }) = &args.command {
+    if let Some(Sub::ExecUpstream {
+        parent,
+        network,
+        read,
+        write,
+        hide,
+        argv,
+    }) = &args.command
+    {
+        let confinement = match network.as_deref() {
+            None => None,
+            Some(text) => match text {
+                "none" | "any" => Some(upstream::confine::Confinement {
+                    network: if text == "none" {
+                        config::Network::None
+                    } else {
+                        config::Network::Any
+                    },
+                    read: read.clone(),
+                    write: write.clone(),
+                    hidden: hide.clone(),
+                }),
+                other => {
+                    eprintln!("robota-mcpd exec-upstream: --network is none or any, got {other:?}");
+                    return code(exit::USAGE);
+                }
+            },
+        };
         // Returns only if the command could not be executed.
         eprintln!(
             "robota-mcpd exec-upstream: {}",
-            upstream::exec_child(*parent, argv)
+            upstream::exec_child(*parent, confinement.as_ref(), argv)
         );
         return code(exit::RUNTIME);
     }
@@ -73,6 +100,9 @@ fn main() -> ExitCode {
     // when the daemon dies.
     plan.launcher = upstream::Launcher::Shim("/proc/self/exe".into());
 
+    for problem in upstream::confine::harden_daemon() {
+        tracing::warn!("{problem}");
+    }
     // Sockets and files we create are private unless we open them up on purpose.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -21,8 +21,14 @@ pub fn sdk_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/sdk_server.py")
 }
 
-/// `command = [...]` for the Python SDK server over stdio, as TOML.
+/// `command = [...]` for the Python SDK server over stdio, as TOML (with the
+/// [`read_paths`] it needs).
 pub fn sdk_stdio_command() -> String {
+    format!("{}\n{}", sdk_stdio_argv(), read_paths())
+}
+
+/// The Python SDK server's `command` array alone.
+pub fn sdk_stdio_argv() -> String {
     toml_array(&[
         sdk_python().display().to_string(),
         sdk_script().display().to_string(),
@@ -30,16 +36,43 @@ pub fn sdk_stdio_command() -> String {
     ])
 }
 
+/// `read_paths = [...]`: what a confined test upstream reads beyond the system's view —
+/// the repository and the build directory (scripts, the fixture binary, the venv) and
+/// the Python installation the venv links to, wherever the machine keeps it.
+pub fn read_paths() -> String {
+    read_paths_with(&[])
+}
+
+/// [`read_paths`] with `extra` paths too.
+pub fn read_paths_with(extra: &[&Path]) -> String {
+    let mut paths = vec![
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the repository")
+            .to_owned(),
+        crate::setup::target_dir(),
+    ];
+    if let Ok(python) = std::fs::canonicalize(sdk_python())
+        && let Some(prefix) = python.parent().and_then(Path::parent)
+    {
+        paths.push(prefix.to_owned());
+    }
+    paths.extend(extra.iter().map(|p| p.to_path_buf()));
+    let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    format!("read_paths = {}", toml_array(&paths))
+}
+
 /// Our fixture binary (an rmcp server, the misbehaving double).
 pub fn fixture_bin() -> PathBuf {
     crate::bin("robota-e2e-upstream")
 }
 
-/// `command = [...]` for the fixture binary with `args`, as TOML.
+/// `command = [...]` for the fixture binary with `args`, as TOML (with the
+/// [`read_paths`] it needs).
 pub fn fixture_command(args: &[&str]) -> String {
     let mut argv = vec![fixture_bin().display().to_string()];
     argv.extend(args.iter().map(|a| (*a).to_owned()));
-    toml_array(&argv)
+    format!("{}\n{}", toml_array(&argv), read_paths())
 }
 
 pub fn toml_array(items: &[String]) -> String {

@@ -49,6 +49,7 @@ pub enum UpstreamEndpoint {
         env: BTreeMap<String, String>,
         cwd: Option<PathBuf>,
         children: Children,
+        confine: Confine,
     },
     /// Streamable HTTP on a loopback address or a unix socket.
     Http {
@@ -66,6 +67,36 @@ pub enum HttpTarget {
     Tcp { addr: SocketAddr, authority: String },
     /// `unix:/run/search.sock`.
     Unix(PathBuf),
+}
+
+/// What a stdio upstream's processes may reach (`upstream::confine` enforces it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confine {
+    /// `confine = false`: the child runs with everything the daemon's user has.
+    pub enabled: bool,
+    pub network: Network,
+    /// Beyond the system's read-only view.
+    pub read_paths: Vec<PathBuf>,
+    /// The only places it may write, besides its own home and private tmp.
+    pub write_paths: Vec<PathBuf>,
+}
+
+/// Whether a confined child may use the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Network {
+    /// No TCP connection and no TCP listener.
+    None,
+    Any,
+}
+
+impl Network {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Network::None => "none",
+            Network::Any => "any",
+        }
+    }
 }
 
 /// Child processes of a stdio upstream.
@@ -122,6 +153,10 @@ pub(super) struct RawUpstream {
     env: Option<BTreeMap<String, String>>,
     cwd: Option<PathBuf>,
     children: Option<Children>,
+    confine: Option<bool>,
+    network: Option<Network>,
+    read_paths: Option<Vec<PathBuf>>,
+    write_paths: Option<Vec<PathBuf>>,
     url: Option<String>,
     path: Option<String>,
     bearer_file: Option<PathBuf>,
@@ -322,11 +357,30 @@ pub(super) fn validate(
                         issues.add(key(k), "applies to an HTTP backend (`url`) only");
                     }
                 }
+                for (k, paths) in [
+                    ("read_paths", &u.read_paths),
+                    ("write_paths", &u.write_paths),
+                ] {
+                    for p in paths.iter().flatten() {
+                        if !p.is_absolute() {
+                            issues.add(
+                                key(k),
+                                format!("must hold absolute paths, got {}", p.display()),
+                            );
+                        }
+                    }
+                }
                 UpstreamEndpoint::Command {
                     argv,
                     env,
                     cwd: u.cwd,
                     children: u.children.unwrap_or(Children::Shared),
+                    confine: Confine {
+                        enabled: u.confine.unwrap_or(true),
+                        network: u.network.unwrap_or(Network::None),
+                        read_paths: u.read_paths.unwrap_or_default(),
+                        write_paths: u.write_paths.unwrap_or_default(),
+                    },
                 }
             }
             (None, Some(url)) => {
@@ -334,6 +388,10 @@ pub(super) fn validate(
                     ("env", u.env.is_some()),
                     ("cwd", u.cwd.is_some()),
                     ("children", u.children.is_some()),
+                    ("confine", u.confine.is_some()),
+                    ("network", u.network.is_some()),
+                    ("read_paths", u.read_paths.is_some()),
+                    ("write_paths", u.write_paths.is_some()),
                 ] {
                     if given {
                         issues.add(key(k), "applies to a stdio child (`command`) only");

@@ -207,9 +207,60 @@ impl Plan {
                 cache_dir: std::env::var_os("CACHE_DIRECTORY")
                     .map(std::path::PathBuf::from)
                     .filter(|p| p.is_absolute()),
+                hidden: self.kept_from_upstreams(),
                 metrics: self.metrics.clone(),
             },
         )
+    }
+
+    /// What no confined upstream may reach: the daemon's state, runtime and configuration
+    /// directories, its configuration file, the upstreams' homes, and every secret file it
+    /// reads (systemd's directories by their environment variables, when it set them).
+    fn kept_from_upstreams(&self) -> Vec<std::path::PathBuf> {
+        use std::path::PathBuf;
+        let c = &self.config;
+        let mut kept = vec![c.state_dir.clone()];
+        kept.extend(c.control.socket.parent().map(PathBuf::from));
+        for var in [
+            "STATE_DIRECTORY",
+            "RUNTIME_DIRECTORY",
+            "CACHE_DIRECTORY",
+            "CONFIGURATION_DIRECTORY",
+            "LOGS_DIRECTORY",
+        ] {
+            // systemd sets a colon-separated list.
+            if let Some(dirs) = std::env::var_os(var) {
+                kept.extend(std::env::split_paths(&dirs).filter(|p| p.is_absolute()));
+            }
+        }
+        if let Some(Origin {
+            source: ConfigSource::File(file),
+            ..
+        }) = &self.origin
+        {
+            kept.push(file.clone());
+        }
+        if let Some(remote) = &c.remote {
+            if let Some(tls) = &remote.tls {
+                kept.push(tls.key.clone());
+            }
+            if let Some(i) = &remote.introspection {
+                kept.push(i.client_secret_file.clone());
+            }
+        }
+        for u in &c.upstreams {
+            if let crate::config::UpstreamEndpoint::Http {
+                bearer_file: Some(file),
+                ..
+            } = &u.endpoint
+            {
+                kept.push(file.clone());
+            }
+        }
+        // The journal, which holds every daemon's and upstream's lines.
+        kept.push("/var/log/journal".into());
+        kept.push("/run/log/journal".into());
+        kept
     }
 
     /// The plan of what `origin` names, as it reads now.
@@ -307,6 +358,7 @@ fn inert_upstreams(config: &Config) -> Upstreams {
             state_dir: None,
             persist: false,
             cache_dir: None,
+            hidden: Vec::new(),
             metrics: Metrics::new(),
         },
     )

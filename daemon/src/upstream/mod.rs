@@ -9,6 +9,7 @@
 //! a slow or broken upstream never holds back the daemon's start or any other tool; a
 //! call that may have had an effect is never retried.
 
+pub mod confine;
 pub mod http;
 pub mod protocol;
 pub mod stdio;
@@ -55,6 +56,9 @@ pub struct Context {
     /// XDG_CACHE_HOME and npm's cache), unless its `env` says otherwise: not in the state
     /// directory, which is backed up and holds the daemon's own files.
     pub cache_dir: Option<PathBuf>,
+    /// What no confined child may reach: the daemon's own directories and secret files
+    /// ([`confine`]).
+    pub hidden: Vec<PathBuf>,
     pub metrics: Metrics,
 }
 
@@ -440,24 +444,49 @@ impl Upstream {
     }
 
     fn spawn_child(&self) -> Result<Arc<ChildLink>, String> {
-        let UpstreamEndpoint::Command { argv, env, cwd, .. } = &self.config.endpoint else {
+        let UpstreamEndpoint::Command {
+            argv,
+            env,
+            cwd,
+            confine,
+            ..
+        } = &self.config.endpoint
+        else {
             return Err("not a stdio upstream".into());
         };
         // The configured environment comes last: a key it sets wins.
         let mut vars = Vec::new();
+        let mut home = None;
         if let Some(cache) = &self.context.cache_dir {
-            let home = cache.join(&self.config.name);
-            own_private_dir(&home)?;
-            let home = home.display().to_string();
-            vars.push(("HOME".to_owned(), home.clone()));
-            vars.push(("XDG_CACHE_HOME".to_owned(), format!("{home}/.cache")));
-            vars.push(("npm_config_cache".to_owned(), format!("{home}/.npm")));
+            let dir = cache.join(&self.config.name);
+            own_private_dir(&dir)?;
+            let tmp = dir.join("tmp");
+            own_private_dir(&tmp)?;
+            let text = dir.display().to_string();
+            vars.push(("HOME".to_owned(), text.clone()));
+            vars.push(("XDG_CACHE_HOME".to_owned(), format!("{text}/.cache")));
+            vars.push(("npm_config_cache".to_owned(), format!("{text}/.npm")));
+            vars.push(("TMPDIR".to_owned(), tmp.display().to_string()));
+            home = Some(dir);
         }
         vars.extend(env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let confinement = confine.enabled.then(|| confine::Confinement {
+            network: confine.network,
+            read: confine
+                .read_paths
+                .iter()
+                .cloned()
+                .chain(argv.first().map(PathBuf::from))
+                .chain(cwd.clone())
+                .collect(),
+            write: confine.write_paths.iter().cloned().chain(home).collect(),
+            hidden: self.context.hidden.clone(),
+        });
         let spec = ChildSpec {
             argv: argv.clone(),
             env: vars,
             cwd: cwd.clone(),
+            confinement,
         };
         ChildLink::spawn(
             &self.config.name,

@@ -36,7 +36,8 @@ pub enum Launcher {
     /// Through the daemon's binary (`/proc/self/exe exec-upstream --parent <pid> -- argv`),
     /// which asks the kernel to kill the child when the daemon dies, then executes it.
     Shim(PathBuf),
-    /// Directly (in-process tests): the child outlives a killed daemon.
+    /// Directly (in-process tests): the child outlives a killed daemon, and is not
+    /// confined.
     Direct,
 }
 
@@ -46,6 +47,8 @@ pub struct ChildSpec {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub cwd: Option<PathBuf>,
+    /// What its processes may reach (none: `confine = false`).
+    pub confinement: Option<super::confine::Confinement>,
 }
 
 /// The PATH a child gets when its environment sets none.
@@ -98,9 +101,11 @@ impl ChildLink {
                 let mut c = Command::new(exe);
                 c.arg("exec-upstream")
                     .arg("--parent")
-                    .arg(std::process::id().to_string())
-                    .arg("--")
-                    .args(&spec.argv);
+                    .arg(std::process::id().to_string());
+                if let Some(confinement) = &spec.confinement {
+                    c.args(confinement.args());
+                }
+                c.arg("--").args(&spec.argv);
                 c
             }
         };
@@ -552,10 +557,15 @@ async fn reap(link: Arc<ChildLink>, mut child: Child) {
     link.reaped.cancel();
 }
 
-/// `robota-mcpd exec-upstream --parent <pid> -- argv…`: asks the kernel to kill this
-/// process when its parent dies, checks the parent is still the daemon that started it,
-/// then becomes the upstream's command. Returns only on failure.
-pub fn exec_child(parent: u32, argv: &[OsString]) -> String {
+/// `robota-mcpd exec-upstream --parent <pid> [confinement] -- argv…`: asks the kernel to
+/// kill this process when its parent dies, checks the parent is still the daemon that
+/// started it, confines itself, then becomes the upstream's command. Returns only on
+/// failure.
+pub fn exec_child(
+    parent: u32,
+    confinement: Option<&super::confine::Confinement>,
+    argv: &[OsString],
+) -> String {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
@@ -564,6 +574,11 @@ pub fn exec_child(parent: u32, argv: &[OsString]) -> String {
     // The daemon may have died before the signal was set: then the parent is another.
     if nix::unistd::getppid().as_raw() != i32::try_from(parent).unwrap_or(-1) {
         return "the daemon that started this upstream is gone".into();
+    }
+    if let Some(confinement) = confinement
+        && let Err(e) = confinement.apply()
+    {
+        return e;
     }
     let args: Result<Vec<CString>, _> = argv.iter().map(|a| CString::new(a.as_bytes())).collect();
     let Ok(args) = args else {
@@ -633,6 +648,7 @@ mod tests {
             argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
             env: Vec::new(),
             cwd: None,
+            confinement: None,
         }
     }
 
@@ -710,6 +726,7 @@ mod tests {
             ],
             env: vec![("ONLY".into(), "this".into())],
             cwd: Some("/".into()),
+            confinement: None,
         };
         let link =
             ChildLink::spawn("t", &spec, &Launcher::Direct, 1024, Arc::new(Notify::new())).unwrap();

@@ -284,6 +284,12 @@ mod tests {
                 env: BTreeMap::new(),
                 cwd: None,
                 children: crate::config::Children::Shared,
+                confine: crate::config::Confine {
+                    enabled: true,
+                    network: crate::config::Network::None,
+                    read_paths: Vec::new(),
+                    write_paths: Vec::new(),
+                },
             },
             protocol: UpstreamProtocol::Auto,
             tools: tools.iter().map(|s| s.to_string()).collect(),

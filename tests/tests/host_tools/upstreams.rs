@@ -10,7 +10,9 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use robota_e2e::mcp::McpClient;
 use robota_e2e::procs::alive;
-use robota_e2e::upstream::{HttpServer, fixture_command, sdk_stdio_command, toml_array};
+use robota_e2e::upstream::{
+    HttpServer, fixture_command, read_paths_with, sdk_stdio_argv, sdk_stdio_command, toml_array,
+};
 use robota_e2e::{Daemon, metric_sum, poll_until, poll_until_blocking, within};
 use robota_proto::UpstreamStatus;
 use serde_json::{Value, json};
@@ -61,6 +63,102 @@ async fn listed(client: &McpClient) -> serde_json::Map<String, Value> {
             (t.name.to_string(), meta)
         })
         .collect()
+}
+
+/// The hostile upstream: a stdio server (the official Python SDK) that tries every way out
+/// of its confinement and reports each — the daemon's state, configuration and runtime
+/// directories and a secret file it reads, all beneath a directory the operator let the
+/// upstream read; writing there; TCP out and in; signalling the daemon; its environment.
+/// Each is denied by the kernel, while what it was allowed to read stays readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
+    use std::os::unix::fs::PermissionsExt;
+    let secrets = tempfile::tempdir().expect("a directory");
+    let bearer = secrets.path().join("web.bearer");
+    std::fs::write(&bearer, "bearer-of-web-kept-from-upstreams\n").expect("the bearer");
+    std::fs::set_permissions(&bearer, std::fs::Permissions::from_mode(0o600)).expect("0600");
+    let public = secrets.path().join("public.txt");
+    std::fs::write(&public, "readable").expect("a readable file");
+    // The daemon's own directory and the secrets are beneath the temporary directory,
+    // which this upstream may read.
+    let tmp = std::env::temp_dir();
+    let d = Daemon::start(&format!(
+        "[upstreams.py]\ncommand = {}\n{}\n\n[upstreams.web]\nurl = \"http://127.0.0.1:9/mcp\"\nbearer_file = {:?}\nrestart = {{ initial = \"30s\", max = \"60s\" }}\n\n{}",
+        sdk_stdio_argv(),
+        read_paths_with(&[&tmp]),
+        bearer.display().to_string(),
+        allow(&["py"])
+    ));
+    wait_state(&d, "py", "up");
+    let state_files: Vec<String> = std::fs::read_dir(d.state_dir())
+        .expect("the state directory")
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .map(|e| e.path().display().to_string())
+        .collect();
+    assert!(
+        !state_files.is_empty(),
+        "the daemon keeps files in its state directory"
+    );
+    let show = |p: &std::path::Path| p.display().to_string();
+    let mut read = state_files.clone();
+    read.extend([
+        show(d.config_path()),
+        show(&bearer),
+        show(&public),
+        "/etc/passwd".into(),
+    ]);
+    let dirs = [show(d.state_dir()), show(&d.runtime_dir())];
+    let mut write = dirs.to_vec();
+    write.extend([show(secrets.path()), show(&tmp)]);
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let result = client
+        .call(
+            "py.escape",
+            json!({
+                "read": read,
+                "listing": dirs,
+                "write": write,
+                "port": d.loopback_port(),
+                "pid": d.pid(),
+            }),
+        )
+        .await;
+    assert!(!result.is_error, "{result:?}");
+    let report = result
+        .structured
+        .get("result")
+        .cloned()
+        .unwrap_or(result.structured.clone());
+    let report = report
+        .as_object()
+        .unwrap_or_else(|| panic!("a report: {result:?}"));
+    let allowed = [
+        format!("read {}", show(&public)),
+        "read /etc/passwd".to_owned(),
+    ];
+    for (attempt, outcome) in report {
+        let outcome = outcome.as_str().unwrap_or_default();
+        if allowed.contains(attempt) {
+            assert_eq!(
+                outcome, "allowed",
+                "{attempt}: the view the upstream was given"
+            );
+        } else {
+            assert!(
+                outcome.starts_with("denied"),
+                "{attempt}: {outcome} ({report:?})"
+            );
+        }
+    }
+    assert_eq!(
+        report.len(),
+        read.len() + dirs.len() + write.len() + 4,
+        "{report:?}"
+    );
+    assert!(!secrets.path().join("planted-by-upstream").exists());
+    assert!(!d.state_dir().join("planted-by-upstream").exists());
+    client.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -496,7 +594,7 @@ async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
     let events = tempfile::NamedTempFile::new().expect("events file");
     let path = events.path().display().to_string();
     let d = Daemon::start(&format!(
-        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"1s\"\n\n{}",
+        "[upstreams.rogue]\ncommand = {}\nwrite_paths = [{path:?}]\ncall_timeout = \"1s\"\n\n{}",
         fixture_command(&["rogue", "--events", &path]),
         allow(&["rogue"])
     ));
@@ -738,7 +836,7 @@ async fn a_per_call_child_is_killed_when_its_call_times_out() {
     let events = tempfile::NamedTempFile::new().expect("events file");
     let path = events.path().display().to_string();
     let d = Daemon::start(&format!(
-        "[upstreams.rogue]\ncommand = {}\nchildren = \"per-call\"\ncall_timeout = \"1s\"\n\n{}",
+        "[upstreams.rogue]\ncommand = {}\nwrite_paths = [{path:?}]\nchildren = \"per-call\"\ncall_timeout = \"1s\"\n\n{}",
         fixture_command(&["rogue", "--linger", "--events", &path]),
         allow(&["rogue"])
     ));

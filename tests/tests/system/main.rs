@@ -324,6 +324,101 @@ fn reload_applies_a_valid_configuration_and_a_broken_one_changes_nothing() {
     assert_ne!(bearer(&m), host_bearer);
 }
 
+/// A hostile stdio upstream (Debian's python3, the standard library only) under the
+/// packaged unit, configured as the docs show with the defaults: it comes up confined,
+/// and every way out it tries — the daemon's state, configuration and runtime, the
+/// journal, TCP, signals, the daemon's /proc files — is denied, while the system's
+/// read-only view stays readable.
+#[test]
+fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
+    let m = installed();
+    let script = include_bytes!("../../fixtures/hostile_stdio.py");
+    m.write("/usr/local/lib/hostile_stdio.py", script, 0o644);
+    write_config(
+        &m,
+        &packaged_config_with(
+            &m,
+            "[upstreams.hostile]\ncommand = [\"/usr/bin/python3\", \"/usr/local/lib/hostile_stdio.py\"]\n\n\
+             [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"hostile.*\"]\ndecision = \"allow\"\n",
+        ),
+    );
+    m.ok("systemctl restart robota-mcpd");
+    let up = (0..60).any(|_| {
+        let out = m.sh("robota-mcpctl upstreams");
+        if out.stdout.contains("hostile") && out.stdout.contains(" up ") {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        false
+    });
+    assert!(
+        up,
+        "the confined upstream never came up: {}\n{}",
+        m.sh("robota-mcpctl upstreams").stdout,
+        m.sh("journalctl -u robota-mcpd -o cat --no-pager | grep -i -e hostile -e exec-upstream | tail -n 20").stdout
+    );
+    bearer(&m);
+    let pid = main_pid(&m);
+    let state: Vec<String> = m
+        .ok("find /var/lib/robota-mcpd -maxdepth 1 -type f")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        !state.is_empty(),
+        "the daemon keeps files in its state directory"
+    );
+    let mut read = state.clone();
+    read.extend(
+        [
+            "/etc/robota-mcpd/config.toml",
+            "/var/log/journal",
+            "/etc/os-release",
+        ]
+        .map(String::from),
+    );
+    let listing = [
+        "/var/lib/robota-mcpd",
+        "/run/robota-mcpd",
+        "/var/cache/robota-mcpd",
+        "/root",
+    ];
+    let write = [
+        "/var/lib/robota-mcpd",
+        "/run/robota-mcpd",
+        "/tmp",
+        "/var/tmp",
+    ];
+    let result = tool_result(
+        &m,
+        "hostile.escape",
+        serde_json::json!({
+            "read": read, "listing": listing, "write": write,
+            "port": 8765, "pid": pid,
+        }),
+    );
+    let text = result["content"][0]["text"].as_str().unwrap_or_default();
+    let report: serde_json::Map<String, Value> =
+        serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {result}"));
+    for (attempt, outcome) in &report {
+        let outcome = outcome.as_str().unwrap_or_default();
+        if attempt == "read /etc/os-release" {
+            assert_eq!(outcome, "allowed", "the system's read-only view");
+        } else {
+            assert!(
+                outcome.starts_with("denied"),
+                "{attempt}: {outcome} ({report:?})"
+            );
+        }
+    }
+    assert_eq!(
+        report.len(),
+        read.len() + listing.len() + write.len() + 5,
+        "{report:?}"
+    );
+    assert!(m.read("/var/lib/robota-mcpd/planted-by-upstream").is_none());
+}
+
 #[test]
 fn a_group_member_reaches_the_control_socket_as_the_docs_configure_it() {
     let m = installed();

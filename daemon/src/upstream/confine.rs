@@ -1,0 +1,282 @@
+//! What a stdio upstream's processes may reach, enforced by the kernel (Landlock) in the
+//! launcher (`robota-mcpd exec-upstream`) just before it becomes the upstream's command,
+//! so the command and everything it starts inherit it for good:
+//!
+//! - **Files.** The system's read-only view ([`SYSTEM_VIEW`]), the command's executable and
+//!   its `cwd`, and `read_paths`: read and execute. Its home and private tmp
+//!   (`<cache>/<name>`), and `write_paths`: everything. Nothing else — no other path can
+//!   be read, listed or written. Paths the daemon must keep to itself (its state, runtime
+//!   and configuration directories, the other upstreams' homes, every secret file it
+//!   reads) are carved out of whatever would hold them, however the operator wrote the
+//!   lists.
+//! - **Network.** `network = "none"`: no TCP connection and no TCP listener (Landlock
+//!   governs TCP only: UDP and unix sockets are not restricted by it).
+//! - **Other processes.** It cannot signal nor trace a process outside its own sandbox
+//!   (the daemon, another upstream), nor connect to an abstract unix socket made outside
+//!   it; it runs with no new privileges.
+//!
+//! - **Privileges.** It keeps no capability (a daemon run as root hands none on), and the
+//!   daemon's own `/proc` files — its environment, memory, descriptors — are closed to
+//!   processes of its user ([`harden_daemon`]).
+//!
+//! The kernel must offer all of it (Landlock ABI 6); where it does not, the launcher
+//! refuses to run the command, and the upstream's start fails with the reason, unless
+//! the operator wrote `confine = false`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use landlock::{
+    ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, Scope,
+};
+
+use crate::config::Network;
+
+/// The Landlock ABI the confinement needs: files, TCP (4), signal and abstract unix socket
+/// scopes (6).
+const NEEDED: ABI = ABI::V6;
+
+/// Read and execute for a confined child, beneath each of these that exists: what
+/// programs, interpreters and their libraries need, and nothing that holds users' or
+/// services' data (`/home`, `/root`, `/var`, `/srv`, `/run`, `/tmp` are not in it).
+pub const SYSTEM_VIEW: &[&str] = &[
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/opt",
+    "/etc",
+    "/proc",
+    "/sys",
+    "/dev/zero",
+    "/dev/random",
+    "/dev/urandom",
+];
+
+/// Device files a confined child may also write.
+const DEVICES: &[&str] = &["/dev/null", "/dev/full"];
+
+/// One child's confinement, as the daemon hands it to the launcher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confinement {
+    pub network: Network,
+    /// Read and execute, beyond [`SYSTEM_VIEW`].
+    pub read: Vec<PathBuf>,
+    /// Everything.
+    pub write: Vec<PathBuf>,
+    /// Never reachable, even beneath a path above.
+    pub hidden: Vec<PathBuf>,
+}
+
+impl Confinement {
+    /// The launcher's arguments that carry it (paths only: nothing secret).
+    pub fn args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = vec!["--network".into(), self.network.as_str().into()];
+        for (flag, paths) in [
+            ("--read", &self.read),
+            ("--write", &self.write),
+            ("--hide", &self.hidden),
+        ] {
+            for p in paths {
+                args.push(flag.into());
+                args.push(p.into());
+            }
+        }
+        args
+    }
+
+    /// Confines this process (and what it executes) for good. Called by the launcher,
+    /// single-threaded, just before it executes the command.
+    pub fn apply(&self) -> Result<(), String> {
+        let hidden: Vec<PathBuf> = self.hidden.iter().map(|p| canonical(p)).collect();
+        let read = AccessFs::from_read(NEEDED);
+        let all = AccessFs::from_all(NEEDED);
+        let mut grants = Vec::new();
+        for root in SYSTEM_VIEW
+            .iter()
+            .map(Path::new)
+            .chain(self.read.iter().map(PathBuf::as_path))
+        {
+            carve(&canonical(root), read, &hidden, &mut grants);
+        }
+        for device in DEVICES {
+            carve(Path::new(device), all, &hidden, &mut grants);
+        }
+        for path in &self.write {
+            carve(&canonical(path), all, &hidden, &mut grants);
+        }
+        let mut ruleset = Ruleset::default()
+            .set_compatibility(CompatLevel::HardRequirement)
+            .handle_access(all)
+            .map_err(unsupported)?;
+        if self.network == Network::None {
+            ruleset = ruleset
+                .handle_access(AccessNet::from_all(NEEDED))
+                .map_err(unsupported)?;
+        }
+        let mut created = ruleset
+            .scope(Scope::from_all(NEEDED))
+            .map_err(unsupported)?
+            .create()
+            .map_err(unsupported)?;
+        for (path, access) in grants {
+            let Ok(fd) = PathFd::new(&path) else {
+                continue;
+            };
+            // A file takes only the rights that apply to files.
+            let access = if path.is_dir() {
+                access
+            } else {
+                access & AccessFs::from_file(NEEDED)
+            };
+            created = created
+                .add_rule(PathBeneath::new(fd, access))
+                .map_err(|e| format!("cannot allow {}: {e}", path.display()))?;
+        }
+        drop_capabilities()?;
+        created.restrict_self().map_err(unsupported)?;
+        Ok(())
+    }
+}
+
+/// Gives up every capability, for this process and whatever it executes (a daemon run as
+/// root would otherwise hand its children the power to read any process's memory).
+fn drop_capabilities() -> Result<(), String> {
+    // An unprivileged process (the packaged unit's) holds none, and its system-call filter
+    // refuses capset: nothing to do.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let holds_none = ["CapInh:", "CapPrm:", "CapEff:", "CapAmb:"]
+        .iter()
+        .all(|set| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(set))
+                .is_some_and(|v| v.trim().chars().all(|c| c == '0'))
+        });
+    if holds_none {
+        return Ok(());
+    }
+    robota_sys::drop_capabilities().map_err(|e| format!("cannot drop the capabilities: {e}"))
+}
+
+/// The daemon's own hardening against what it starts: its `/proc` files (environment,
+/// memory, descriptors) become root's, so a process of the daemon's user — an upstream —
+/// cannot read them; and, where the kernel offers it (Linux 6.6), memory that was
+/// writable never becomes executable in the daemon (W^X), without being handed on to the
+/// children (a JIT such as Node's needs it). Returns what could not be done.
+pub fn harden_daemon() -> Vec<String> {
+    let mut missing = Vec::new();
+    if let Err(e) = robota_sys::not_dumpable() {
+        missing.push(format!(
+            "cannot close the daemon's /proc files to its own user (PR_SET_DUMPABLE): {e}"
+        ));
+    }
+    if let Err(e) = robota_sys::deny_write_execute_here() {
+        missing.push(format!(
+            "this kernel cannot keep the daemon's memory W^X without imposing it on upstreams (PR_SET_MDWE with PR_MDWE_NO_INHERIT needs Linux 6.6): {e}; with no JIT upstream (Node.js), a drop-in with MemoryDenyWriteExecute=yes restores it"
+        ));
+    }
+    missing
+}
+
+fn unsupported(e: impl std::fmt::Display) -> String {
+    format!(
+        "the kernel cannot confine the upstream as configured (Landlock ABI {} needed: files, TCP, signals): {e}; set `confine = false` for this upstream to run it unconfined",
+        NEEDED as i32
+    )
+}
+
+/// `path` with its symbolic links resolved, when it exists.
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// Grants `access` beneath `path`, except beneath any of `hidden`: where a hidden path
+/// lies below, `path` itself gets nothing and each entry of it is granted the same way.
+fn carve(
+    path: &Path,
+    access: BitFlags<AccessFs>,
+    hidden: &[PathBuf],
+    grants: &mut Vec<(PathBuf, BitFlags<AccessFs>)>,
+) {
+    if hidden.iter().any(|h| path.starts_with(h)) {
+        return;
+    }
+    if !hidden.iter().any(|h| h.starts_with(path)) {
+        if path.exists() {
+            grants.push((path.to_owned(), access));
+        }
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        carve(&entry.path(), access, hidden, grants);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hidden_path_is_carved_out_of_what_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = canonical(dir.path());
+        for d in ["etc/robota-mcpd", "etc/ssl", "etc/other/deep"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::write(root.join("etc/passwd"), "").unwrap();
+        std::fs::write(root.join("etc/other/secret.key"), "").unwrap();
+        let hidden = vec![
+            root.join("etc/robota-mcpd"),
+            root.join("etc/other/secret.key"),
+        ];
+        let mut grants = Vec::new();
+        let read = AccessFs::from_read(NEEDED);
+        carve(&root.join("etc"), read, &hidden, &mut grants);
+        let mut granted: Vec<_> = grants
+            .iter()
+            .map(|(p, _)| p.strip_prefix(&root).unwrap().display().to_string())
+            .collect();
+        granted.sort();
+        assert_eq!(granted, ["etc/other/deep", "etc/passwd", "etc/ssl"]);
+        // Hidden itself, or beneath it: nothing.
+        let mut none = Vec::new();
+        carve(&root.join("etc/robota-mcpd"), read, &hidden, &mut none);
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn the_launcher_arguments_carry_every_path() {
+        let c = Confinement {
+            network: Network::Any,
+            read: vec!["/srv/docs".into()],
+            write: vec!["/var/cache/x".into()],
+            hidden: vec!["/var/lib/robota-mcpd".into()],
+        };
+        let args: Vec<String> = c
+            .args()
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--network",
+                "any",
+                "--read",
+                "/srv/docs",
+                "--write",
+                "/var/cache/x",
+                "--hide",
+                "/var/lib/robota-mcpd"
+            ]
+        );
+    }
+}
