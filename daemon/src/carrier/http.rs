@@ -219,7 +219,8 @@ const READ_WAIT: Duration = Duration::from_millis(100);
 
 /// [`Table::admit`]; when nothing may give way but a connection accepted earlier has not
 /// been read yet, first wait (at most [`READ_WAIT`], accepting nothing meanwhile) for the
-/// connections' tasks to read what their peers sent. So the accept loop never outruns the
+/// connections' tasks to read what their peers sent — meanwhile sparing the connections
+/// clients keep alive, which would otherwise be all that could give way. So the accept loop never outruns the
 /// connections it accepted, evicting them before they could be served: a flood of
 /// connections waits its turn in the kernel's accept queue with everyone else.
 async fn admit_once_read(
@@ -230,8 +231,10 @@ async fn admit_once_read(
 ) -> (Option<Ticket>, bool) {
     let deadline = Instant::now() + READ_WAIT;
     loop {
-        let (ticket, evicted) = table.admit(group, distrusted, Instant::now());
-        if ticket.is_some() || Instant::now() >= deadline || !table.inner.lock().any_unread() {
+        // While connections wait to be read, a client's kept-alive one is not what gives way.
+        let patient = Instant::now() < deadline && table.inner.lock().any_unread();
+        let (ticket, evicted) = table.admit(group, distrusted, patient, Instant::now());
+        if ticket.is_some() || evicted || !patient {
             return (ticket, evicted);
         }
         tokio::select! {
@@ -456,7 +459,7 @@ impl Slot {
         match (self.admitted, self.distrusted) {
             (0, true) => (0, self.accepted, id),
             (0, false) => (1, self.accepted, id),
-            _ => (2, self.idle_since, id),
+            _ => (KEPT_ALIVE, self.idle_since, id),
         }
     }
 
@@ -471,7 +474,12 @@ impl Slot {
     }
 }
 
+/// Where a connection sorts among those that may give way: its rank (distrusted, never
+/// admitted, [`KEPT_ALIVE`]), then when it was accepted or went idle, then its id.
 type IdleKey = (u8, Instant, u64);
+
+/// The rank of connections kept alive after an admitted request: they give way last.
+const KEPT_ALIVE: u8 = 2;
 
 /// Every open connection of a listener: the caps, and which idle one goes first.
 struct Table {
@@ -503,11 +511,18 @@ impl Inner {
     /// an idle one waiting on its peer (one whose bytes are not all read may have a
     /// request on its way).
     fn evictable_in(&self, group: Option<IpAddr>) -> Option<IdleKey> {
+        self.evictable_among(group, false)
+    }
+
+    /// [`Self::evictable_in`]; sparing connections kept alive after an admitted request
+    /// when `spare_kept` is set.
+    fn evictable_among(&self, group: Option<IpAddr>, spare_kept: bool) -> Option<IdleKey> {
         self.groups
             .get(&group)?
             .idle
             .iter()
             .copied()
+            .take_while(|(rank, _, _)| !spare_kept || *rank < KEPT_ALIVE)
             .find(|(_, _, id)| {
                 self.slots.get(id).is_some_and(|s| {
                     s.active > 0
@@ -531,8 +546,9 @@ impl Inner {
     ///
     /// Only a group at least as big as the newcomer's would be gives way to it (its own
     /// always may): a client holding one connection never loses it to a peer that holds
-    /// more.
-    fn evictable(&self, newcomer: Option<IpAddr>) -> Option<u64> {
+    /// more. With `spare_kept`, connections kept alive after an admitted request do not
+    /// give way.
+    fn evictable(&self, newcomer: Option<IpAddr>, spare_kept: bool) -> Option<u64> {
         let theirs = newcomer.map_or(0, |g| self.groups.get(&Some(g)).map_or(0, |g| g.open) + 1);
         let mut best: Option<(usize, IdleKey)> = None;
         for &(Reverse(open), group) in &self.by_size {
@@ -542,14 +558,14 @@ impl Inner {
             if newcomer != Some(group) && open < theirs {
                 continue;
             }
-            if let Some(key) = self.evictable_in(Some(group))
+            if let Some(key) = self.evictable_among(Some(group), spare_kept)
                 && best.is_none_or(|(_, b)| key < b)
             {
                 best = Some((open, key));
             }
         }
         best.map(|(_, key)| key)
-            .or_else(|| self.evictable_in(None))
+            .or_else(|| self.evictable_among(None, spare_kept))
             .map(|(_, _, id)| id)
     }
 
@@ -669,10 +685,13 @@ impl Table {
     /// `distrusted`: its client has failed lately), making room by evicting a connection
     /// that may give way when full. Returns the ticket (None: refused, nothing could give
     /// way) and whether a connection was evicted.
+    /// With `spare_kept`, a full listener makes no room from connections kept alive
+    /// after an admitted request.
     fn admit(
         self: &Arc<Self>,
         group: Option<IpAddr>,
         distrusted: bool,
+        spare_kept: bool,
         now: Instant,
     ) -> (Option<Ticket>, bool) {
         let mut inner = self.inner.lock();
@@ -691,7 +710,7 @@ impl Table {
             }
         }
         if inner.slots.len() >= self.max {
-            match inner.evictable(group) {
+            match inner.evictable(group, spare_kept) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -947,6 +966,16 @@ pub fn admit<B>(req: &http::Request<B>) {
     }
 }
 
+/// Whether `req`'s connection was closed to make room for another (its client did not go
+/// away by itself): once it has, the request is being dropped.
+pub fn evicted<B>(req: &http::Request<B>) -> impl Fn() -> bool + Send + Sync + 'static {
+    let kill = req
+        .extensions()
+        .get::<Busy>()
+        .map(|Busy(request)| request.ticket.kill.clone());
+    move || kill.as_ref().is_some_and(CancellationToken::is_cancelled)
+}
+
 /// The handler knows `req`'s client has failed lately (bad tokens, say): until it is
 /// admitted, its connection gives way before those of clients that have not.
 pub fn distrust<B>(req: &http::Request<B>) {
@@ -1133,7 +1162,7 @@ mod tests {
     /// Admit, and mark the connection as waiting on its peer (as its task would once it
     /// has read everything the peer sent).
     fn admit(t: &Arc<Table>, group: Option<&str>, now: Instant) -> (Option<Ticket>, bool) {
-        let (ticket, evicted) = t.admit(group.map(ip), false, now);
+        let (ticket, evicted) = t.admit(group.map(ip), false, false, now);
         if let Some(ticket) = &ticket {
             ticket.waiting.store(true, Ordering::Relaxed);
         }
@@ -1182,13 +1211,13 @@ mod tests {
         let t = Arc::new(Table::new(3, None));
         let now = Instant::now() - Duration::from_secs(60);
         // Admitted and answered; its peer's next request may be in the kernel buffer.
-        let (kept, _) = t.admit(None, false, now);
+        let (kept, _) = t.admit(None, false, false, now);
         let kept = kept.unwrap();
         drop(serving(&kept));
         // Accepted, its task not yet run: it may have a whole head in the kernel buffer.
-        let (unread, _) = t.admit(None, false, now + Duration::from_secs(1));
+        let (unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
         let (waiting, _) = admit(&t, None, now + Duration::from_secs(2));
-        let (newcomer, evicted) = t.admit(None, false, now + Duration::from_secs(3));
+        let (newcomer, evicted) = t.admit(None, false, false, now + Duration::from_secs(3));
         assert!(newcomer.is_some() && evicted);
         assert!(
             waiting.unwrap().kill.is_cancelled(),
@@ -1198,15 +1227,31 @@ mod tests {
         assert!(!unread.kill.is_cancelled() && !kept.kill.is_cancelled());
         // Nothing may give way now, but some could once read.
         assert!(
-            t.admit(None, false, now + Duration::from_secs(4))
+            t.admit(None, false, false, now + Duration::from_secs(4))
                 .0
                 .is_none()
         );
         assert!(t.inner.lock().any_unread());
         // Once read and refused, the unread one goes first.
         drop(unread.busy());
-        let (_next, evicted) = t.admit(None, false, now + Duration::from_secs(5));
+        let (_next, evicted) = t.admit(None, false, false, now + Duration::from_secs(5));
         assert!(evicted && unread.kill.is_cancelled() && !kept.kill.is_cancelled());
+    }
+
+    #[test]
+    fn while_connections_wait_to_be_read_a_kept_alive_one_is_spared() {
+        let t = Arc::new(Table::new(2, None));
+        let now = Instant::now() - Duration::from_secs(60);
+        let (kept, _) = admit(&t, None, now);
+        let kept = kept.unwrap();
+        drop(serving(&kept));
+        let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
+        let later = now + Duration::from_secs(2);
+        assert!(t.admit(None, false, true, later).0.is_none());
+        assert!(!kept.kill.is_cancelled());
+        // Once the wait is over, it gives way.
+        let (newcomer, evicted) = t.admit(None, false, false, later);
+        assert!(newcomer.is_some() && evicted && kept.kill.is_cancelled());
     }
 
     /// A request on `ticket` that its handler admitted (the connection holds its slot).
@@ -1279,7 +1324,7 @@ mod tests {
         let (_c, evicted) = admit(&t, None, at(5));
         assert!(evicted && silent.kill.is_cancelled());
         // A connection distrusted from its accept goes before the older undecided ones.
-        let (doubted, _) = t.admit(None, true, at(6));
+        let (doubted, _) = t.admit(None, true, false, at(6));
         let (_d, evicted) = admit(&t, None, at(7));
         assert!(evicted && doubted.unwrap().kill.is_cancelled());
     }
@@ -1414,7 +1459,7 @@ mod tests {
         };
         let t = Arc::new(Table::new(4, None));
         let started = tokio::time::Instant::now();
-        let (ticket, _) = t.admit(None, false, started);
+        let (ticket, _) = t.admit(None, false, false, started);
         let ticket = ticket.unwrap();
         assert_eq!(ticket.deadline(&bounds).await, Expired::Head);
         assert_eq!(started.elapsed(), Duration::from_secs(5));

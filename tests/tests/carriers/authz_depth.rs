@@ -758,7 +758,8 @@ async fn an_introspection_flood_from_four_addresses_shuts_nobody_out() {
 /// nobody has decided yet. 64 addresses with random opaque tokens while the issuer stalls,
 /// 128 with forged JWTs, 64 with random opaque tokens while the issuer takes 3 s: a JWT
 /// client on another address is served every time within 1 s, and (the issuer slow, not
-/// down) a fresh valid opaque token from another address is served.
+/// down) a fresh valid opaque token from another address — one that had a stale token
+/// refused before — is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn floods_from_many_addresses_holding_one_connection_each_shut_nobody_out() {
     let oidc = Oidc::start(300);
@@ -796,6 +797,16 @@ async fn floods_from_many_addresses_holding_one_connection_each_shut_nobody_out(
     // The issuer slow but up: its places are the flood's, except those kept for clients
     // that have not failed.
     oidc.set_introspection_delay(Some(Duration::from_secs(3)));
+    // The opaque client's address has had one token refused (a stale one, say): one
+    // failure is not what makes its connections give way first.
+    let stale = robota_e2e::http::try_exchange_from(
+        [127, 0, 0, 7].into(),
+        d.remote_addr(),
+        &remote_mcp(Some(&random_opaque()), &tools_list(98)),
+    )
+    .await
+    .expect("the stale token's answer");
+    assert_eq!(stale.status, 401, "{}", stale.describe());
     let inactive = introspections(&d, "inactive");
     let flood = Flood::start(&d, &many(64), 1, random_opaque, "64 addresses, issuer 3 s").await;
     // Once the issuer has refused a wave of them, the flood's addresses have failed.

@@ -169,7 +169,11 @@ async fn python_sdk_over_stdio_is_imported_called_and_denied_by_default() {
     ));
     let u = wait_state(&d, "py", "up");
     assert_eq!(u.kind, "stdio");
-    assert_eq!(u.tools, ["py.add", "py.echo", "py.nap"], "{u:?}");
+    assert_eq!(
+        u.tools,
+        ["py.add", "py.echo", "py.escape", "py.nap"],
+        "{u:?}"
+    );
     let client = McpClient::connect(&d, &d.bearer()).await;
     let tools = listed(&client).await;
     assert_eq!(

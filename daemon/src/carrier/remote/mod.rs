@@ -248,7 +248,14 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
-                let abandoned = || c.throttle.record_failure(client, Instant::now());
+                // Not when the listener closed the connection to make room: that was not
+                // the client's doing.
+                let evicted = server::evicted(&req);
+                let abandoned = || {
+                    if !evicted() {
+                        c.throttle.record_failure(client, Instant::now());
+                    }
+                };
                 let asker = Asker {
                     client: c.throttle.client(client),
                     suspect,

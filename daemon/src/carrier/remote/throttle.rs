@@ -25,6 +25,9 @@ use crate::config::ThrottleConfig;
 /// window (so a valid new token behind that address can get in).
 pub const INTROSPECTIONS_OVER_BUDGET: u32 = 2;
 
+/// Failures in a window after which a client counts as failing ([`Throttle::failing`]).
+pub const FAILING_AFTER: u32 = 3;
+
 #[derive(Debug, Clone, Copy)]
 struct Window {
     start: Instant,
@@ -80,14 +83,15 @@ impl Throttle {
         Some(left.as_secs_f64().ceil().max(1.0) as u64)
     }
 
-    /// Whether `addr` has failed in the current window: its requests to the issuer wait
-    /// behind those of clients that have not.
+    /// Whether `addr` has failed at least [`FAILING_AFTER`] times in the current window:
+    /// its connections give way first and its requests to the issuer wait behind those of
+    /// clients that have not. (One refused token — a client's stale one — is not enough.)
     pub fn failing(&self, addr: IpAddr, now: Instant) -> bool {
         let client = self.client(addr);
         self.windows
             .lock()
             .get(&client)
-            .is_some_and(|w| self.live(w, now))
+            .is_some_and(|w| self.live(w, now) && w.failures >= FAILING_AFTER)
     }
 
     /// Whether one more of `addr`'s opaque tokens may go to the issuer now: always under
@@ -177,6 +181,22 @@ mod tests {
         );
         t.record_failure(ip(1), t0 + Duration::from_secs(61));
         assert_eq!(t.check(ip(1), t0 + Duration::from_secs(61)), None);
+    }
+
+    #[test]
+    fn failing_takes_a_few_failures_in_the_window() {
+        let t = throttle(16);
+        let t0 = Instant::now();
+        for n in 1..=FAILING_AFTER {
+            assert!(!t.failing(ip(1), t0), "after {} failures", n - 1);
+            t.record_failure(ip(1), t0);
+        }
+        assert!(t.failing(ip(1), t0));
+        assert!(
+            !t.failing(ip(1), t0 + Duration::from_secs(60)),
+            "a new window"
+        );
+        assert!(!t.failing(ip(2), t0));
     }
 
     #[test]
