@@ -370,6 +370,12 @@ pub(super) fn validate(
                         }
                     }
                 }
+                if u.confine == Some(false) {
+                    issues.warn(
+                        key("confine"),
+                        "the server runs unconfined, with everything the daemon's user may read, write and reach: the daemon's store, audit, configuration, secrets and control socket included",
+                    );
+                }
                 UpstreamEndpoint::Command {
                     argv,
                     env,
@@ -670,6 +676,52 @@ restart = { initial = "10s", max = "1s" }
                 "upstreams.tls.url",
             ]
         );
+    }
+
+    #[test]
+    fn confinement_is_the_default_and_its_keys_are_checked() {
+        let config = parse(
+            "[upstreams.a]\ncommand = [\"/bin/true\"]\n\n[upstreams.b]\ncommand = [\"/bin/true\"]\n\
+             network = \"any\"\nread_paths = [\"/srv/docs\"]\nwrite_paths = [\"/var/lib/b\"]\n\n\
+             [upstreams.c]\ncommand = [\"/bin/true\"]\nconfine = false\n",
+            &env(),
+        )
+        .expect("valid");
+        let confine = |i: usize| match &config.upstreams[i].endpoint {
+            UpstreamEndpoint::Command { confine, .. } => confine.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            confine(0),
+            Confine {
+                enabled: true,
+                network: Network::None,
+                read_paths: Vec::new(),
+                write_paths: Vec::new()
+            }
+        );
+        assert_eq!(confine(1).network, Network::Any);
+        assert_eq!(confine(1).read_paths, [PathBuf::from("/srv/docs")]);
+        assert_eq!(confine(1).write_paths, [PathBuf::from("/var/lib/b")]);
+        assert!(!confine(2).enabled);
+        // An unconfined server is a warning, with why.
+        let warned: Vec<_> = config.warnings.iter().map(|w| w.path.as_str()).collect();
+        assert_eq!(warned, ["upstreams.c.confine"]);
+        assert!(config.warnings[0].problem.contains("unconfined"));
+        let found = paths(
+            "[upstreams.a]\ncommand = [\"/bin/true\"]\nread_paths = [\"srv\"]\nwrite_paths = [\"x\"]\n\
+             [upstreams.h]\nurl = \"http://127.0.0.1:1/mcp\"\nnetwork = \"none\"\n",
+        );
+        assert_eq!(
+            found,
+            [
+                "upstreams.a.read_paths",
+                "upstreams.a.write_paths",
+                "upstreams.h.network",
+            ]
+        );
+        let found = paths("[upstreams.n]\ncommand = [\"/bin/true\"]\nnetwork = \"some\"\n");
+        assert_eq!(found, ["upstreams.n.network"]);
     }
 
     #[test]
