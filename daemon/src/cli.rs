@@ -53,6 +53,9 @@ pub enum Sub {
         /// Confined: write beneath this path.
         #[arg(long)]
         write: Vec<std::path::PathBuf>,
+        /// Confined: read and write beneath this path, hidden or not (its own home).
+        #[arg(long)]
+        own: Vec<std::path::PathBuf>,
         /// Confined: never reach this path.
         #[arg(long)]
         hide: Vec<std::path::PathBuf>,

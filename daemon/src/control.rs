@@ -162,6 +162,27 @@ pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
     })
 }
 
+/// Whether `peer` is one of the daemon's confined upstreams (or a process one started): it
+/// runs as the daemon's user under more system-call filters than the daemon, which only
+/// the upstream launcher's added filter gives it ([`crate::upstream::confine`]); filters
+/// cannot be removed, so neither can the mark.
+fn confined_upstream(peer: &Peer, own_uid: u32) -> bool {
+    use crate::upstream::confine::filters_of;
+    let Some(pid) = peer
+        .pid
+        .filter(|pid| *pid > 0 && *pid != std::process::id() as i32)
+    else {
+        return false;
+    };
+    if peer.uid != own_uid {
+        return false;
+    }
+    match (filters_of(&pid.to_string()), filters_of("self")) {
+        (Some(theirs), Some(ours)) => theirs > ours,
+        _ => false,
+    }
+}
+
 /// The SO_PEERCRED rule: root, the daemon's own uid, a configured uid, or a configured
 /// gid that is the peer's primary group (from SO_PEERCRED) or one of its supplementary
 /// groups (`groups_of`, consulted only when a gid rule could decide).
@@ -328,6 +349,29 @@ async fn connection<A: ControlApi>(
             return;
         }
     };
+    if confined_upstream(&peer, own_uid) {
+        audit.refused(
+            metrics,
+            Record {
+                time: SystemTime::now(),
+                carrier: Carrier::Control,
+                reason: Reason::PeerNotAllowed,
+                throttled: false,
+                address_class: AddressClass::Unknown,
+            },
+        );
+        tracing::warn!(
+            uid = peer.uid,
+            pid = peer.pid,
+            "control connection refused: the peer is an upstream the daemon confined"
+        );
+        let reply = Response::error(
+            ErrorCode::PermissionDenied,
+            "a process the daemon started confined (an upstream, or what it started) may not use the control socket",
+        );
+        let _ = write_frame(&mut stream, &reply).await;
+        return;
+    }
     let refusal = |peer: Peer| {
         if peer_allowed(peer, own_uid, &config.read(), user_groups) {
             return None;

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         network,
         read,
         write,
+        own,
         hide,
         argv,
     }) = &args.command
@@ -38,6 +39,7 @@ fn main() -> ExitCode {
                     },
                     read: read.clone(),
                     write: write.clone(),
+                    own: own.clone(),
                     hidden: hide.clone(),
                 }),
                 other => {

@@ -1,6 +1,7 @@
 //! Process-hardening system calls no safe wrapper offers: dropping every capability,
-//! closing the process's `/proc` files to its own user, and W^X memory that children do
-//! not inherit. Each is one system call; nothing here allocates or keeps state.
+//! closing the process's `/proc` files to its own user, W^X memory that children do not
+//! inherit, and the system-call filter that marks a confined upstream. Each is one system
+//! call; nothing here allocates or keeps state.
 
 use std::io;
 
@@ -79,6 +80,131 @@ pub fn deny_write_execute_here() -> io::Result<()> {
             PR_SET_MDWE,
             PR_MDWE_REFUSE_EXEC_GAIN | PR_MDWE_NO_INHERIT,
             0,
+            0,
+            0,
+        )
+        .into()
+    })
+}
+
+/// What the confined upstream's system-call filter refuses, beyond what Landlock governs
+/// (`confine_system_calls`).
+#[derive(Debug, Clone, Copy)]
+pub struct Refusals {
+    /// `network = "none"`: no IPv4 or IPv6 socket at all (UDP, MPTCP, TCP Fast Open).
+    pub inet_sockets: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH_NATIVE: u32 = 0xC000_003E;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH_NATIVE: u32 = 0xC000_00B7;
+
+/// Numbers the libc crate may not know yet (the same on every architecture).
+const NR_SETXATTRAT: i64 = 463;
+const NR_REMOVEXATTRAT: i64 = 466;
+
+/// One more system-call filter on this process and whatever it executes, which refuses:
+/// another architecture's calls (ENOSYS); `io_uring_setup` (ENOSYS: a ring performs
+/// operations outside the calls filters see); changing another process's limits or I/O
+/// priority (`prlimit64`/`ioprio_set` on a pid other than 0: EPERM); changing a file's
+/// mode, owner, times or extended attributes by path (EPERM: Landlock does not govern
+/// metadata, and a path can name a file the process may not open — by descriptor it
+/// stays possible on files it opened); with `inet_sockets`, IPv4 and IPv6 sockets
+/// (EACCES). Filters only add up, so the count in `/proc/<pid>/status`
+/// (`Seccomp_filters`) marks the process, and all it starts, as one more filtered than
+/// its parent. Needs no-new-privileges (or CAP_SYS_ADMIN).
+pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const RET_K: u16 = 0x06;
+    const ALLOW: u32 = 0x7fff_0000;
+    const ERRNO: u32 = 0x0005_0000;
+    // Offsets in `struct seccomp_data`: nr, arch, then the arguments (low word first).
+    const NR: u32 = 0;
+    const ARCH: u32 = 4;
+    const fn arg_low(n: u32) -> u32 {
+        16 + 8 * n
+    }
+    let op = |code, jt, jf, k| libc::sock_filter { code, jt, jf, k };
+    let nr = |n: i64| n as u32;
+    let errno = |e: i32| ERRNO | e as u32;
+    let mut p = vec![
+        op(LD_W_ABS, 0, 0, ARCH),
+        op(JEQ_K, 1, 0, AUDIT_ARCH_NATIVE),
+        op(RET_K, 0, 0, errno(libc::ENOSYS)),
+        op(LD_W_ABS, 0, 0, NR),
+    ];
+    let deny = |p: &mut Vec<libc::sock_filter>, n: i64, e: i32| {
+        p.push(op(JEQ_K, 0, 1, nr(n)));
+        p.push(op(RET_K, 0, 0, errno(e)));
+    };
+    // Allowed when argument `arg` is 0 (this process itself; a null pointer).
+    let unless_zero = |p: &mut Vec<libc::sock_filter>, n: i64, arg: u32, pointer: bool, e: i32| {
+        if pointer {
+            p.push(op(JEQ_K, 0, 6, nr(n)));
+            p.push(op(LD_W_ABS, 0, 0, arg_low(arg)));
+            p.push(op(JEQ_K, 0, 3, 0));
+            p.push(op(LD_W_ABS, 0, 0, arg_low(arg) + 4));
+            p.push(op(JEQ_K, 0, 1, 0));
+        } else {
+            p.push(op(JEQ_K, 0, 4, nr(n)));
+            p.push(op(LD_W_ABS, 0, 0, arg_low(arg)));
+            p.push(op(JEQ_K, 0, 1, 0));
+        }
+        p.push(op(RET_K, 0, 0, ALLOW));
+        p.push(op(RET_K, 0, 0, errno(e)));
+    };
+    deny(&mut p, libc::SYS_io_uring_setup, libc::ENOSYS);
+    unless_zero(&mut p, libc::SYS_prlimit64, 0, false, libc::EPERM);
+    unless_zero(&mut p, libc::SYS_ioprio_set, 1, false, libc::EPERM);
+    unless_zero(&mut p, libc::SYS_utimensat, 1, true, libc::EPERM);
+    let by_path = [
+        libc::SYS_fchmodat,
+        libc::SYS_fchmodat2,
+        libc::SYS_fchownat,
+        libc::SYS_setxattr,
+        libc::SYS_lsetxattr,
+        libc::SYS_removexattr,
+        libc::SYS_lremovexattr,
+        NR_SETXATTRAT,
+        NR_REMOVEXATTRAT,
+    ];
+    #[cfg(target_arch = "x86_64")]
+    let by_path = [
+        &by_path[..],
+        &[
+            libc::SYS_chmod,
+            libc::SYS_chown,
+            libc::SYS_lchown,
+            libc::SYS_utime,
+            libc::SYS_utimes,
+            libc::SYS_futimesat,
+        ],
+    ]
+    .concat();
+    for n in by_path {
+        deny(&mut p, n, libc::EPERM);
+    }
+    if refuse.inet_sockets {
+        p.push(op(JEQ_K, 0, 5, nr(libc::SYS_socket)));
+        p.push(op(LD_W_ABS, 0, 0, arg_low(0)));
+        p.push(op(JEQ_K, 2, 0, libc::AF_INET as u32));
+        p.push(op(JEQ_K, 1, 0, libc::AF_INET6 as u32));
+        p.push(op(RET_K, 0, 0, ALLOW));
+        p.push(op(RET_K, 0, 0, errno(libc::EACCES)));
+    }
+    p.push(op(RET_K, 0, 0, ALLOW));
+    let prog = libc::sock_fprog {
+        len: u16::try_from(p.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+        filter: p.as_mut_ptr(),
+    };
+    // SAFETY: the program and its header live across the call; the kernel copies them.
+    check(unsafe {
+        libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER,
+            &prog as *const libc::sock_fprog,
             0,
             0,
         )

@@ -9,12 +9,21 @@
 //!   and configuration directories, the other upstreams' homes, every secret file it
 //!   reads) are carved out of whatever would hold them, however the operator wrote the
 //!   lists.
-//! - **Network.** `network = "none"`: no TCP connection and no TCP listener (Landlock
-//!   governs TCP only: UDP and unix sockets are not restricted by it).
+//! - **Network.** `network = "none"`: no TCP connection and no TCP listener (Landlock), and
+//!   no IPv4 or IPv6 socket at all (the filter below); unix sockets stay.
 //! - **Other processes.** It cannot signal nor trace a process outside its own sandbox
 //!   (the daemon, another upstream), nor connect to an abstract unix socket made outside
 //!   it; it runs with no new privileges.
 //!
+//! - **System calls** Landlock does not govern, refused by one more filter
+//!   (`robota_sys::confine_system_calls`): another process's limits or I/O priority (an
+//!   upstream of the daemon's user could otherwise starve or kill the daemon), a file's
+//!   mode, owner, times or extended attributes by path (a path can name a file it may not
+//!   open), io_uring, and with `network = "none"` every IPv4 and IPv6 socket (UDP, MPTCP
+//!   and TCP Fast Open included).
+//! - **The control socket.** That filter cannot be taken away: a peer of the daemon's user
+//!   under more filters than the daemon is a confined upstream, and the control socket
+//!   refuses it ([`crate::control`]).
 //! - **Privileges.** It keeps no capability (a daemon run as root hands none on), and the
 //!   daemon's own `/proc` files — its environment, memory, descriptors — are closed to
 //!   processes of its user ([`harden_daemon`]).
@@ -68,7 +77,10 @@ pub struct Confinement {
     pub read: Vec<PathBuf>,
     /// Everything.
     pub write: Vec<PathBuf>,
-    /// Never reachable, even beneath a path above.
+    /// Everything, granted as they are: its own home and tmp, which lie beneath a hidden
+    /// path (the other upstreams' homes).
+    pub own: Vec<PathBuf>,
+    /// Never reachable, even beneath a path above (but for `own`).
     pub hidden: Vec<PathBuf>,
 }
 
@@ -79,6 +91,7 @@ impl Confinement {
         for (flag, paths) in [
             ("--read", &self.read),
             ("--write", &self.write),
+            ("--own", &self.own),
             ("--hide", &self.hidden),
         ] {
             for p in paths {
@@ -109,6 +122,7 @@ impl Confinement {
         for path in &self.write {
             carve(&canonical(path), all, &hidden, &mut grants);
         }
+        grants.extend(self.own.iter().map(|p| (canonical(p), all)));
         let mut ruleset = Ruleset::default()
             .set_compatibility(CompatLevel::HardRequirement)
             .handle_access(all)
@@ -139,6 +153,12 @@ impl Confinement {
         }
         drop_capabilities()?;
         created.restrict_self().map_err(unsupported)?;
+        // What Landlock does not govern; also the mark the control socket knows a confined
+        // process by (one more filter than the daemon).
+        robota_sys::confine_system_calls(robota_sys::Refusals {
+            inet_sockets: self.network == Network::None,
+        })
+        .map_err(|e| format!("cannot install the upstream's system-call filter: {e}"))?;
         Ok(())
     }
 }
@@ -181,6 +201,16 @@ pub fn harden_daemon() -> Vec<String> {
         ));
     }
     missing
+}
+
+/// How many system-call filters process `pid` runs under (`Seccomp_filters` in its
+/// `/proc` status; none when it cannot be read).
+pub fn filters_of(pid: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 fn unsupported(e: impl std::fmt::Display) -> String {
@@ -258,6 +288,7 @@ mod tests {
             network: Network::Any,
             read: vec!["/srv/docs".into()],
             write: vec!["/var/cache/x".into()],
+            own: vec!["/var/cache/robota-mcpd/x".into()],
             hidden: vec!["/var/lib/robota-mcpd".into()],
         };
         let args: Vec<String> = c
@@ -274,6 +305,8 @@ mod tests {
                 "/srv/docs",
                 "--write",
                 "/var/cache/x",
+                "--own",
+                "/var/cache/robota-mcpd/x",
                 "--hide",
                 "/var/lib/robota-mcpd"
             ]

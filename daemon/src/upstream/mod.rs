@@ -479,7 +479,8 @@ impl Upstream {
                 .chain(argv.first().map(PathBuf::from))
                 .chain(cwd.clone())
                 .collect(),
-            write: confine.write_paths.iter().cloned().chain(home).collect(),
+            write: confine.write_paths.clone(),
+            own: home.into_iter().collect(),
             hidden: self.context.hidden.clone(),
         });
         let spec = ChildSpec {

@@ -394,7 +394,8 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
         "hostile.escape",
         serde_json::json!({
             "read": read, "listing": listing, "write": write,
-            "port": 8765, "pid": pid,
+            "port": 8765, "pid": pid, "control": "/run/robota-mcpd/control.sock",
+            "chmod": ["/var/lib/robota-mcpd", "/etc/robota-mcpd/config.toml"],
         }),
     );
     let text = result["content"][0]["text"].as_str().unwrap_or_default();
@@ -402,7 +403,7 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
         serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {result}"));
     for (attempt, outcome) in &report {
         let outcome = outcome.as_str().unwrap_or_default();
-        if attempt == "read /etc/os-release" {
+        if attempt == "read /etc/os-release" || attempt.starts_with("write own ") {
             assert_eq!(outcome, "allowed", "the system's read-only view");
         } else {
             assert!(
@@ -413,7 +414,7 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + listing.len() + write.len() + 5,
+        read.len() + listing.len() + write.len() + 2 + 9 + 2,
         "{report:?}"
     );
     assert!(m.read("/var/lib/robota-mcpd/planted-by-upstream").is_none());
