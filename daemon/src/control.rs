@@ -164,10 +164,10 @@ pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
 
 /// Whether `peer` is one of the daemon's confined upstreams (or a process one started): it
 /// runs as the daemon's user under more system-call filters than the daemon, which only
-/// the upstream launcher's added filter gives it ([`crate::upstream::confine`]); filters
-/// cannot be removed, so neither can the mark.
+/// the upstream launcher's added filter gives it (`upstream/confine.rs`); filters cannot
+/// be removed, so neither can the mark.
 fn confined_upstream(peer: &Peer, own_uid: u32) -> bool {
-    use crate::upstream::confine::filters_of;
+    use robota_sys::seccomp_filters as filters_of;
     let Some(pid) = peer
         .pid
         .filter(|pid| *pid > 0 && *pid != std::process::id() as i32)
@@ -349,33 +349,31 @@ async fn connection<A: ControlApi>(
             return;
         }
     };
-    if confined_upstream(&peer, own_uid) {
-        audit.refused(
-            metrics,
-            Record {
-                time: SystemTime::now(),
-                carrier: Carrier::Control,
-                reason: Reason::PeerNotAllowed,
-                throttled: false,
-                address_class: AddressClass::Unknown,
-            },
-        );
-        tracing::warn!(
-            uid = peer.uid,
-            pid = peer.pid,
-            "control connection refused: the peer is an upstream the daemon confined"
-        );
-        let reply = Response::error(
-            ErrorCode::PermissionDenied,
-            "a process the daemon started confined (an upstream, or what it started) may not use the control socket",
-        );
-        let _ = write_frame(&mut stream, &reply).await;
-        return;
-    }
     let refusal = |peer: Peer| {
-        if peer_allowed(peer, own_uid, &config.read(), user_groups) {
+        let reply = if confined_upstream(&peer, own_uid) {
+            tracing::warn!(
+                uid = peer.uid,
+                pid = peer.pid,
+                "control connection refused: the peer is an upstream the daemon confined"
+            );
+            Response::error(
+                ErrorCode::PermissionDenied,
+                "a process the daemon started confined (an upstream, or what it started) may not use the control socket",
+            )
+        } else if peer_allowed(peer, own_uid, &config.read(), user_groups) {
             return None;
-        }
+        } else {
+            tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
+            Response::error(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "uid {} is not allowed on the control socket: the daemon admits root, its own \
+                     user, and the uids in [control] allow_uids or members of the groups in \
+                     [control] allow_gids of its configuration",
+                    peer.uid
+                ),
+            )
+        };
         audit.refused(
             metrics,
             Record {
@@ -386,16 +384,7 @@ async fn connection<A: ControlApi>(
                 address_class: AddressClass::Unknown,
             },
         );
-        tracing::warn!(uid = peer.uid, gid = peer.gid, "control connection refused");
-        Some(Response::error(
-            ErrorCode::PermissionDenied,
-            format!(
-                "uid {} is not allowed on the control socket: the daemon admits root, its own \
-                 user, and the uids in [control] allow_uids or members of the groups in \
-                 [control] allow_gids of its configuration",
-                peer.uid
-            ),
-        ))
+        Some(reply)
     };
     if let Some(reply) = refusal(peer) {
         let _ = write_frame(&mut stream, &reply).await;

@@ -211,3 +211,13 @@ pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
         .into()
     })
 }
+
+/// How many system-call filters process `pid` (a number, or `self`) runs under:
+/// `Seccomp_filters` in its `/proc` status; none when it cannot be read.
+pub fn seccomp_filters(pid: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
+        .and_then(|v| v.trim().parse().ok())
+}

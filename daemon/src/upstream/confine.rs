@@ -23,7 +23,7 @@
 //!   and TCP Fast Open included).
 //! - **The control socket.** That filter cannot be taken away: a peer of the daemon's user
 //!   under more filters than the daemon is a confined upstream, and the control socket
-//!   refuses it ([`crate::control`]).
+//!   refuses it (`control.rs`).
 //! - **Privileges.** It keeps no capability (a daemon run as root hands none on), and the
 //!   daemon's own `/proc` files — its environment, memory, descriptors — are closed to
 //!   processes of its user ([`harden_daemon`]).
@@ -201,16 +201,6 @@ pub fn harden_daemon() -> Vec<String> {
         ));
     }
     missing
-}
-
-/// How many system-call filters process `pid` runs under (`Seccomp_filters` in its
-/// `/proc` status; none when it cannot be read).
-pub fn filters_of(pid: &str) -> Option<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 fn unsupported(e: impl std::fmt::Display) -> String {
