@@ -349,8 +349,11 @@ async fn connection<A: ControlApi>(
             return;
         }
     };
+    // Fixed for the connection's life: its peer and the filters it runs under (which only
+    // ever grow) were settled at connect, so /proc is read once, not at every request.
+    let confined = confined_upstream(&peer, own_uid);
     let refusal = |peer: Peer| {
-        let reply = if confined_upstream(&peer, own_uid) {
+        let reply = if confined {
             tracing::warn!(
                 uid = peer.uid,
                 pid = peer.pid,

@@ -220,9 +220,10 @@ const READ_WAIT: Duration = Duration::from_millis(100);
 /// [`Table::admit`]; when nothing may give way but a connection accepted earlier has not
 /// been read yet, first wait (at most [`READ_WAIT`], accepting nothing meanwhile) for the
 /// connections' tasks to read what their peers sent — meanwhile sparing the connections
-/// clients keep alive, which would otherwise be all that could give way. So the accept loop never outruns the
-/// connections it accepted, evicting them before they could be served: a flood of
-/// connections waits its turn in the kernel's accept queue with everyone else.
+/// clients keep alive, which would otherwise be all that could give way. So the accept
+/// loop never outruns the connections it accepted, evicting them before they could be
+/// served: a flood of connections waits its turn in the kernel's accept queue with
+/// everyone else.
 async fn admit_once_read(
     table: &Arc<Table>,
     group: Option<IpAddr>,
@@ -534,7 +535,7 @@ impl Inner {
 
     /// Whether some connection may give way once it has been read ([`Slot::unread`]).
     fn any_unread(&self) -> bool {
-        self.slots.values().any(|s| s.held == 0 && s.unread())
+        self.slots.values().any(Slot::unread)
     }
 
     /// The connection that gives way when the listener is full: from the address group
