@@ -45,6 +45,9 @@ pub const TOOL_RESULT_CEILING: u64 = 64 * 1024 * 1024;
 /// Default and ceiling of `[limits] request_memory`.
 pub const REQUEST_MEMORY_DEFAULT: u64 = 128 * 1024 * 1024;
 pub const REQUEST_MEMORY_CEILING: u64 = 4 * 1024 * 1024 * 1024;
+/// Default and ceiling of `[limits] upstream_memory`.
+pub const UPSTREAM_MEMORY_DEFAULT: u64 = 256 * 1024 * 1024;
+pub const UPSTREAM_MEMORY_CEILING: u64 = 4 * 1024 * 1024 * 1024;
 
 /// Environment-derived inputs to defaults, captured once by `main`.
 #[derive(Debug, Clone, Default)]
@@ -202,6 +205,10 @@ pub struct Limits {
     /// Memory the requests of one HTTP carrier may hold while they are read and parsed
     /// (see `carrier::endpoint`): at least twice `request_body`.
     pub request_memory: u64,
+    /// Memory what every upstream sends may hold while it is parsed and passed on, and
+    /// their tool lists while they are served (see `upstream`): at least every upstream's
+    /// `response_limit`.
+    pub upstream_memory: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -676,6 +683,7 @@ struct RawLimits {
     request_body: Option<SizeText>,
     tool_result: Option<SizeText>,
     request_memory: Option<SizeText>,
+    upstream_memory: Option<SizeText>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -974,6 +982,24 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
 
     let tools = tools::validate(raw.tools, raw.jobs, &mut issues);
     let upstreams = upstreams::validate(raw.upstreams, &mut issues);
+    let upstream_memory = raw
+        .limits
+        .upstream_memory
+        .map_or(UPSTREAM_MEMORY_DEFAULT, |s| s.0);
+    let largest = upstreams
+        .iter()
+        .map(|u| u.response_limit)
+        .max()
+        .unwrap_or(0);
+    if upstream_memory < largest.max(1024 * 1024) || upstream_memory > UPSTREAM_MEMORY_CEILING {
+        issues.add(
+            "limits.upstream_memory",
+            format!(
+                "must be between {} bytes (1MiB, and every upstream's response_limit) and 4GiB, got {upstream_memory} bytes",
+                largest.max(1024 * 1024)
+            ),
+        );
+    }
 
     let mut remote = remote;
     if let Some(r) = &mut remote {
@@ -1012,6 +1038,7 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
             request_body,
             tool_result,
             request_memory,
+            upstream_memory,
         },
         policy,
         tools,
@@ -1308,6 +1335,21 @@ mod tests {
         .unwrap();
         assert_eq!(config.limits.request_body, REQUEST_BODY_CEILING);
         assert_eq!(config.limits.tool_result, TOOL_RESULT_CEILING);
+    }
+
+    #[test]
+    fn the_upstreams_budget_holds_at_least_each_of_their_largest_answers() {
+        let config = parse("", &env()).unwrap();
+        assert_eq!(config.limits.upstream_memory, UPSTREAM_MEMORY_DEFAULT);
+        let found = issues(
+            "[limits]\nupstream_memory = \"16MiB\"\n\
+             [upstreams.big]\ncommand = [\"/bin/true\"]\nresponse_limit = \"32MiB\"\n",
+        );
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].path, "limits.upstream_memory");
+        assert!(found[0].problem.contains("33554432 bytes"), "{found:?}");
+        let found = issues("[limits]\nupstream_memory = \"5GiB\"\n");
+        assert_eq!(found[0].path, "limits.upstream_memory");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod audit;
 pub mod bearer;
+pub mod budget;
 pub mod canonical;
 pub mod carrier;
 pub mod catalog;
@@ -14,6 +15,7 @@ pub mod grants;
 pub mod health;
 pub mod host;
 pub mod jobs;
+pub mod jsonrpc;
 pub mod logging;
 pub mod mcp;
 pub mod metrics;

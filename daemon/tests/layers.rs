@@ -17,6 +17,8 @@ const LEVELS: &[&[&str]] = &[
         "metrics",
         "bearer",
         "canonical",
+        "jsonrpc",
+        "budget",
         "notify",
         "logging",
         "health",

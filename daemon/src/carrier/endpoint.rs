@@ -3,7 +3,7 @@
 //! Order: 405 for anything but POST, 413 from `Content-Length` before reading, 503 +
 //! `Retry-After` when every in-flight slot is taken, then the body is read under the
 //! carrier's memory budget (413 past the size limit, 408 past the body deadline, 503 when
-//! the budget stays taken), then looked at strictly ([`super::jsonrpc`]: 400 with a
+//! the budget stays taken), then looked at strictly ([`crate::jsonrpc`]: 400 with a
 //! JSON-RPC error for a parse error, a batch, a bad id or params), then 400 for an
 //! unsupported `MCP-Protocol-Version` (with the request's id). A
 //! `notifications/cancelled` cancels the same caller's in-flight request and is answered
@@ -13,7 +13,7 @@
 //!
 //! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
 //! for twice its body (ours and the SDK's copy) while it is read, then for
-//! [`super::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until it is
+//! [`crate::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until it is
 //! answered. A body whose cost alone would exceed the budget is refused 413. A request
 //! waits for budget only while it holds none (for a declared body length, before its
 //! first byte); any further share must be free at once, or it gives back what it holds
@@ -33,13 +33,14 @@ use rmcp::model::RequestId;
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::Value;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::http::{self as server, Body};
-use super::jsonrpc::{self, Invalid};
+use crate::budget::{Budget, Share, units};
 use crate::config::{HttpLimits, Limits};
+use crate::jsonrpc::{self, Invalid};
 use crate::mcp::{InFlight, McpServer, PassthroughSlot, SUPPORTED_VERSIONS, is_supported_version};
 use crate::metrics::Metrics;
 use crate::session::{RuntimeTools, TurnSubmission};
@@ -53,17 +54,12 @@ pub type Gate<'a> = &'a (dyn Fn(&str, &Admitted) -> Option<Response<Body>> + Syn
 
 const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 
-/// The memory budget's unit.
-const UNIT: usize = 1024;
-
 /// The MCP endpoint behind admission.
 pub struct Endpoint<S> {
     listener: Listener,
     metrics: Metrics,
     slots: Semaphore,
-    memory: Arc<Semaphore>,
-    /// The whole budget, in units.
-    memory_units: usize,
+    memory: Budget,
     body_limit: u64,
     body_timeout: Duration,
     inflight: Arc<InFlight>,
@@ -106,10 +102,6 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .with_cancellation_token(drained.child_token());
         let inflight = server.inflight().clone();
         let names = server.clone();
-        let memory_units = usize::try_from(limits.request_memory)
-            .unwrap_or(usize::MAX)
-            .div_ceil(UNIT)
-            .min(Semaphore::MAX_PERMITS);
         let service = StreamableHttpService::new(
             move || Ok(server.clone()),
             Arc::new(NeverSessionManager::default()),
@@ -119,8 +111,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             listener: site.listener,
             metrics: site.metrics,
             slots: Semaphore::new(bounds.max_in_flight),
-            memory: Arc::new(Semaphore::new(memory_units)),
-            memory_units,
+            memory: Budget::new(limits.request_memory),
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
             inflight,
@@ -187,13 +178,13 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         };
         // The parse to come: its values, beyond the bytes already held for.
         let parse = units(message.cost.saturating_sub(bytes.len()));
-        if held.num_permits() + parse > self.memory_units {
+        if held.num_permits() + parse > self.memory.units() {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
         // Never wait for more while holding some: a request that cannot have its whole
         // share at once gives back what it holds (503), so holders cannot block each other.
-        match self.try_budget(parse) {
+        match self.memory.try_take(parse) {
             Some(more) => held.merge(more),
             None => {
                 drop(held);
@@ -314,22 +305,6 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         Some(response)
     }
 
-    /// `units` of the memory budget now, or none.
-    fn try_budget(&self, units: usize) -> Option<OwnedSemaphorePermit> {
-        let units = u32::try_from(units).ok()?;
-        self.memory.clone().try_acquire_many_owned(units).ok()
-    }
-
-    /// `units` of the memory budget, waiting at most until `deadline` (only while holding
-    /// none of it).
-    async fn budget(&self, units: usize, deadline: Instant) -> Option<OwnedSemaphorePermit> {
-        let units = u32::try_from(units).ok()?;
-        tokio::time::timeout_at(deadline, self.memory.clone().acquire_many_owned(units))
-            .await
-            .ok()?
-            .ok()
-    }
-
     /// Read the body, holding budget for twice what has arrived: for a declared length,
     /// all of it before the first byte (waiting for it, holding nothing); for a body of
     /// unknown length, in steps that must be free at once.
@@ -338,11 +313,12 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         body: Incoming,
         declared: Option<u64>,
         deadline: Instant,
-    ) -> Result<(Bytes, OwnedSemaphorePermit), ReadFailure> {
+    ) -> Result<(Bytes, Share), ReadFailure> {
         let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
         let initial = declared.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
         let mut held = self
-            .budget(units(2 * initial), deadline)
+            .memory
+            .take_until(units(2 * initial), deadline)
             .await
             .ok_or(ReadFailure::Busy)?;
         let mut collected = BytesMut::with_capacity(initial);
@@ -365,8 +341,8 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 let step = needed
                     .saturating_sub(held.num_permits())
                     .max(64)
-                    .min((self.memory_units).saturating_sub(held.num_permits()));
-                let more = self.try_budget(step).ok_or(ReadFailure::Busy)?;
+                    .min((self.memory.units()).saturating_sub(held.num_permits()));
+                let more = self.memory.try_take(step).ok_or(ReadFailure::Busy)?;
                 held.merge(more);
             }
             collected.extend_from_slice(&data);
@@ -398,10 +374,6 @@ impl ReadFailure {
             ReadFailure::Busy => (Rejection::Busy, closing(busy(), version)),
         }
     }
-}
-
-fn units(bytes: usize) -> usize {
-    bytes.div_ceil(UNIT)
 }
 
 fn busy() -> Response<Body> {

@@ -3,7 +3,7 @@
 //!
 //! Each line is one message, at most the request limit long; a longer line is answered
 //! with a JSON-RPC error and skipped to its end (never buffered). Every line passes the
-//! same strict look as an HTTP body ([`super::jsonrpc`]): a parse error, a batch, a bad
+//! same strict look as an HTTP body ([`crate::jsonrpc`]): a parse error, a batch, a bad
 //! id or params are answered here with the id where it is known, and never reach the SDK.
 
 use std::borrow::Cow;
@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 use tokio_util::sync::CancellationToken;
 
-use super::jsonrpc;
+use crate::jsonrpc;
 use crate::mcp::PassthroughSlot;
 use crate::vocab::Caller;
 

@@ -2,7 +2,6 @@
 
 pub mod endpoint;
 pub mod http;
-pub mod jsonrpc;
 pub mod lines;
 pub mod loopback;
 pub mod relay;

@@ -157,7 +157,8 @@ pub struct Imported {
     /// The tool's own name on the upstream.
     pub tool: String,
     /// The upstream's definition as it listed it (`title`, `annotations`, `outputSchema`,
-    /// `icons`, `_meta`, …): shown to clients under the wire name, never read by policy.
+    /// `icons`, `_meta`, …) but its name and input schema, which the spec holds: shown to
+    /// clients under the wire name, never read by policy.
     pub listing: Map<String, Value>,
 }
 

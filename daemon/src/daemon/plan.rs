@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use sha2::Digest;
 
+use crate::budget::Budget;
 use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView, Source};
 use crate::config::Source as ConfigSource;
 use crate::config::{Config, ConfigError, ConfigIssue, Loader, WireNameProfile};
@@ -209,6 +210,7 @@ impl Plan {
                     .filter(|p| p.is_absolute()),
                 hidden: self.kept_from_upstreams(),
                 metrics: self.metrics.clone(),
+                memory: Budget::new(self.config.limits.upstream_memory),
             },
         )
     }
@@ -360,6 +362,7 @@ fn inert_upstreams(config: &Config) -> Upstreams {
             cache_dir: None,
             hidden: Vec::new(),
             metrics: Metrics::new(),
+            memory: Budget::new(config.limits.upstream_memory),
         },
     )
 }

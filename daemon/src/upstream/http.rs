@@ -25,7 +25,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::protocol::{self, CallError, Incoming as Message, Negotiated, Rpc, RpcFuture};
+use super::protocol::{self, CallError, Incoming as Message, Negotiated, Rpc, RpcFuture, Unread};
+use crate::budget::{Budget, Share};
 use crate::config::HttpTarget;
 
 /// Idle connections kept for reuse.
@@ -48,11 +49,13 @@ struct Conn {
 }
 
 /// Bounds of one backend.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct HttpBounds {
     pub response_limit: usize,
     pub stream_limit: u64,
     pub connect_timeout: Duration,
+    /// What every upstream's answers share while they are parsed and passed on.
+    pub memory: Budget,
 }
 
 pub struct HttpLink {
@@ -326,7 +329,7 @@ impl HttpLink {
         method: &str,
         body: &Value,
         id: Option<u64>,
-    ) -> Result<Map<String, Value>, CallError> {
+    ) -> Result<protocol::Answer, CallError> {
         let mut renewed = false;
         loop {
             let Some((answer, conn)) = self.post(negotiated, method, body, true).await? else {
@@ -343,7 +346,10 @@ impl HttpLink {
             };
             let Some(id) = id else {
                 // A notification: any 2xx will do; the body is not read.
-                return Ok(Map::new());
+                return Ok(protocol::Answer {
+                    result: Map::new(),
+                    held: None,
+                });
             };
             let result = match answer {
                 Answer::Accepted => Err(CallError::Lost(
@@ -352,11 +358,14 @@ impl HttpLink {
                 Answer::Json(body) => {
                     let bytes = read_body(body, self.bounds.response_limit).await?;
                     self.give_back(conn);
-                    let message: Value = serde_json::from_slice(&bytes).map_err(|e| {
-                        CallError::Lost(format!("the backend's answer is not JSON: {e}"))
-                    })?;
+                    let (message, held) = self.parse(&bytes)?;
                     match protocol::classify(message) {
-                        Message::Response { id: got, result } if got == id => result,
+                        Message::Response { id: got, result } if got == id => {
+                            result.map(|result| protocol::Answer {
+                                result,
+                                held: Some(held),
+                            })
+                        }
                         _ => Err(CallError::Lost(
                             "the backend's answer is not the response to the request".into(),
                         )),
@@ -372,6 +381,16 @@ impl HttpLink {
             };
             return result;
         }
+    }
+
+    /// One JSON body or event of the backend's, parsed under the upstreams' budget.
+    fn parse(&self, bytes: &[u8]) -> Result<(Value, Share), CallError> {
+        protocol::parse(bytes, &self.bounds.memory).map_err(|unread| match unread {
+            Unread::NotJson(e) => CallError::Lost(format!("the backend's answer is not JSON: {e}")),
+            Unread::Unaffordable(why) => {
+                CallError::TooLarge(format!("the backend's answer cannot be read now: {why}"))
+            }
+        })
     }
 
     /// A new session for a stateful backend that forgot its own: `initialize` again.
@@ -397,17 +416,18 @@ impl HttpLink {
         &self,
         mut body: Incoming,
         id: u64,
-    ) -> Result<Map<String, Value>, CallError> {
+    ) -> Result<protocol::Answer, CallError> {
         let mut events = Events::new(self.bounds.response_limit, self.bounds.stream_limit);
         loop {
             while let Some(data) = events.next_event()? {
-                let Ok(message) = serde_json::from_slice::<Value>(&data) else {
-                    return Err(CallError::Lost(
-                        "the backend sent an event that is not JSON".into(),
-                    ));
-                };
+                let (message, held) = self.parse(&data)?;
                 match protocol::classify(message) {
-                    Message::Response { id: got, result } if got == id => return result,
+                    Message::Response { id: got, result } if got == id => {
+                        return result.map(|result| protocol::Answer {
+                            result,
+                            held: Some(held),
+                        });
+                    }
                     Message::Notification { method } => {
                         if method == "notifications/tools/list_changed" {
                             self.list_changed.notify_one();
@@ -481,7 +501,7 @@ impl Rpc for HttpLink {
         params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
-    ) -> RpcFuture<'a, Map<String, Value>> {
+    ) -> RpcFuture<'a, protocol::Answer> {
         Box::pin(async move {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             let body =

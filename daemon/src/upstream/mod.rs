@@ -27,10 +27,11 @@ use tokio::sync::{Notify, Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
 use self::http::{HttpBounds, HttpLink};
-use self::protocol::{CallError, Negotiated, Rpc};
+use self::protocol::{Answer, CallError, Listed, Negotiated, Rpc, Unread};
 use self::stdio::{ChildLink, ChildSpec, STOP_GRACE};
 pub use self::stdio::{Launcher, exec_child};
 use self::tool::Listing;
+use crate::budget::Budget;
 use crate::catalog::{Catalog, HostTool, Source};
 use crate::config::{Children, UpstreamConfig, UpstreamEndpoint};
 use crate::metrics::Metrics;
@@ -60,6 +61,8 @@ pub struct Context {
     /// ([`confine`]).
     pub hidden: Vec<PathBuf>,
     pub metrics: Metrics,
+    /// What every upstream's answers and tool lists share (`[limits] upstream_memory`).
+    pub memory: Budget,
 }
 
 /// Every configured upstream of one session generation.
@@ -372,7 +375,7 @@ impl Upstream {
     }
 
     /// One attempt: start or connect, agree on a revision, list the tools.
-    async fn attempt(&self) -> Result<(Live, Negotiated, Vec<Value>), String> {
+    async fn attempt(&self) -> Result<(Live, Negotiated, Listed), String> {
         let limit = self.config.connect_timeout;
         let bounded = async {
             match &self.config.endpoint {
@@ -423,6 +426,7 @@ impl Upstream {
                                 .unwrap_or(usize::MAX),
                             stream_limit: self.config.stream_limit,
                             connect_timeout: limit,
+                            memory: self.context.memory.clone(),
                         },
                         self.list_changed.clone(),
                     )?;
@@ -494,6 +498,7 @@ impl Upstream {
             &spec,
             &self.context.launcher,
             usize::try_from(self.config.response_limit).unwrap_or(usize::MAX),
+            self.context.memory.clone(),
             self.list_changed.clone(),
         )
     }
@@ -570,7 +575,7 @@ impl Upstream {
         original: &str,
         args: Map<String, Value>,
         cancel: &CancellationToken,
-    ) -> Result<Map<String, Value>, CallError> {
+    ) -> Result<Answer, CallError> {
         let live = self.live.read().clone();
         let Some(live) = live else {
             let state = self.shown.lock().state;
@@ -612,7 +617,7 @@ impl Upstream {
         params: Map<String, Value>,
         cancel: &CancellationToken,
         broken: &CancellationToken,
-    ) -> Result<Map<String, Value>, CallError> {
+    ) -> Result<Answer, CallError> {
         let Ok(_permit) = self.per_call.clone().try_acquire_owned() else {
             return Err(CallError::Busy(format!(
                 "{MAX_PER_CALL} per-call children of this upstream are running"
@@ -648,9 +653,10 @@ impl Upstream {
     }
 
     /// Replaces the tool list (and keeps it in the state directory); the catalog gets a
-    /// new generation when the tools changed.
-    fn set_listing(&self, listed: Vec<Value>, from_cache: bool) {
-        let listing = Arc::new(tool::import(&self.config, &listed, &self.me));
+    /// new generation when the tools changed. The new listing holds the budget share its
+    /// pages took for as long as it is served.
+    fn set_listing(&self, listed: Listed, from_cache: bool) {
+        let mut listing = tool::import(&self.config, &listed.tools, &self.me);
         let changed = {
             let current = self.listing.read();
             current.specs() != listing.specs() || current.refused != listing.refused
@@ -665,10 +671,11 @@ impl Upstream {
         self.context
             .metrics
             .upstream_tools(&self.config.name, listing.tools.len());
-        *self.listing.write() = listing;
         if !from_cache {
-            self.write_known(&listed);
+            self.write_known(&listed.tools);
         }
+        listing.held = listed.held;
+        *self.listing.write() = Arc::new(listing);
         if let Some(catalog) = self.catalog.lock().upgrade() {
             let snapshot = catalog.rebuild();
             tracing::info!(upstream = %self.config.name, generation = snapshot.generation(), "catalog rebuilt with the upstream's new tools");
@@ -683,16 +690,24 @@ impl Upstream {
         )
     }
 
-    fn read_known(&self) -> Option<Vec<Value>> {
+    /// The last list kept, read under the budget like a list the upstream sends.
+    fn read_known(&self) -> Option<Listed> {
         let path = self.known_path()?;
         let text = std::fs::read(&path).ok()?;
-        match serde_json::from_slice::<Value>(&text) {
-            Ok(Value::Object(mut known)) => match known.remove("tools") {
-                Some(Value::Array(tools)) => Some(tools),
+        match protocol::parse(&text, &self.context.memory) {
+            Ok((Value::Object(mut known), held)) => match known.remove("tools") {
+                Some(Value::Array(tools)) => Some(Listed {
+                    tools,
+                    held: Some(held),
+                }),
                 _ => None,
             },
-            _ => {
+            Ok(_) | Err(Unread::NotJson(_)) => {
                 tracing::warn!(path = %path.display(), "the last-known tool list is unreadable; ignored");
+                None
+            }
+            Err(Unread::Unaffordable(why)) => {
+                tracing::warn!(path = %path.display(), "the last-known tool list is not read: {why}");
                 None
             }
         }

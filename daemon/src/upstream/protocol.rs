@@ -12,7 +12,9 @@ use rmcp::model::{ClientCapabilities, Implementation, ProtocolVersion, RequestMe
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
+use crate::budget::{self, Budget, Share};
 use crate::config::UpstreamProtocol;
+use crate::jsonrpc;
 
 /// The revision served by `server/discover` and per-request metadata.
 pub const MODERN: &str = "2026-07-28";
@@ -99,6 +101,49 @@ impl CallError {
     }
 }
 
+/// A result an upstream sent, with the share of the upstreams' memory budget its parse
+/// took: held for as long as the result is in hand.
+#[derive(Debug)]
+pub struct Answer {
+    pub result: Map<String, Value>,
+    pub held: Option<Share>,
+}
+
+/// Why a message from an upstream was not parsed.
+#[derive(Debug)]
+pub enum Unread {
+    /// Not JSON (or trailing data, or a duplicate key).
+    NotJson(String),
+    /// Its parse would take more of the upstreams' memory budget than is free now.
+    Unaffordable(String),
+}
+
+/// Parses one message an upstream sent, under `budget`: what its parse may take (its
+/// bytes and [`jsonrpc::VALUE_COST`] per JSON value, counted by one pass that allocates
+/// nothing) is taken from the budget first, so a message the budget cannot hold now is
+/// never parsed — a few megabytes of `[[],[],…]` would otherwise take gigabytes.
+pub fn parse(bytes: &[u8], budget: &Budget) -> Result<(Value, Share), Unread> {
+    let cost = jsonrpc::parse_cost(bytes).map_err(Unread::NotJson)?;
+    let need = budget::units(cost);
+    let Some(held) = budget.try_take(need) else {
+        let whole = budget.units();
+        return Err(Unread::Unaffordable(if need > whole {
+            format!(
+                "reading it ({} bytes) would take about {} KiB of memory, more than the {whole} KiB all upstreams share ([limits] upstream_memory)",
+                bytes.len(),
+                need
+            )
+        } else {
+            format!(
+                "reading it ({} bytes) would take about {need} KiB of memory, and the {whole} KiB all upstreams share ([limits] upstream_memory) are held by other answers and tool lists now",
+                bytes.len()
+            )
+        }));
+    };
+    let value = serde_json::from_slice(bytes).map_err(|e| Unread::NotJson(e.to_string()))?;
+    Ok((value, held))
+}
+
 pub type RpcFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, CallError>> + Send + 'a>>;
 
 /// One connection to an upstream, however it is carried.
@@ -112,7 +157,7 @@ pub trait Rpc: Send + Sync {
         params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
-    ) -> RpcFuture<'a, Map<String, Value>>;
+    ) -> RpcFuture<'a, Answer>;
 
     fn notify<'a>(
         &'a self,
@@ -283,7 +328,8 @@ async fn discover(
             limit,
         )
         .await
-        .map_err(|e| format!("server/discover failed: {}", e.describe()))?;
+        .map_err(|e| format!("server/discover failed: {}", e.describe()))?
+        .result;
     let supported = result
         .get("supportedVersions")
         .and_then(Value::as_array)
@@ -319,7 +365,8 @@ async fn initialize(
     let result = rpc
         .request(&legacy, "initialize", params, cancel, limit)
         .await
-        .map_err(|e| format!("initialize failed: {}", e.describe()))?;
+        .map_err(|e| format!("initialize failed: {}", e.describe()))?
+        .result;
     let version = result
         .get("protocolVersion")
         .and_then(Value::as_str)
@@ -338,21 +385,34 @@ async fn initialize(
     Ok(negotiated)
 }
 
+/// Every tool definition an upstream listed, as sent, with the share of the upstreams'
+/// memory budget its pages took: held for as long as the list is served.
+#[derive(Debug)]
+pub struct Listed {
+    pub tools: Vec<Value>,
+    pub held: Option<Share>,
+}
+
 /// Every tool definition the upstream lists (following `nextCursor`), as sent.
 pub async fn list_tools(
     rpc: &dyn Rpc,
     negotiated: &Negotiated,
     limit: Duration,
-) -> Result<Vec<Value>, String> {
+) -> Result<Listed, String> {
     let cancel = CancellationToken::new();
-    let mut tools = Vec::new();
+    let mut listed = Listed {
+        tools: Vec::new(),
+        held: None,
+    };
     let mut cursor: Option<String> = None;
     for _ in 0..MAX_PAGES {
         let mut params = Map::new();
         if let Some(c) = cursor.take() {
             params.insert("cursor".into(), Value::String(c));
         }
-        let mut result = rpc
+        let Answer {
+            mut result, held, ..
+        } = rpc
             .request(
                 negotiated,
                 "tools/list",
@@ -362,19 +422,31 @@ pub async fn list_tools(
             )
             .await
             .map_err(|e| format!("tools/list failed: {}", e.describe()))?;
+        listed.hold(held);
         match result.remove("tools") {
-            Some(Value::Array(page)) => tools.extend(page),
+            Some(Value::Array(page)) => listed.tools.extend(page),
             _ => return Err("the tools/list answer holds no `tools` array".into()),
         }
-        if tools.len() > MAX_LISTED {
+        if listed.tools.len() > MAX_LISTED {
             return Err(format!("the upstream lists more than {MAX_LISTED} tools"));
         }
         match result.remove("nextCursor") {
             Some(Value::String(next)) if !next.is_empty() => cursor = Some(next),
-            _ => return Ok(tools),
+            _ => return Ok(listed),
         }
     }
     Err(format!("tools/list gave more than {MAX_PAGES} pages"))
+}
+
+impl Listed {
+    /// Keeps `more` with what the list already holds.
+    pub fn hold(&mut self, more: Option<Share>) {
+        match (&mut self.held, more) {
+            (Some(held), Some(more)) => held.merge(more),
+            (held @ None, more) => *held = more,
+            (Some(_), None) => {}
+        }
+    }
 }
 
 #[cfg(test)]

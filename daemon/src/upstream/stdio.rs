@@ -27,8 +27,10 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::protocol::{
-    self, CallError, Incoming, Negotiated, Rpc, RpcFuture, answer_server_request, id_in_prefix,
+    self, Answer, CallError, Incoming, Negotiated, Rpc, RpcFuture, Unread, answer_server_request,
+    id_in_prefix,
 };
+use crate::budget::Budget;
 
 /// How a child is started.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,7 +66,7 @@ const MAX_PENDING: usize = 256;
 /// Of an oversize line, the bytes kept to find its id.
 const PREFIX: usize = 4096;
 
-type Waiter = oneshot::Sender<Result<Map<String, Value>, CallError>>;
+type Waiter = oneshot::Sender<Result<Answer, CallError>>;
 
 /// A running child and the requests waiting for its answers.
 pub struct ChildLink {
@@ -89,6 +91,7 @@ impl ChildLink {
         spec: &ChildSpec,
         launcher: &Launcher,
         response_limit: usize,
+        budget: Budget,
         list_changed: Arc<Notify>,
     ) -> Result<Arc<Self>, String> {
         let mut command = match launcher {
@@ -147,7 +150,7 @@ impl ChildLink {
             list_changed,
         });
         tokio::spawn(write_stdin(link.clone(), stdin, outbound));
-        tokio::spawn(read_stdout(link.clone(), stdout, response_limit));
+        tokio::spawn(read_stdout(link.clone(), stdout, response_limit, budget));
         tokio::spawn(log_stderr(upstream.to_owned(), stderr));
         tokio::spawn(reap(link.clone(), child));
         Ok(link)
@@ -212,7 +215,7 @@ impl ChildLink {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.reaped.cancelled()).await;
     }
 
-    fn answer(&self, id: u64, result: Result<Map<String, Value>, CallError>) {
+    fn answer(&self, id: u64, result: Result<Answer, CallError>) {
         if let Some(waiter) = self.pending.lock().remove(&id) {
             let _ = waiter.send(result);
         }
@@ -259,7 +262,7 @@ impl Rpc for ChildLink {
         params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
-    ) -> RpcFuture<'a, Map<String, Value>> {
+    ) -> RpcFuture<'a, Answer> {
         Box::pin(async move {
             if self.closed.is_cancelled() {
                 return Err(CallError::NotSent(self.why().unwrap_or_default()));
@@ -420,7 +423,12 @@ impl<R: AsyncRead + Unpin> Lines<R> {
     }
 }
 
-async fn read_stdout(link: Arc<ChildLink>, stdout: tokio::process::ChildStdout, limit: usize) {
+async fn read_stdout(
+    link: Arc<ChildLink>,
+    stdout: tokio::process::ChildStdout,
+    limit: usize,
+    budget: Budget,
+) {
     let mut lines = Lines::new(stdout, limit);
     let why = loop {
         let line = tokio::select! {
@@ -440,17 +448,39 @@ async fn read_stdout(link: Arc<ChildLink>, stdout: tokio::process::ChildStdout, 
             },
             Line::Whole(line) if line.iter().all(u8::is_ascii_whitespace) => {}
             Line::Whole(line) => {
-                let message: Value = match serde_json::from_slice(&line) {
-                    Ok(m) => m,
-                    Err(e) => {
+                let (message, held) = match protocol::parse(&line, &budget) {
+                    Ok(parsed) => parsed,
+                    Err(Unread::NotJson(e)) => {
                         break format!(
                             "it wrote a line that is not JSON ({} bytes: {e}); stdout must carry MCP only",
                             line.len()
                         );
                     }
+                    Err(Unread::Unaffordable(why)) => match id_in_prefix(&line) {
+                        // An answer too costly to read: its call learns why, the upstream
+                        // goes on.
+                        Some(id) => {
+                            link.answer(
+                                id,
+                                Err(CallError::TooLarge(format!(
+                                    "the upstream's answer cannot be read now: {why}"
+                                ))),
+                            );
+                            continue;
+                        }
+                        // Anything else may be a request of its own, which must be
+                        // answered: it is cut off instead.
+                        None => break format!("it sent a message the daemon cannot read: {why}"),
+                    },
                 };
                 match protocol::classify(message) {
-                    Incoming::Response { id, result } => link.answer(id, result),
+                    Incoming::Response { id, result } => link.answer(
+                        id,
+                        result.map(|result| Answer {
+                            result,
+                            held: Some(held),
+                        }),
+                    ),
                     Incoming::Notification { method } => {
                         if method == "notifications/tools/list_changed" {
                             link.list_changed.notify_one();
@@ -659,6 +689,7 @@ mod tests {
             &sh("read line; echo 'hello, not JSON'; sleep 30"),
             &Launcher::Direct,
             1024,
+            Budget::new(1 << 20),
             Arc::new(Notify::new()),
         )
         .unwrap();
@@ -680,6 +711,47 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_answer_the_budget_cannot_hold_is_too_large_and_the_child_goes_on() {
+        // 4,000 zeros: 8 KB of text, ~800 KB by the budget's count, over a 256 KiB budget.
+        let budget = Budget::new(256 * 1024);
+        let link = ChildLink::spawn(
+            "t",
+            &sh(
+                "read line; printf '{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"z\":[0'; \
+                 i=0; while [ $i -lt 4000 ]; do printf ',0'; i=$((i+1)); done; printf ']}}\n'; \
+                 read line; echo '{\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{\"ok\":true}}'; sleep 30",
+            ),
+            &Launcher::Direct,
+            1 << 20,
+            budget.clone(),
+            Arc::new(Notify::new()),
+        )
+        .unwrap();
+        let (negotiated, cancel) = (Negotiated::modern(), CancellationToken::new());
+        let ask = || {
+            link.request(
+                &negotiated,
+                "x",
+                Map::new(),
+                &cancel,
+                Duration::from_secs(20),
+            )
+        };
+        let err = ask().await.unwrap_err();
+        assert!(
+            matches!(&err, CallError::TooLarge(why) if why.contains("upstream_memory")),
+            "{err:?}"
+        );
+        let answer = ask().await.unwrap();
+        assert_eq!(answer.result["ok"], true);
+        // The answer in hand holds its share; given back with it.
+        assert!(budget.try_take(budget.units()).is_none());
+        drop(answer);
+        assert!(budget.try_take(budget.units()).is_some());
+        link.stop(Duration::ZERO).await;
+    }
+
+    #[tokio::test]
     async fn every_request_of_a_burst_is_answered() {
         let dir = tempfile::tempdir().unwrap();
         let count = dir.path().join("answered");
@@ -695,6 +767,7 @@ mod tests {
             &sh(&script),
             &Launcher::Direct,
             1024,
+            Budget::new(1 << 20),
             Arc::new(Notify::new()),
         )
         .unwrap();
@@ -728,8 +801,15 @@ mod tests {
             cwd: Some("/".into()),
             confinement: None,
         };
-        let link =
-            ChildLink::spawn("t", &spec, &Launcher::Direct, 1024, Arc::new(Notify::new())).unwrap();
+        let link = ChildLink::spawn(
+            "t",
+            &spec,
+            &Launcher::Direct,
+            1024,
+            Budget::new(1 << 20),
+            Arc::new(Notify::new()),
+        )
+        .unwrap();
         let result = link
             .request(
                 &Negotiated::modern(),
@@ -739,7 +819,8 @@ mod tests {
                 Duration::from_secs(20),
             )
             .await
-            .unwrap();
+            .unwrap()
+            .result;
         assert_eq!(result["env"], format!("{DEFAULT_PATH}|this|"));
         link.stop(Duration::from_secs(1)).await;
     }

@@ -12,7 +12,8 @@ use std::sync::{Arc, Weak};
 use serde_json::{Map, Value};
 
 use super::Upstream;
-use super::protocol::CallError;
+use super::protocol::{Answer, CallError};
+use crate::budget::Share;
 use crate::catalog::{
     Annotations, Args, HostTool, Imported, OWN_META_PREFIX, ToolContext, ToolError, ToolFuture,
     ToolOutput, ToolSpec, UPSTREAM_META,
@@ -32,6 +33,8 @@ pub struct Listing {
     pub refused: Vec<(String, String)>,
     /// Tools `tools = [...]` does not select.
     pub excluded: usize,
+    /// The share of the upstreams' memory budget the list took when it was read.
+    pub held: Option<Share>,
 }
 
 impl Listing {
@@ -120,13 +123,24 @@ fn spec_of(
             config.name
         ));
     }
-    let input_schema = match definition.get("inputSchema") {
-        Some(Value::Object(schema)) => schema.clone(),
-        _ => return Err("its inputSchema is not a JSON object".into()),
-    };
-    if let Err(e) = serde_json::from_value::<rmcp::model::Tool>(Value::Object(definition.clone())) {
-        return Err(format!("not a valid MCP tool definition: {e}"));
+    if !matches!(definition.get("inputSchema"), Some(Value::Object(_))) {
+        return Err("its inputSchema is not a JSON object".into());
     }
+    {
+        use serde::Deserialize as _;
+        let whole = Value::Object(definition);
+        if let Err(e) = rmcp::model::Tool::deserialize(&whole) {
+            return Err(format!("not a valid MCP tool definition: {e}"));
+        }
+        let Value::Object(whole) = whole else {
+            unreachable!("made an object above")
+        };
+        definition = whole;
+    }
+    // Held once, in the spec; the listing keeps the rest of the definition.
+    let Some(Value::Object(input_schema)) = definition.remove("inputSchema") else {
+        unreachable!("looked at above")
+    };
     let description = match definition.get("description").and_then(Value::as_str) {
         Some(d) if !d.trim().is_empty() => d.to_owned(),
         _ => format!(
@@ -168,7 +182,11 @@ impl HostTool for ImportedTool {
             let result = upstream.call(&self.original, args, &ctx.cancel).await;
             let imported = self.spec.imported.as_ref();
             match result {
-                Ok(result) => passthrough(result, imported),
+                // The answer's budget share is given back once it is the caller's output.
+                Ok(Answer {
+                    result,
+                    held: _held,
+                }) => passthrough(result, imported),
                 Err(e) => Err(tool_error(&name, e)),
             }
         })

@@ -4,7 +4,8 @@
 //!   stdio and stateless Streamable HTTP) with a few plain tools;
 //! - `rogue [--slow-start SECS] [--events FILE] [--linger]`: a misbehaving double speaking
 //!   newline-delimited JSON-RPC by hand — it crashes mid-call, hangs, writes garbage,
-//!   floods stdout, answers too much, changes its tool list, leaves a grandchild behind.
+//!   floods stdout, answers too much, changes its tool list, leaves a grandchild behind,
+//!   answers and lists tools built to take far more memory parsed than as text.
 //!
 //! HTTP servers print `listening <addr>` once bound and exit when stdin closes. Events a
 //! test looks for (a cancellation that reached the server) are appended to `--events`.
@@ -280,6 +281,36 @@ fn announce(addr: &str) -> std::io::Result<()> {
 
 // ----- the rogue double -----
 
+/// What `amplify` asks the next tool lists to be: `pages` pages, each with one tool whose
+/// schema holds `values` zeros and whose description is `text` bytes long.
+#[derive(Clone, Copy, Default)]
+struct Amplified {
+    pages: u64,
+    values: u64,
+    text: u64,
+}
+
+/// A page of an amplified list: a tool of its own, and the cursor of the next page.
+fn amplified_page(a: Amplified, page: u64) -> Value {
+    let zeros = vec![0; usize::try_from(a.values).unwrap_or(0)];
+    let tool = json!({
+        "name": format!("bulk{page}"),
+        "description": "d".repeat(usize::try_from(a.text).unwrap_or(0)),
+        "inputSchema": {"type": "object", "default": zeros}
+    });
+    let mut tools = if page == 0 {
+        rogue_tools(false).as_array().cloned().unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    tools.push(tool);
+    if page + 1 < a.pages {
+        json!({"tools": tools, "nextCursor": (page + 1).to_string()})
+    } else {
+        json!({"tools": tools})
+    }
+}
+
 fn rogue_tools(changed: bool) -> Value {
     // Every tool claims to be harmless: the daemon must not believe it.
     let t = |name: &str| {
@@ -301,6 +332,8 @@ fn rogue_tools(changed: bool) -> Value {
         "pid",
         "fork",
         "run_query",
+        "dense",
+        "amplify",
     ]
     .iter()
     .map(|n| t(n))
@@ -323,6 +356,7 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     let mut changed = false;
+    let mut amplified: Option<Amplified> = None;
     let send = |out: &mut std::io::Stdout, v: Value| {
         let _ = writeln!(out, "{v}");
         let _ = out.flush();
@@ -349,7 +383,16 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                 let request = msg["params"]["requestId"].to_string();
                 record(&events, &format!("cancelled {request}"));
             }
-            "tools/list" => send(&mut out, answer(json!({"tools": rogue_tools(changed)}))),
+            "tools/list" => match amplified {
+                Some(a) => {
+                    let page = msg["params"]["cursor"]
+                        .as_str()
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(0);
+                    send(&mut out, answer(amplified_page(a, page)));
+                }
+                None => send(&mut out, answer(json!({"tools": rogue_tools(changed)}))),
+            },
             "tools/call" => {
                 let name = msg["params"]["name"].as_str().unwrap_or_default();
                 match name {
@@ -399,6 +442,31 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                         send(
                             &mut out,
                             answer(json!({"content": [{"type": "text", "text": "changed"}]})),
+                        );
+                        send(
+                            &mut out,
+                            json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}),
+                        );
+                    }
+                    "dense" => {
+                        // A result of a few megabytes that parses into far more.
+                        let n = msg["params"]["arguments"]["values"].as_u64().unwrap_or(0);
+                        let zeros = vec![0; usize::try_from(n).unwrap_or(0)];
+                        send(
+                            &mut out,
+                            answer(json!({"content": [], "structuredContent": {"zeros": zeros}})),
+                        );
+                    }
+                    "amplify" => {
+                        let arg = |k: &str| msg["params"]["arguments"][k].as_u64().unwrap_or(0);
+                        amplified = Some(Amplified {
+                            pages: arg("pages").max(1),
+                            values: arg("values"),
+                            text: arg("text"),
+                        });
+                        send(
+                            &mut out,
+                            answer(json!({"content": [{"type": "text", "text": "amplified"}]})),
                         );
                         send(
                             &mut out,

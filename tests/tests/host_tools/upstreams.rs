@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use robota_e2e::mcp::McpClient;
-use robota_e2e::procs::alive;
+use robota_e2e::procs::{alive, peak_rss_kib};
 use robota_e2e::upstream::{
     HttpServer, fixture_command, read_paths_with, sdk_stdio_argv, sdk_stdio_command, toml_array,
 };
@@ -372,6 +372,85 @@ async fn a_hang_times_out_and_garbage_floods_and_huge_answers_are_bounded() {
     );
     let status = d.status();
     assert_eq!(status.state, "serving");
+    client.close().await;
+}
+
+/// Answers and tool lists built to take far more memory parsed than as text — a few
+/// megabytes of `0,0,0,…` — are parsed only within `[limits] upstream_memory` (the
+/// defaults here): an answer the budget cannot hold is `result_too_large`, a list is
+/// refused and the old one kept, and the upstream goes on. Without the budget, the answer
+/// alone took ~400 MB and 64 such pages gigabytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_upstream_sends_is_parsed_within_the_memory_budget() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"30s\"\nconnect_timeout = \"30s\"\n\n{}",
+        fixture_command(&["rogue"]),
+        allow(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client.call("rogue.echo", json!({})).await.ok("echo");
+    let before = peak_rss_kib(d.pid());
+    // 4.8 MB, under the 8 MiB response limit; ~485 MB by the budget's count.
+    let dense = client
+        .call("rogue.dense", json!({"values": 2_400_000}))
+        .await
+        .err("result_too_large", "an answer of 2.4M values");
+    assert!(dense.contains("upstream_memory"), "{dense}");
+    client.call("rogue.echo", json!({})).await.ok("echo after");
+    // A schema of 2.4M values in a new list: refused, the old list served.
+    let refused_lists = |d: &Daemon| {
+        d.stderr_text()
+            .lines()
+            .filter(|l| l.contains("keeping the old one") && l.contains("upstream_memory"))
+            .count()
+    };
+    client
+        .call("rogue.amplify", json!({"values": 2_400_000}))
+        .await
+        .ok("amplify");
+    assert!(
+        poll_until_blocking(LIMIT, Duration::from_millis(100), || refused_lists(&d) >= 1),
+        "the list was not refused: {}",
+        d.stderr_text()
+    );
+    // 64 pages of 7.5 MB of text each (few values): the whole list is over the budget.
+    client
+        .call("rogue.amplify", json!({"pages": 64, "text": 7_500_000}))
+        .await
+        .ok("amplify pages");
+    assert!(
+        poll_until_blocking(LIMIT, Duration::from_millis(100), || refused_lists(&d) >= 2),
+        "the 64 pages were not refused: {}",
+        d.stderr_text()
+    );
+    let tools = listed(&client).await;
+    assert!(tools.contains_key("rogue.echo"), "{tools:?}");
+    assert!(!tools.keys().any(|t| t.contains("bulk")), "{tools:?}");
+    client
+        .call("rogue.echo", json!({}))
+        .await
+        .ok("echo after the lists");
+    // A list within the budget is taken.
+    client
+        .call("rogue.amplify", json!({"pages": 2, "values": 100_000}))
+        .await
+        .ok("amplify within the budget");
+    assert!(
+        robota_e2e::poll_until_async(LIMIT, Duration::from_millis(100), || async {
+            listed(&client).await.contains_key("rogue.bulk1")
+        })
+        .await,
+        "a list within the budget was not taken"
+    );
+    let grew = peak_rss_kib(d.pid()).saturating_sub(before);
+    eprintln!("the daemon's peak resident set grew by {} MiB", grew / 1024);
+    // The budget is 256 MiB; what parsing takes stays within it.
+    assert!(
+        grew < 384 * 1024,
+        "the daemon's peak grew by {} MiB",
+        grew / 1024
+    );
     client.close().await;
 }
 

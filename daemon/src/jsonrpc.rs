@@ -89,18 +89,7 @@ impl Invalid {
 
 /// Inspect one message body.
 pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
-    let mut values = 0usize;
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let top = Probe {
-        values: &mut values,
-        depth: 0,
-        params: false,
-        keep: false,
-    }
-    .deserialize(&mut de)
-    .and_then(|top| de.end().map(|()| top))
-    .map_err(|e| Invalid::Parse(short(&e)))?;
-    let cost = body.len().saturating_add(values.saturating_mul(VALUE_COST));
+    let (top, cost) = probe(body).map_err(Invalid::Parse)?;
     let fields = match top {
         Kind::Object(Some(fields)) => fields,
         Kind::Array => {
@@ -199,6 +188,32 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
             why: "a request needs a `method`",
         }),
     }
+}
+
+/// The memory parsing `body` may take (its text plus [`VALUE_COST`] per JSON value), for
+/// a message whose shape is judged elsewhere (what an upstream sends): the same strict
+/// pass, so it is `Err` for what is not JSON, trailing data or a duplicate key.
+pub fn parse_cost(body: &[u8]) -> Result<usize, String> {
+    probe(body).map(|(_, cost)| cost)
+}
+
+/// One strict pass over `body`: its top-level kind and its parse cost.
+fn probe(body: &[u8]) -> Result<(Kind, usize), String> {
+    let mut values = 0usize;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let top = Probe {
+        values: &mut values,
+        depth: 0,
+        params: false,
+        keep: false,
+    }
+    .deserialize(&mut de)
+    .and_then(|top| de.end().map(|()| top))
+    .map_err(|e| short(&e))?;
+    Ok((
+        top,
+        body.len().saturating_add(values.saturating_mul(VALUE_COST)),
+    ))
 }
 
 fn short(e: &serde_json::Error) -> String {
