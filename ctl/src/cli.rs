@@ -92,6 +92,8 @@ Examples:
   robota-mcpctl upstreams
   robota-mcpctl --json upstreams | jq '.upstreams[] | {name, state}'
   robota-mcpctl upstreams restart pg
+  robota-mcpctl upstreams diff pg
+  robota-mcpctl upstreams approve pg
 
 States: starting, up, backoff (failed; the next attempt waits), down (not ready within
 the start bound, or stopped). A tool that could not be imported is listed with why.")]
@@ -209,6 +211,28 @@ Example:
 Example:
   robota-mcpctl upstreams restart pg")]
     Restart {
+        /// The upstream's name (its `[upstreams.<name>]` table)
+        #[arg(value_name = "NAME")]
+        name: String,
+    },
+
+    /// How an upstream's tool surface differs from the approved one: tools added,
+    /// removed and changed (member by member, old and new), and its executable
+    #[command(after_help = "\
+Example:
+  robota-mcpctl upstreams diff fetch")]
+    Diff {
+        /// The upstream's name (its `[upstreams.<name>]` table)
+        #[arg(value_name = "NAME")]
+        name: String,
+    },
+
+    /// Approve an upstream's tool surface as it lists it now: its held tools are served
+    /// (audited as upstream-approved)
+    #[command(after_help = "\
+Example:
+  robota-mcpctl upstreams diff fetch && robota-mcpctl upstreams approve fetch")]
+    Approve {
         /// The upstream's name (its `[upstreams.<name>]` table)
         #[arg(value_name = "NAME")]
         name: String,

@@ -148,6 +148,25 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             reply @ Reply::Upstream { .. } => print_json(&reply),
             other => Err(unexpected("upstream", &other)),
         },
+        CtlCommand::Upstreams {
+            command: Some(UpstreamsCommand::Diff { name }),
+        } => match call(ctx, Command::UpstreamDiff { name: name.clone() })? {
+            Reply::UpstreamDiff(diff) if !ctx.json => print(&render::upstream_diff(&diff)),
+            reply @ Reply::UpstreamDiff(_) => print_json(&reply),
+            other => Err(unexpected("upstream-diff", &other)),
+        },
+        CtlCommand::Upstreams {
+            command: Some(UpstreamsCommand::Approve { name }),
+        } => match call(ctx, Command::UpstreamApprove { name: name.clone() })? {
+            Reply::Upstream { upstream } if !ctx.json => print(&format!(
+                "upstream {} approved: surface {}\n\n{}",
+                render::clean(&upstream.name),
+                upstream.surface.as_deref().unwrap_or("(none)"),
+                render::upstreams(std::slice::from_ref(&upstream))
+            )),
+            reply @ Reply::Upstream { .. } => print_json(&reply),
+            other => Err(unexpected("upstream", &other)),
+        },
         CtlCommand::Stdio => stdio(ctx),
         CtlCommand::Stop => match call(ctx, Command::Stop)? {
             Reply::Stopping if !ctx.json => print("robota-mcpd is stopping\n"),

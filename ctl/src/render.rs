@@ -4,7 +4,8 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use robota_proto::{
-    BearerInfo, GrantKind, GrantRecord, JobRecord, KeySetStatus, Status, UpstreamStatus,
+    BearerInfo, GrantKind, GrantRecord, JobRecord, KeySetStatus, Status, UpstreamDiff,
+    UpstreamStatus,
 };
 
 /// Characters that are invisible or reorder text, beyond the C0/C1 controls and DEL that
@@ -364,7 +365,71 @@ pub fn upstreams(upstreams: &[UpstreamStatus]) -> String {
                 clean(error)
             ));
         }
+        if let Some(surface) = &u.surface {
+            out.push_str(&format!(
+                "{} surface {}{}\n",
+                clean(&u.name),
+                clean(surface),
+                if u.drift {
+                    format!(
+                        " — changed since approved, changes held (robota-mcpctl upstreams diff {})",
+                        clean(&u.name)
+                    )
+                } else {
+                    String::new()
+                }
+            ));
+        }
     }
+    out
+}
+
+/// What `upstreams diff NAME` shows: the approved and current surfaces, then each tool
+/// added, removed or changed, member by member (approved `-`, current `+`).
+pub fn upstream_diff(d: &UpstreamDiff) -> String {
+    let name = clean(&d.name);
+    let mut out = format!(
+        "upstream {name}\napproved surface {}{}\ncurrent surface  {}\n",
+        d.approved.as_deref().map_or(Cow::Borrowed("(none)"), clean),
+        match (&d.approved_by, d.approved_at) {
+            (Some(by), Some(at)) => format!(" (by {}, {})", clean(by), rfc3339(at)),
+            _ => String::new(),
+        },
+        d.current.as_deref().map_or(Cow::Borrowed("(none)"), clean),
+    );
+    if d.approved == d.current
+        && d.added.is_empty()
+        && d.removed.is_empty()
+        && d.changed.is_empty()
+        && !d.executable_changed
+    {
+        out.push_str("no changes: every tool it lists is approved\n");
+        return out;
+    }
+    if d.executable_changed {
+        out.push_str("the executable it starts changed: every tool is held\n");
+    }
+    for tool in &d.added {
+        out.push_str(&format!("added   {}\n", clean(tool)));
+    }
+    for tool in &d.removed {
+        out.push_str(&format!("removed {}\n", clean(tool)));
+    }
+    for change in &d.changed {
+        out.push_str(&format!("changed {}\n", clean(&change.tool)));
+        for member in &change.members {
+            out.push_str(&format!("  {}\n", clean(&member.member)));
+            if let Some(approved) = &member.approved {
+                out.push_str(&format!("    - {}\n", clean(approved)));
+            }
+            if let Some(current) = &member.current {
+                out.push_str(&format!("    + {}\n", clean(current)));
+            }
+        }
+    }
+    out.push_str(&format!(
+        "approve with: robota-mcpctl upstreams approve {name}\n"
+    ));
     out
 }
 
@@ -423,6 +488,14 @@ pub fn audit(records: &[robota_proto::AuditRecord]) -> String {
                     g.grant_id,
                     clean(&g.caller),
                     clean(&g.by)
+                ));
+            }
+            if let Some(u) = &r.upstream {
+                notes.push(format!(
+                    "upstream {} surface {} by {}",
+                    clean(&u.name),
+                    clean(&u.surface),
+                    clean(&u.by)
                 ));
             }
             let line = format!(
@@ -818,6 +891,8 @@ mod tests {
             listed_from_cache: true,
             restarts: 3,
             last_error: Some("it closed its stdout\n\u{1b}[31m".into()),
+            surface: Some("ab12".into()),
+            drift: true,
         };
         let text = upstreams(std::slice::from_ref(&u));
         for needle in [

@@ -664,6 +664,7 @@ fn human_output_escapes_every_caller_controlled_string() {
             by: HOSTILE.into(),
             tool: Some(HOSTILE.into()),
         }),
+        upstream: None,
         count: None,
     };
     let cases: Vec<(Response, Vec<&str>, usize)> = vec![
@@ -810,6 +811,7 @@ fn audit_shows_an_aggregate_with_its_count() {
         throttled: false,
         address_class: "loopback".into(),
         grant: None,
+        upstream: None,
         count,
     };
     let reply = Reply::Audit {

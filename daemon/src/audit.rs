@@ -29,7 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::health::Health;
-use crate::vocab::{AddressClass, Carrier, GrantEvent, Reason, StatePart};
+use crate::vocab::{AddressClass, Carrier, GrantEvent, Reason, StatePart, UpstreamEvent};
 use parking_lot::Mutex;
 use robota_proto::AuditRecord;
 
@@ -307,6 +307,7 @@ impl State {
                 throttled: f.key.throttled,
                 address_class: f.key.address_class.as_str().to_owned(),
                 grant: None,
+                upstream: None,
                 count: (f.count > 1).then_some(f.count),
             };
             log.behind |= self.keep(wire);
@@ -507,6 +508,7 @@ impl Audit {
                     throttled: record.throttled,
                     address_class: record.address_class.as_str().to_owned(),
                     grant: None,
+                    upstream: None,
                     count: None,
                 };
                 log.behind |= state.keep(wire);
@@ -537,6 +539,48 @@ impl Audit {
             event.as_str().trim_start_matches("grant-")
         );
         let carrier = if by == caller { "session" } else { "control" };
+        let grant = robota_proto::GrantRef {
+            grant_id,
+            caller: caller.to_owned(),
+            by: by.to_owned(),
+            tool: tool.map(str::to_owned),
+        };
+        self.event(carrier, event.as_str(), Some(grant), None);
+    }
+
+    /// Record an event of an upstream's tool surface: trusted on first use, a drift
+    /// seen (held), or an approval by the operator (`by` = `local:<uid>`).
+    pub fn upstream(&self, event: UpstreamEvent, name: &str, surface: &str, by: &str) {
+        tracing::info!(
+            target: "robota_mcpd::audit",
+            event = event.as_str(),
+            upstream = name,
+            surface,
+            by,
+            "upstream surface {}",
+            event.as_str().trim_start_matches("upstream-")
+        );
+        let carrier = if by.starts_with("local:") {
+            "control"
+        } else {
+            "upstream"
+        };
+        let upstream = robota_proto::UpstreamRef {
+            name: name.to_owned(),
+            surface: surface.to_owned(),
+            by: by.to_owned(),
+        };
+        self.event(carrier, event.as_str(), None, Some(upstream));
+    }
+
+    /// Keeps one event record (never folded into an aggregate).
+    fn event(
+        &self,
+        carrier: &str,
+        reason: &str,
+        grant: Option<robota_proto::GrantRef>,
+        upstream: Option<robota_proto::UpstreamRef>,
+    ) {
         let now = unix(SystemTime::now());
         let mut log = Log::default();
         {
@@ -546,15 +590,11 @@ impl Audit {
                 seq: state.take_seq(),
                 time: now,
                 carrier: carrier.to_owned(),
-                reason: event.as_str().to_owned(),
+                reason: reason.to_owned(),
                 throttled: false,
                 address_class: AddressClass::Unknown.as_str().to_owned(),
-                grant: Some(robota_proto::GrantRef {
-                    grant_id,
-                    caller: caller.to_owned(),
-                    by: by.to_owned(),
-                    tool: tool.map(str::to_owned),
-                }),
+                grant,
+                upstream,
                 count: None,
             };
             log.behind |= state.keep(wire);
@@ -1300,6 +1340,7 @@ mod tests {
             throttled: false,
             address_class: "loopback".into(),
             grant: None,
+            upstream: None,
             count: None,
         }
     }
@@ -1346,6 +1387,7 @@ mod tests {
             throttled: false,
             address_class: "loopback".into(),
             grant: None,
+            upstream: None,
             count: None,
         };
         send_waiting(&tx, wire(1, "grant-requested"));

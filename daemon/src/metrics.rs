@@ -47,6 +47,7 @@ struct Inner {
     upstream_up: IntGaugeVec,
     upstream_restarts: IntCounterVec,
     upstream_tools: IntGaugeVec,
+    upstream_drift: IntGaugeVec,
     /// Tool label values given out so far (bounded: imported names come and go).
     tool_labels: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
@@ -188,6 +189,11 @@ impl Metrics {
             "Tools imported from a downstream MCP server, by upstream.",
             &["upstream"],
         );
+        let upstream_drift = gauge_vec(
+            "upstream_drift",
+            "Whether a downstream MCP server's tool surface differs from the approved one and its changes are held (1) or not (0), by upstream.",
+            &["upstream"],
+        );
         let state_write_failures = counter(
             "state_write_failures_total",
             "Writes to the state directory that failed (a full disk, an I/O error), by part (audit, store).",
@@ -317,6 +323,7 @@ impl Metrics {
             upstream_up,
             upstream_restarts,
             upstream_tools,
+            upstream_drift,
             tool_labels: parking_lot::Mutex::new(std::collections::HashSet::new()),
         }))
     }
@@ -327,6 +334,13 @@ impl Metrics {
             .upstream_up
             .with_label_values(&[upstream])
             .set(i64::from(up));
+    }
+
+    pub fn upstream_drift(&self, upstream: &str, held: bool) {
+        self.0
+            .upstream_drift
+            .with_label_values(&[upstream])
+            .set(i64::from(held));
     }
 
     pub fn upstream_restart(&self, upstream: &str) {
@@ -342,6 +356,7 @@ impl Metrics {
         let inner = &self.0;
         drop_gone(&inner.upstream_up, configured);
         drop_gone(&inner.upstream_tools, configured);
+        drop_gone(&inner.upstream_drift, configured);
         drop_gone(&inner.upstream_restarts, configured);
     }
 
@@ -687,6 +702,7 @@ mod tests {
         m.upstream_up("pg", true);
         m.upstream_restart("pg");
         m.upstream_tools("pg", 2);
+        m.upstream_drift("pg", true);
         let families = m.0.registry.gather();
         assert!(families.len() >= 9);
         for family in &families {

@@ -199,6 +199,18 @@ closed_set! {
 }
 
 closed_set! {
+    /// An event of an upstream's tool surface (docs/design.md §13.9).
+    pub enum UpstreamEvent {
+        /// The first listing ever seen, trusted on first use and recorded.
+        Pinned = "upstream-pinned",
+        /// A listing that differs from the approved surface: its changes are held.
+        Drift = "upstream-drift",
+        /// The operator approved the surface as listed now.
+        Approved = "upstream-approved",
+    }
+}
+
+closed_set! {
     /// The visible tool errors: every tool failure is one of these, never a hang or a
     /// transport failure.
     pub enum ToolErrorCode {
@@ -516,6 +528,11 @@ mod tests {
             of(Reason::ALL, Reason::as_str, Reason::parse),
             of(AddressClass::ALL, AddressClass::as_str, AddressClass::parse),
             of(GrantEvent::ALL, GrantEvent::as_str, GrantEvent::parse),
+            of(
+                UpstreamEvent::ALL,
+                UpstreamEvent::as_str,
+                UpstreamEvent::parse,
+            ),
             of(
                 ToolErrorCode::ALL,
                 ToolErrorCode::as_str,

@@ -174,6 +174,15 @@ pub enum Command {
     UpstreamRestart {
         name: String,
     },
+    /// How an upstream's tool surface differs from the one last approved (or trusted on
+    /// first use): tools added, removed or changed, and its executable.
+    UpstreamDiff {
+        name: String,
+    },
+    /// Approve an upstream's tool surface as it is now: its held tools are served.
+    UpstreamApprove {
+        name: String,
+    },
 }
 
 impl Command {
@@ -190,7 +199,9 @@ impl Command {
             Command::GrantShow { .. } | Command::GrantDeny { .. } | Command::GrantRevoke { .. } => {
                 &["grant_id"]
             }
-            Command::UpstreamRestart { .. } => &["name"],
+            Command::UpstreamRestart { .. }
+            | Command::UpstreamDiff { .. }
+            | Command::UpstreamApprove { .. } => &["name"],
             Command::Status
             | Command::BearerList
             | Command::BearerRotate
@@ -293,10 +304,12 @@ pub enum Reply {
     Upstreams {
         upstreams: Vec<UpstreamStatus>,
     },
-    /// The upstream after `upstream-restart`.
+    /// The upstream after `upstream-restart` or `upstream-approve`.
     Upstream {
         upstream: UpstreamStatus,
     },
+    /// The answer to `upstream-diff`.
+    UpstreamDiff(UpstreamDiff),
 }
 
 impl Reply {
@@ -319,6 +332,7 @@ impl Reply {
             Reply::KeySet(_) => "key-set",
             Reply::Upstreams { .. } => "upstreams",
             Reply::Upstream { .. } => "upstream",
+            Reply::UpstreamDiff(_) => "upstream-diff",
         }
     }
 }
@@ -507,6 +521,10 @@ pub struct AuditRecord {
     /// Grant events only: which grant, whose, and who acted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant: Option<GrantRef>,
+    /// Upstream surface events only (`upstream-pinned`, `upstream-drift`,
+    /// `upstream-approved`): which upstream, its surface, and who acted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<UpstreamRef>,
     /// Aggregates only: this record stands for `count` (2 or more) refusals with these
     /// fields in the one-second interval starting at `time`, past the rate at which each
     /// refusal gets a record of its own. Absent on every other record, which stands for
@@ -706,6 +724,72 @@ pub struct UpstreamStatus {
     /// Why it last failed, for the operator.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// SHA-256 of its tool surface as it lists it now (every tool's name, title,
+    /// description, schemas and annotations, and a stdio upstream's executable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub surface: Option<String>,
+    /// Its surface differs from the approved one: changed and new tools are held (among
+    /// `refused`) until `upstream-approve`.
+    #[serde(default)]
+    pub drift: bool,
+}
+
+/// How an upstream's tool surface differs from the approved one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamDiff {
+    pub name: String,
+    /// The approved surface's digest; none before the first listing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved: Option<String>,
+    /// The surface's digest as listed now; none before the first listing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<String>,
+    /// When and by whom the approved surface was approved (`first-use` for the first
+    /// listing, else `local:<uid>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_by: Option<String>,
+    /// A stdio upstream's executable is not the one approved (every tool is held).
+    #[serde(default)]
+    pub executable_changed: bool,
+    /// Tools (the upstream's own names) listed now and not approved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub added: Vec<String>,
+    /// Tools approved and no longer listed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<String>,
+    /// Tools listed both times whose surface changed, member by member.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<ToolChange>,
+}
+
+/// One changed tool of an [`UpstreamDiff`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolChange {
+    pub tool: String,
+    pub members: Vec<MemberChange>,
+}
+
+/// One member of a tool definition (`description`, `inputSchema`, …), as canonical JSON
+/// text (absent: the member was not there; cut at 4 KiB with `…`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberChange {
+    pub member: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<String>,
+}
+
+/// The upstream an audit record is about.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamRef {
+    pub name: String,
+    /// The surface digest the event is about (pinned, seen, or approved).
+    pub surface: String,
+    /// `first-use`, `the daemon` (drift) or `local:<uid>` (an approval).
+    pub by: String,
 }
 
 /// A tool an upstream offers that was not imported.

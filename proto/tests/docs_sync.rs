@@ -7,7 +7,7 @@ use std::path::Path;
 use robota_proto::{
     BearerInfo, Command, ErrorCode, GrantKind, GrantRecord, GrantState, JobRecord, JobState,
     KeySetStatus, KeySourceKind, PROTOCOL_VERSION, Reply, Request, Response, Secret, Status,
-    UpstreamStatus, exit,
+    UpstreamDiff, UpstreamStatus, exit,
 };
 use serde_json::Value;
 
@@ -54,7 +54,9 @@ fn all_commands() -> Vec<Command> {
             Command::Restart => Some(Command::KeysRefresh),
             Command::KeysRefresh => Some(Command::Upstreams),
             Command::Upstreams => Some(Command::UpstreamRestart { name: "pg".into() }),
-            Command::UpstreamRestart { .. } => None,
+            Command::UpstreamRestart { .. } => Some(Command::UpstreamDiff { name: "pg".into() }),
+            Command::UpstreamDiff { .. } => Some(Command::UpstreamApprove { name: "pg".into() }),
+            Command::UpstreamApprove { .. } => None,
         }
     }
     chain(Command::Status, next)
@@ -104,7 +106,18 @@ fn all_replies() -> Vec<Reply> {
             Reply::Upstreams { .. } => Some(Reply::Upstream {
                 upstream: upstream(),
             }),
-            Reply::Upstream { .. } => None,
+            Reply::Upstream { .. } => Some(Reply::UpstreamDiff(UpstreamDiff {
+                name: "pg".into(),
+                approved: Some("a".into()),
+                current: Some("b".into()),
+                approved_at: Some(0),
+                approved_by: Some("first-use".into()),
+                executable_changed: false,
+                added: vec!["drop".into()],
+                removed: Vec::new(),
+                changed: Vec::new(),
+            })),
+            Reply::UpstreamDiff(_) => None,
         }
     }
     chain(Reply::Status(status()), next)
@@ -209,6 +222,8 @@ fn upstream() -> UpstreamStatus {
         listed_from_cache: false,
         restarts: 0,
         last_error: None,
+        surface: Some("ab12".into()),
+        drift: false,
     }
 }
 
@@ -328,7 +343,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
     assert!(!seen.error_codes.is_empty(), "no error frame example");
 
     let commands = all_commands();
-    assert_eq!(commands.len(), 20, "the command chain lost a link");
+    assert_eq!(commands.len(), 22, "the command chain lost a link");
     for command in &commands {
         let cmd = tag_of(command, "cmd");
         assert!(seen.cmds.contains(&cmd), "no request example for `{cmd}`");
@@ -342,7 +357,7 @@ fn every_json_example_decodes_and_every_command_and_reply_has_one() {
         );
     }
     let replies = all_replies();
-    assert_eq!(replies.len(), 16, "the reply chain lost a link");
+    assert_eq!(replies.len(), 17, "the reply chain lost a link");
     for reply in &replies {
         let kind = tag_of(reply, "kind");
         assert!(

@@ -38,6 +38,8 @@ pub struct UpstreamConfig {
     pub response_limit: u64,
     /// Largest streamed (SSE) response, all events together.
     pub stream_limit: u64,
+    /// A changed tool surface is held until the operator approves it (default true).
+    pub pin: bool,
 }
 
 /// How the server is reached.
@@ -167,6 +169,7 @@ pub(super) struct RawUpstream {
     restart: Option<RawBackoff>,
     response_limit: Option<SizeText>,
     stream_limit: Option<SizeText>,
+    pin: Option<bool>,
     #[serde(default)]
     aliases: BTreeMap<String, String>,
 }
@@ -530,6 +533,7 @@ pub(super) fn validate(
             restart,
             response_limit,
             stream_limit,
+            pin: u.pin.unwrap_or(true),
         });
     }
     out

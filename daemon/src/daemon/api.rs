@@ -59,6 +59,8 @@ impl ControlApi for Api {
                 upstreams: core.upstreams_status(),
             }),
             Command::UpstreamRestart { name } => upstream_restart(core, &name, peer).await,
+            Command::UpstreamDiff { name } => upstream_diff(core, &name),
+            Command::UpstreamApprove { name } => upstream_approve(core, &name, peer).await,
             // The control socket switches the connection over before a handler sees it.
             Command::Mcp => Response::error(
                 ErrorCode::BadRequest,
@@ -113,15 +115,17 @@ fn audit(
     after_seq: Option<u64>,
     limit: Option<u32>,
 ) -> Response {
-    use crate::vocab::{GrantEvent, Reason};
+    use crate::vocab::{GrantEvent, Reason, UpstreamEvent};
     if let Some(r) = reason.as_deref()
         && Reason::parse(r).is_none()
         && GrantEvent::parse(r).is_none()
+        && UpstreamEvent::parse(r).is_none()
     {
         let known: Vec<&str> = Reason::ALL
             .iter()
             .map(|r| r.as_str())
             .chain(GrantEvent::ALL.iter().map(|e| e.as_str()))
+            .chain(UpstreamEvent::ALL.iter().map(|e| e.as_str()))
             .collect();
         return Response::error(
             ErrorCode::BadRequest,
@@ -168,6 +172,44 @@ async fn upstream_restart(core: &Core, name: &str, peer: Peer) -> Response {
             ),
         ),
         None => Response::error(ErrorCode::NotFound, format!("no upstream named {name:?}")),
+    }
+}
+
+/// The upstream named `name` of the current session, or the error to answer.
+fn upstream_named(core: &Core, name: &str) -> Result<Arc<crate::upstream::Upstream>, Response> {
+    let upstreams = core.upstreams.read().clone();
+    let Some(upstreams) = upstreams else {
+        return Err(Response::error(
+            ErrorCode::Unavailable,
+            "no session is attached (restarting?)",
+        ));
+    };
+    upstreams
+        .get(name)
+        .cloned()
+        .ok_or_else(|| Response::error(ErrorCode::NotFound, format!("no upstream named {name:?}")))
+}
+
+/// `upstream-diff NAME`: how its surface differs from the approved one.
+fn upstream_diff(core: &Core, name: &str) -> Response {
+    match upstream_named(core, name) {
+        Ok(upstream) => Response::ok(Reply::UpstreamDiff(upstream.diff())),
+        Err(refused) => refused,
+    }
+}
+
+/// `upstream-approve NAME`: its surface as listed now becomes the approved one.
+async fn upstream_approve(core: &Core, name: &str, peer: Peer) -> Response {
+    let upstream = match upstream_named(core, name) {
+        Ok(upstream) => upstream,
+        Err(refused) => return refused,
+    };
+    let by = format!("local:{}", peer.uid);
+    // Reads and writes files and may rebuild the catalog: off the async workers.
+    match tokio::task::spawn_blocking(move || upstream.approve(&by)).await {
+        Ok(Ok(upstream)) => Response::ok(Reply::Upstream { upstream }),
+        Ok(Err(why)) => Response::error(ErrorCode::Unavailable, why),
+        Err(_) => Response::error(ErrorCode::Internal, "the approval did not finish"),
     }
 }
 

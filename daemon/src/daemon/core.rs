@@ -682,7 +682,7 @@ pub(super) async fn start_session(
     host: &Arc<Host>,
     view: Arc<dyn HostView>,
 ) -> Result<(Arc<Session>, Arc<Upstreams>), DaemonError> {
-    let upstreams = Arc::new(plan.upstreams());
+    let upstreams = Arc::new(plan.upstreams(host.audit.clone()));
     if !upstreams.is_empty() {
         upstreams.start(UPSTREAM_START_BOUND).await;
     }

@@ -7,6 +7,7 @@ use std::time::SystemTime;
 
 use sha2::Digest;
 
+use crate::audit::Audit;
 use crate::budget::Budget;
 use crate::catalog::{self, Catalog, CatalogError, Fixed, HostView, Source};
 use crate::config::Source as ConfigSource;
@@ -197,7 +198,7 @@ impl Plan {
     }
 
     /// The upstreams of a new session generation (not started yet).
-    pub fn upstreams(&self) -> Upstreams {
+    pub fn upstreams(&self, audit: Arc<Audit>) -> Upstreams {
         Upstreams::new(
             &self.config.upstreams,
             upstream::Context {
@@ -211,6 +212,7 @@ impl Plan {
                 hidden: self.kept_from_upstreams(),
                 metrics: self.metrics.clone(),
                 memory: Budget::new(self.config.limits.upstream_memory),
+                audit,
             },
         )
     }
@@ -363,6 +365,7 @@ fn inert_upstreams(config: &Config) -> Upstreams {
             hidden: Vec::new(),
             metrics: Metrics::new(),
             memory: Budget::new(config.limits.upstream_memory),
+            audit: Arc::new(Audit::new()),
         },
     )
 }

@@ -11,6 +11,7 @@
 
 pub mod confine;
 pub mod http;
+pub mod pin;
 pub mod protocol;
 pub mod stdio;
 pub mod tool;
@@ -21,21 +22,23 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, RwLock};
-use robota_proto::{RefusedTool, UpstreamStatus};
+use robota_proto::{RefusedTool, ToolChange, UpstreamDiff, UpstreamStatus};
 use serde_json::{Map, Value};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
 use self::http::{HttpBounds, HttpLink};
+use self::pin::{Drift, Pinned, Surface};
 use self::protocol::{Answer, CallError, Listed, Negotiated, Rpc, Unread};
 use self::stdio::{ChildLink, ChildSpec, STOP_GRACE};
 pub use self::stdio::{Launcher, exec_child};
 use self::tool::Listing;
+use crate::audit::Audit;
 use crate::budget::Budget;
 use crate::catalog::{Catalog, HostTool, Source};
 use crate::config::{Children, UpstreamConfig, UpstreamEndpoint};
 use crate::metrics::Metrics;
-use crate::vocab::{UpstreamKind, UpstreamState};
+use crate::vocab::{UpstreamEvent, UpstreamKind, UpstreamState};
 
 /// A child up this long without failing counts as healthy: the backoff starts over.
 const HEALTHY: Duration = Duration::from_secs(60);
@@ -63,6 +66,7 @@ pub struct Context {
     pub metrics: Metrics,
     /// What every upstream's answers and tool lists share (`[limits] upstream_memory`).
     pub memory: Budget,
+    pub audit: Arc<Audit>,
 }
 
 /// Every configured upstream of one session generation.
@@ -133,6 +137,11 @@ impl Upstreams {
         let limit = upstream.config.connect_timeout + STOP_GRACE + Duration::from_secs(1);
         let _ = tokio::time::timeout(limit, attempts.wait_for(|n| *n > before)).await;
         Some(upstream.status())
+    }
+
+    /// One upstream by name.
+    pub fn get(&self, name: &str) -> Option<&Arc<Upstream>> {
+        self.list.iter().find(|u| u.config.name == name)
     }
 
     /// Stops every upstream: children get SIGTERM, then SIGKILL after a grace.
@@ -223,7 +232,22 @@ pub struct Upstream {
     per_call: Arc<Semaphore>,
     catalog: Mutex<Weak<Catalog>>,
     supervisor: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pin: Mutex<PinState>,
+    /// A stdio upstream's executable: what identifies the file, and its SHA-256.
+    executable: Mutex<Option<(ExecutableKey, String)>>,
 }
+
+/// The approved surface, the one listed last, and the last drift audited.
+#[derive(Default)]
+struct PinState {
+    approved: Option<Surface>,
+    now: Option<Surface>,
+    audited: Option<String>,
+}
+
+/// Device, inode, size and modification time: the executable is hashed again only when
+/// one of them changed.
+type ExecutableKey = (u64, u64, u64, i64, i64);
 
 /// Why serving stopped.
 enum Ended {
@@ -254,9 +278,12 @@ impl Upstream {
             per_call: Arc::new(Semaphore::new(MAX_PER_CALL)),
             catalog: Mutex::new(Weak::new()),
             supervisor: Mutex::new(None),
+            pin: Mutex::new(PinState::default()),
+            executable: Mutex::new(None),
             config,
             context,
         });
+        upstream.pin.lock().approved = upstream.read_pin().map(|p| p.surface());
         if let Some(listed) = upstream.read_known() {
             upstream.set_listing(listed, true);
         }
@@ -379,7 +406,9 @@ impl Upstream {
         let limit = self.config.connect_timeout;
         let bounded = async {
             match &self.config.endpoint {
-                UpstreamEndpoint::Command { children, .. } => {
+                UpstreamEndpoint::Command { children, argv, .. } => {
+                    self.fingerprint_executable(argv.first().map(PathBuf::from))
+                        .await;
                     let link = self.spawn_child()?;
                     let ready = async {
                         let negotiated =
@@ -654,12 +683,19 @@ impl Upstream {
 
     /// Replaces the tool list (and keeps it in the state directory); the catalog gets a
     /// new generation when the tools changed. The new listing holds the budget share its
-    /// pages took for as long as it is served.
+    /// pages took for as long as it is served. Tools the pin holds are not served.
     fn set_listing(&self, listed: Listed, from_cache: bool) {
+        let surface = Surface::of(&listed.tools, self.executable_sha());
+        let drift = self.judge(&surface, &listed.tools);
         let mut listing = tool::import(&self.config, &listed.tools, &self.me);
+        listing.hold(&drift, &self.config.name);
+        listing.surface = Some(surface.digest());
+        listing.drift = !drift.is_empty();
         let changed = {
             let current = self.listing.read();
-            current.specs() != listing.specs() || current.refused != listing.refused
+            current.specs() != listing.specs()
+                || current.refused != listing.refused
+                || current.surface != listing.surface
         };
         self.shown.lock().from_cache = from_cache;
         if !changed {
@@ -679,6 +715,189 @@ impl Upstream {
         if let Some(catalog) = self.catalog.lock().upgrade() {
             let snapshot = catalog.rebuild();
             tracing::info!(upstream = %self.config.name, generation = snapshot.generation(), "catalog rebuilt with the upstream's new tools");
+        }
+    }
+
+    /// Compares `surface` with the approved one: the first surface ever listed is
+    /// trusted and kept; a different one is a drift, audited once, counted in the drift
+    /// gauge and — with `pin = true` — held.
+    fn judge(&self, surface: &Surface, listed: &[Value]) -> Drift {
+        let mut pin = self.pin.lock();
+        pin.now = Some(surface.clone());
+        let Some(approved) = &pin.approved else {
+            let digest = surface.digest();
+            if self.context.persist {
+                self.write_pin(listed, surface.executable.as_deref(), "first-use");
+                self.context.audit.upstream(
+                    UpstreamEvent::Pinned,
+                    &self.config.name,
+                    &digest,
+                    "first-use",
+                );
+            }
+            pin.approved = Some(surface.clone());
+            self.context
+                .metrics
+                .upstream_drift(&self.config.name, false);
+            return Drift::default();
+        };
+        let drift = Drift::between(approved, surface);
+        let held = self.config.pin && !drift.is_empty();
+        self.context.metrics.upstream_drift(&self.config.name, held);
+        if drift.is_empty() {
+            pin.audited = None;
+            return drift;
+        }
+        let digest = surface.digest();
+        if pin.audited.as_deref() != Some(digest.as_str()) && self.context.persist {
+            tracing::warn!(
+                upstream = %self.config.name,
+                added = drift.added.len(),
+                removed = drift.removed.len(),
+                changed = drift.changed.len(),
+                executable_changed = drift.executable,
+                held,
+                "the upstream's tool surface differs from the approved one; see robota-mcpctl upstreams diff {}",
+                self.config.name
+            );
+            self.context.audit.upstream(
+                UpstreamEvent::Drift,
+                &self.config.name,
+                &digest,
+                "the daemon",
+            );
+            pin.audited = Some(digest);
+        }
+        if held { drift } else { Drift::default() }
+    }
+
+    /// Approves the surface as last listed (`by`: `local:<uid>`): kept in the pin file,
+    /// audited, and the held tools served.
+    pub fn approve(&self, by: &str) -> Result<UpstreamStatus, String> {
+        let Some(listed) = self.read_known() else {
+            return Err(format!(
+                "upstream {} has not listed its tools yet; there is nothing to approve",
+                self.config.name
+            ));
+        };
+        let surface = Surface::of(&listed.tools, self.executable_sha());
+        let digest = surface.digest();
+        if !self.write_pin(&listed.tools, surface.executable.as_deref(), by) {
+            return Err(format!(
+                "cannot keep the approval of upstream {} in the state directory (the log says why); nothing changed",
+                self.config.name
+            ));
+        }
+        {
+            let mut pin = self.pin.lock();
+            pin.approved = Some(surface);
+            pin.audited = None;
+        }
+        self.context
+            .audit
+            .upstream(UpstreamEvent::Approved, &self.config.name, &digest, by);
+        let from_cache = self.shown.lock().from_cache;
+        self.set_listing(listed, from_cache);
+        Ok(self.status())
+    }
+
+    /// How the surface listed last differs from the approved one, member by member.
+    pub fn diff(&self) -> UpstreamDiff {
+        let pinned = self.read_pin();
+        let current = self.read_known();
+        let pin = self.pin.lock();
+        let mut diff = UpstreamDiff {
+            name: self.config.name.clone(),
+            approved: pin.approved.as_ref().map(Surface::digest),
+            current: pin.now.as_ref().map(Surface::digest),
+            approved_at: pinned.as_ref().and_then(|p| p.at),
+            approved_by: pinned.as_ref().and_then(|p| p.by.clone()),
+            executable_changed: false,
+            added: Vec::new(),
+            removed: Vec::new(),
+            changed: Vec::new(),
+        };
+        if let (Some(approved), Some(now)) = (&pin.approved, &pin.now) {
+            let drift = Drift::between(approved, now);
+            let approved_definitions = pinned.map(|p| p.definitions).unwrap_or_default();
+            let current_definitions = current.map(|c| c.tools).unwrap_or_default();
+            diff.executable_changed = drift.executable;
+            diff.added = drift.added;
+            diff.removed = drift.removed;
+            diff.changed = drift
+                .changed
+                .keys()
+                .map(|tool| ToolChange {
+                    tool: tool.clone(),
+                    members: pin::member_changes(tool, &approved_definitions, &current_definitions),
+                })
+                .collect();
+        }
+        diff
+    }
+
+    fn pin_path(&self) -> Option<PathBuf> {
+        let dir = self.context.state_dir.as_ref()?;
+        Some(
+            dir.join("upstreams")
+                .join(format!("{}.pin.json", self.config.name)),
+        )
+    }
+
+    /// The approved surface kept in the state directory, read under the budget.
+    fn read_pin(&self) -> Option<Pinned> {
+        let path = self.pin_path()?;
+        let text = std::fs::read(&path).ok()?;
+        let pinned = protocol::parse(&text, &self.context.memory)
+            .ok()
+            .and_then(|(value, _held)| Pinned::from_value(value));
+        if pinned.is_none() {
+            tracing::warn!(path = %path.display(), upstream = %self.config.name, "the approved tool surface is unreadable; the next listing is trusted as on first use");
+        }
+        pinned
+    }
+
+    /// Keeps the approved surface; `false` when it could not be written (logged).
+    fn write_pin(&self, listed: &[Value], executable: Option<&str>, by: &str) -> bool {
+        let Some(path) = self.pin_path() else {
+            return false;
+        };
+        let text = pin::pin_text(listed, executable, unix_secs(SystemTime::now()), by);
+        match write_atomically(&path, text.as_bytes()) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot keep the upstream's approved tool surface");
+                false
+            }
+        }
+    }
+
+    /// SHA-256 of the executable of a stdio upstream, as last fingerprinted.
+    fn executable_sha(&self) -> Option<String> {
+        self.executable.lock().as_ref().map(|(_, sha)| sha.clone())
+    }
+
+    /// Fingerprints the executable it is about to start (again only when the file
+    /// changed); one that cannot be read is not fingerprinted.
+    async fn fingerprint_executable(&self, path: Option<PathBuf>) {
+        use std::os::unix::fs::MetadataExt as _;
+        let Some(path) = path else { return };
+        let Ok(meta) = std::fs::metadata(&path) else {
+            return;
+        };
+        let key = (
+            meta.dev(),
+            meta.ino(),
+            meta.size(),
+            meta.mtime(),
+            meta.mtime_nsec(),
+        );
+        if matches!(&*self.executable.lock(), Some((k, _)) if *k == key) {
+            return;
+        }
+        let hashed = tokio::task::spawn_blocking(move || pin::file_sha256(&path)).await;
+        if let Ok(Ok(sha)) = hashed {
+            *self.executable.lock() = Some((key, sha));
         }
     }
 
@@ -783,6 +1002,8 @@ impl Upstream {
             listed_from_cache: shown.from_cache,
             restarts: shown.restarts,
             last_error: shown.last_error.clone(),
+            surface: listing.surface.clone(),
+            drift: listing.drift,
         }
     }
 }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Weak};
 use serde_json::{Map, Value};
 
 use super::Upstream;
+use super::pin::Drift;
 use super::protocol::{Answer, CallError};
 use crate::budget::Share;
 use crate::catalog::{
@@ -35,11 +36,38 @@ pub struct Listing {
     pub excluded: usize,
     /// The share of the upstreams' memory budget the list took when it was read.
     pub held: Option<Share>,
+    /// The digest of the surface listed ([`super::pin::Surface::digest`]).
+    pub surface: Option<String>,
+    /// Whether the surface differs from the approved one (its changes held).
+    pub drift: bool,
 }
 
 impl Listing {
     pub fn specs(&self) -> Vec<&ToolSpec> {
         self.tools.iter().map(|t| &t.spec).collect()
+    }
+
+    /// Holds what `drift` holds: those tools are not served but shown among the refused
+    /// with why, and so are approved tools no longer listed.
+    pub fn hold(&mut self, drift: &Drift, upstream: &str) {
+        let then = format!(
+            "held until approved (robota-mcpctl upstreams diff {upstream}, then upstreams approve {upstream})"
+        );
+        let (held, served): (Vec<_>, Vec<_>) = std::mem::take(&mut self.tools)
+            .into_iter()
+            .partition(|t| drift.holds(&t.original).is_some());
+        self.tools = served;
+        for tool in held {
+            let why = drift.holds(&tool.original).unwrap_or_default();
+            self.refused
+                .push((tool.original.clone(), format!("{why}; {then}")));
+        }
+        for gone in &drift.removed {
+            self.refused.push((
+                gone.clone(),
+                "approved, and no longer listed by the upstream".into(),
+            ));
+        }
     }
 }
 
@@ -320,6 +348,7 @@ mod tests {
             restart: Backoff::DEFAULT,
             response_limit: 1024,
             stream_limit: 4096,
+            pin: true,
         }
     }
 

@@ -383,7 +383,7 @@ async fn a_hang_times_out_and_garbage_floods_and_huge_answers_are_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_an_upstream_sends_is_parsed_within_the_memory_budget() {
     let d = Daemon::start(&format!(
-        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"30s\"\nconnect_timeout = \"30s\"\n\n{}",
+        "[upstreams.rogue]\ncommand = {}\ncall_timeout = \"30s\"\nconnect_timeout = \"30s\"\npin = false\n\n{}",
         fixture_command(&["rogue"]),
         allow(&["rogue"])
     ));
@@ -454,6 +454,147 @@ async fn what_an_upstream_sends_is_parsed_within_the_memory_budget() {
     client.close().await;
 }
 
+fn audited(d: &Daemon, reason: &str) -> Vec<Value> {
+    let out = d.ctl_ok(&["--json", "audit", "--reason", reason]);
+    out.stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("an audit record as JSON"))
+        .collect()
+}
+
+/// Pinned tool surfaces: the first listing is trusted and kept; a changed one is held
+/// (new tools not served, removed ones shown), shown by `upstreams diff`, counted by the
+/// drift gauge and audited, until `upstreams approve`. The approval and the executable's
+/// fingerprint outlive the daemon: with the executable changed, every tool is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_tool_surface_is_held_until_the_operator_approves_it() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let exe = dir.path().join("rogue-server");
+    std::fs::copy(robota_e2e::upstream::fixture_bin(), &exe).expect("a copy of the fixture");
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).expect("a state directory");
+    let config = format!(
+        "[upstreams.rogue]\ncommand = {}\n{}\n\n{}",
+        toml_array(&[exe.display().to_string(), "rogue".into()]),
+        robota_e2e::upstream::read_paths(),
+        allow(&["rogue"])
+    );
+    let d = Daemon::builder().state_dir(&state).extra(&config).start();
+    wait_state(&d, "rogue", "up");
+    let first = upstream(&d, "rogue");
+    assert!(!first.drift, "{first:?}");
+    let surface = first.surface.clone().expect("a surface digest");
+    assert!(state.join("upstreams/rogue.pin.json").is_file());
+    let pinned = audited(&d, "upstream-pinned");
+    assert_eq!(pinned.len(), 1, "{pinned:?}");
+    assert_eq!(pinned[0]["upstream"]["surface"], surface.as_str());
+
+    // The list changes: `said` and `run.query` are new, `change` is gone.
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client.call("rogue.change", json!({})).await.ok("change");
+    assert!(
+        poll_until_blocking(LIMIT, Duration::from_millis(100), || upstream(&d, "rogue")
+            .drift),
+        "no drift: {:?}",
+        upstream(&d, "rogue")
+    );
+    let held = upstream(&d, "rogue");
+    let reason = |tool: &str| {
+        held.refused
+            .iter()
+            .find(|r| r.tool == tool)
+            .map(|r| r.reason.clone())
+            .unwrap_or_default()
+    };
+    assert!(reason("said").contains("held until approved"), "{held:?}");
+    assert!(reason("change").contains("no longer listed"), "{held:?}");
+    let tools = listed(&client).await;
+    assert!(tools.contains_key("rogue.echo"), "{tools:?}");
+    assert!(!tools.contains_key("rogue.said"), "{tools:?}");
+    assert!(client.call("rogue.said", json!({})).await.is_error);
+    client
+        .call("rogue.echo", json!({}))
+        .await
+        .ok("an unchanged tool");
+    let metrics = d.metrics_text().expect("metrics");
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            &["robota_mcpd_upstream_drift{", "upstream=\"rogue\""]
+        ),
+        1.0,
+        "{metrics}"
+    );
+    let diff = d.ctl_ok(&["upstreams", "diff", "rogue"]).stdout;
+    assert!(diff.contains("added   said"), "{diff}");
+    assert!(diff.contains("removed change"), "{diff}");
+    assert!(
+        diff.contains("approve with: robota-mcpctl upstreams approve rogue"),
+        "{diff}"
+    );
+    assert_eq!(audited(&d, "upstream-drift").len(), 1);
+
+    // Approved: served, the gauge back to 0, the approval audited with who.
+    let approved = d.ctl_ok(&["upstreams", "approve", "rogue"]).stdout;
+    assert!(approved.contains("approved"), "{approved}");
+    let now = upstream(&d, "rogue");
+    assert!(
+        !now.drift && now.tools.contains(&"rogue.said".to_owned()),
+        "{now:?}"
+    );
+    let tools = listed(&client).await;
+    assert!(tools.contains_key("rogue.said"), "{tools:?}");
+    client
+        .call("rogue.said", json!({"x": 1}))
+        .await
+        .ok("an approved tool");
+    let approvals = audited(&d, "upstream-approved");
+    assert_eq!(approvals.len(), 1, "{approvals:?}");
+    assert!(
+        approvals[0]["upstream"]["by"]
+            .as_str()
+            .is_some_and(|by| by.starts_with("local:")),
+        "{approvals:?}"
+    );
+    let metrics = d.metrics_text().expect("metrics");
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            &["robota_mcpd_upstream_drift{", "upstream=\"rogue\""]
+        ),
+        0.0
+    );
+    client.close().await;
+    drop(d);
+
+    // The executable changes (a byte appended): everything is held after a restart.
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&exe)
+            .expect("the executable");
+        file.write_all(b"\0another build").expect("appended");
+    }
+    let d = Daemon::builder().state_dir(&state).extra(&config).start();
+    let mut last = None;
+    let all_held = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+        let u = upstream(&d, "rogue");
+        let done = u.state == "up" && u.drift && u.tools.is_empty();
+        last = Some(u);
+        done
+    });
+    assert!(all_held, "{last:?}");
+    let out = d.ctl_ok(&["--json", "upstreams", "diff", "rogue"]).stdout;
+    let diff: Value = serde_json::from_str(&out).expect("diff JSON");
+    assert_eq!(diff["executable_changed"], true, "{diff}");
+    assert!(
+        d.ctl_ok(&["upstreams", "diff", "rogue"])
+            .stdout
+            .contains("the executable it starts changed"),
+    );
+}
+
 async fn poll_until_async_ok(client: &McpClient) -> bool {
     robota_e2e::poll_until_async(LIMIT, Duration::from_millis(100), || async {
         !client.call("rogue.echo", json!({})).await.is_error
@@ -473,7 +614,7 @@ fn refusal(d: &Daemon, name: &str, tool: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_tool_list_that_collides_refuses_both_names_and_nothing_else() {
     // `said` is aliased to `echo`: once the list changes, `rogue.echo` is claimed twice.
-    let d = rogue("[upstreams.rogue.aliases]\nsaid = \"echo\"\n");
+    let d = rogue("pin = false\n[upstreams.rogue.aliases]\nsaid = \"echo\"\n");
     wait_state(&d, "rogue", "up");
     let client = McpClient::connect(&d, &d.bearer()).await;
     assert!(listed(&client).await.contains_key("rogue.echo"));

@@ -1,0 +1,307 @@
+//! Pinned tool surfaces (docs/design.md §13.9): what an upstream lists is compared with
+//! what the operator approved — or what it listed the first time, trusted on first use —
+//! so a package that changes what its tools say or take cannot change what callers are
+//! offered without the operator seeing it.
+//!
+//! A tool's surface is the members of its definition a caller or a model reads (name,
+//! title, description, schemas, annotations), fingerprinted member by member as SHA-256
+//! of canonical JSON; a stdio upstream's surface also holds the SHA-256 of the executable
+//! it starts. In memory only fingerprints are kept; the approved definitions are kept in
+//! `<state_dir>/upstreams/<name>.pin.json` (mode 0600) for `upstreams diff`.
+
+use std::collections::BTreeMap;
+use std::io::Read as _;
+use std::path::Path;
+
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::canonical::{canonical_json, canonical_sha256};
+
+/// The members of a tool definition that are its surface.
+pub const MEMBERS: [&str; 6] = [
+    "name",
+    "title",
+    "description",
+    "inputSchema",
+    "outputSchema",
+    "annotations",
+];
+
+/// Longest member text a diff shows (the rest is cut with `…`).
+const SHOWN: usize = 4096;
+
+/// An upstream's surface: each tool's members, fingerprinted, and its executable's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Surface {
+    /// The upstream's own tool name → member → SHA-256.
+    pub tools: BTreeMap<String, BTreeMap<String, String>>,
+    /// SHA-256 of the executable a stdio upstream starts.
+    pub executable: Option<String>,
+}
+
+impl Surface {
+    /// The surface of `listed` (definitions as sent; one without a string name, or a
+    /// name listed again, is refused by the import and left out here).
+    pub fn of(listed: &[Value], executable: Option<String>) -> Self {
+        let mut tools = BTreeMap::new();
+        for definition in listed {
+            let Some(object) = definition.as_object() else {
+                continue;
+            };
+            let Some(name) = object.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            tools
+                .entry(name.to_owned())
+                .or_insert_with(|| fingerprints(object));
+        }
+        Self { tools, executable }
+    }
+
+    /// One SHA-256 for the whole surface (`robota-mcpctl upstreams` shows it).
+    pub fn digest(&self) -> String {
+        canonical_sha256(&json!({"tools": self.tools, "executable": self.executable}))
+    }
+}
+
+fn fingerprints(object: &Map<String, Value>) -> BTreeMap<String, String> {
+    MEMBERS
+        .iter()
+        .filter_map(|m| {
+            object
+                .get(*m)
+                .map(|v| ((*m).to_owned(), canonical_sha256(v)))
+        })
+        .collect()
+}
+
+/// How a surface differs from the approved one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Drift {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Tool → the members that changed.
+    pub changed: BTreeMap<String, Vec<String>>,
+    /// The executable is not the approved one: every tool is held.
+    pub executable: bool,
+}
+
+impl Drift {
+    pub fn between(approved: &Surface, now: &Surface) -> Self {
+        let mut drift = Drift {
+            executable: matches!((&approved.executable, &now.executable), (Some(a), Some(n)) if a != n),
+            ..Drift::default()
+        };
+        for (name, members) in &now.tools {
+            match approved.tools.get(name) {
+                None => drift.added.push(name.clone()),
+                Some(was) if was != members => {
+                    let changed: Vec<String> = MEMBERS
+                        .iter()
+                        .filter(|m| was.get(**m) != members.get(**m))
+                        .map(|m| (*m).to_owned())
+                        .collect();
+                    drift.changed.insert(name.clone(), changed);
+                }
+                Some(_) => {}
+            }
+        }
+        drift.removed = approved
+            .tools
+            .keys()
+            .filter(|name| !now.tools.contains_key(*name))
+            .cloned()
+            .collect();
+        drift
+    }
+
+    pub fn is_empty(&self) -> bool {
+        !self.executable
+            && self.added.is_empty()
+            && self.removed.is_empty()
+            && self.changed.is_empty()
+    }
+
+    /// Why `tool` (the upstream's own name) is held, if it is.
+    pub fn holds(&self, tool: &str) -> Option<&'static str> {
+        if self.executable {
+            Some("the upstream's executable changed since its tools were approved")
+        } else if self.added.iter().any(|t| t == tool) {
+            Some("a new tool, not approved yet")
+        } else if self.changed.contains_key(tool) {
+            Some("its definition changed since it was approved")
+        } else {
+            None
+        }
+    }
+}
+
+/// SHA-256 of the file at `path` (the executable a stdio upstream starts).
+pub fn file_sha256(path: &Path) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// What the pin file holds: the approved definitions (their surface members only), the
+/// executable's fingerprint, when and by whom.
+pub fn pin_text(listed: &[Value], executable: Option<&str>, at: u64, by: &str) -> String {
+    let mut tools = Map::new();
+    for definition in listed {
+        let Some(object) = definition.as_object() else {
+            continue;
+        };
+        let Some(name) = object.get("name").and_then(Value::as_str) else {
+            continue;
+        };
+        if tools.contains_key(name) {
+            continue;
+        }
+        let kept: Map<String, Value> = MEMBERS
+            .iter()
+            .filter_map(|m| object.get(*m).map(|v| ((*m).to_owned(), v.clone())))
+            .collect();
+        tools.insert(name.to_owned(), Value::Object(kept));
+    }
+    json!({"tools": tools, "executable": executable, "approved_at": at, "approved_by": by})
+        .to_string()
+}
+
+/// A pin file read back: the approved definitions, executable, when and by whom.
+pub struct Pinned {
+    pub definitions: Vec<Value>,
+    pub executable: Option<String>,
+    pub at: Option<u64>,
+    pub by: Option<String>,
+}
+
+impl Pinned {
+    pub fn from_value(value: Value) -> Option<Self> {
+        let Value::Object(mut pin) = value else {
+            return None;
+        };
+        let Some(Value::Object(tools)) = pin.remove("tools") else {
+            return None;
+        };
+        Some(Self {
+            definitions: tools.into_iter().map(|(_, d)| d).collect(),
+            executable: pin
+                .remove("executable")
+                .and_then(|v| v.as_str().map(str::to_owned)),
+            at: pin.get("approved_at").and_then(Value::as_u64),
+            by: pin
+                .get("approved_by")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+        })
+    }
+
+    pub fn surface(&self) -> Surface {
+        Surface::of(&self.definitions, self.executable.clone())
+    }
+}
+
+/// The member-by-member changes of `tool` between two lists of definitions, as canonical
+/// JSON text cut at [`SHOWN`] bytes.
+pub fn member_changes(
+    tool: &str,
+    approved: &[Value],
+    current: &[Value],
+) -> Vec<robota_proto::MemberChange> {
+    let find = |list: &[Value]| {
+        list.iter()
+            .filter_map(Value::as_object)
+            .find(|d| d.get("name").and_then(Value::as_str) == Some(tool))
+            .cloned()
+    };
+    let (was, now) = (find(approved), find(current));
+    let text = |d: &Option<Map<String, Value>>, m: &str| {
+        d.as_ref()
+            .and_then(|d| d.get(m))
+            .map(|v| cut(canonical_json(v)))
+    };
+    MEMBERS
+        .iter()
+        .filter_map(|m| {
+            let (a, c) = (text(&was, m), text(&now, m));
+            (a != c).then(|| robota_proto::MemberChange {
+                member: (*m).to_owned(),
+                approved: a,
+                current: c,
+            })
+        })
+        .collect()
+}
+
+fn cut(mut text: String) -> String {
+    if text.len() > SHOWN {
+        let mut end = SHOWN;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str, description: &str) -> Value {
+        json!({"name": name, "description": description, "inputSchema": {"type": "object"},
+               "_meta": {"ignored": true}})
+    }
+
+    #[test]
+    fn a_surface_is_the_same_in_any_order_and_whatever_is_not_part_of_it() {
+        let a = Surface::of(&[tool("a", "x"), tool("b", "y")], None);
+        let mut b_tool = tool("b", "y");
+        b_tool["_meta"] = json!({"other": 1});
+        let b = Surface::of(&[b_tool, tool("a", "x")], None);
+        assert_eq!(a.digest(), b.digest());
+        assert!(Drift::between(&a, &b).is_empty());
+        let c = Surface::of(&[tool("a", "x")], Some("e".into()));
+        assert_ne!(a.digest(), c.digest());
+    }
+
+    #[test]
+    fn drift_names_what_was_added_removed_and_changed_and_holds_those() {
+        let approved = Surface::of(&[tool("a", "x"), tool("b", "y")], Some("1".into()));
+        let now = Surface::of(&[tool("a", "changed"), tool("c", "z")], Some("1".into()));
+        let drift = Drift::between(&approved, &now);
+        assert_eq!(drift.added, ["c"]);
+        assert_eq!(drift.removed, ["b"]);
+        assert_eq!(drift.changed["a"], ["description"]);
+        assert!(drift.holds("a").is_some() && drift.holds("c").is_some());
+        let unchanged = Drift::between(&approved, &approved.clone());
+        assert!(unchanged.is_empty() && unchanged.holds("a").is_none());
+        let swapped = Surface::of(&[tool("a", "x"), tool("b", "y")], Some("2".into()));
+        let drift = Drift::between(&approved, &swapped);
+        assert!(drift.executable && drift.holds("a").is_some(), "{drift:?}");
+    }
+
+    #[test]
+    fn a_pin_file_reads_back_as_the_surface_it_was_made_from() {
+        let listed = [tool("a", "x"), tool("b", "y")];
+        let text = pin_text(&listed, Some("e"), 7, "first-use");
+        let pinned = Pinned::from_value(serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(pinned.surface(), Surface::of(&listed, Some("e".into())));
+        assert_eq!(pinned.by.as_deref(), Some("first-use"));
+        let changes = member_changes("a", &pinned.definitions, &[tool("a", "new")]);
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].member, "description");
+        assert_eq!(changes[0].approved.as_deref(), Some("\"x\""));
+        assert_eq!(changes[0].current.as_deref(), Some("\"new\""));
+    }
+}
