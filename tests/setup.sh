@@ -13,6 +13,8 @@
 #              groff-base, man-db, systemd; the user nobody (uid 65534)
 #   oidc       the authorization server's node_modules (tests/oidc, npm registry, pinned
 #              by its lock file)
+#   npm        MCP servers from npm the tests run behind the daemon (tests/npm-mcp,
+#              npm registry, pinned by its lock file)
 #   py         the Python MCP SDK in a venv at target/py-mcp (PyPI, pinned)
 #   cargo-deb  cargo-deb, built from crates.io
 #   image      a Debian 12 root with systemd, made once with debootstrap and kept under
@@ -106,6 +108,14 @@ part_oidc() {
 		npm ci --prefix tests/oidc --no-audit --no-fund --ignore-scripts
 }
 
+part_npm() {
+	[[ -f tests/npm-mcp/node_modules/@modelcontextprotocol/server-filesystem/package.json ]] && return
+	command -v npm >/dev/null || part_debian
+	say "npm ci --prefix tests/npm-mcp (the npm registry)"
+	bounded 300 "npm ci --prefix tests/npm-mcp from the npm registry" \
+		npm ci --prefix tests/npm-mcp --no-audit --no-fund --ignore-scripts
+}
+
 part_py() {
 	local venv=$target/py-mcp
 	if "$venv/bin/python" -c "import importlib.metadata as m, sys, mcp.server.mcpserver; sys.exit(m.version('mcp') != '$MCP_VERSION')" 2>/dev/null; then
@@ -178,18 +188,19 @@ part_image() {
 # All parts by default. One lock per part: parallel callers of one part wait for each
 # other, and the image can be made while the rest is set up.
 parts=("$@")
-((${#parts[@]})) || parts=(debian oidc py cargo-deb image)
+((${#parts[@]})) || parts=(debian oidc npm py cargo-deb image)
 for part in "${parts[@]}"; do
 	exec 9>"$target/.setup-$part.lock"
 	flock 9
 	case $part in
 	debian) part_debian ;;
 	oidc) part_oidc ;;
+	npm) part_npm ;;
 	py) part_py ;;
 	cargo-deb) part_cargo_deb ;;
 	image) part_image ;;
 	image-dir) image_dir ;;
-	*) die "unknown part '$part' (debian, oidc, py, cargo-deb, image, image-dir)" ;;
+	*) die "unknown part '$part' (debian, oidc, npm, py, cargo-deb, image, image-dir)" ;;
 	esac
 	exec 9>&-
 done

@@ -93,7 +93,7 @@ Examples:
   robota-mcpctl --json upstreams | jq '.upstreams[] | {name, state}'
   robota-mcpctl upstreams restart pg
   robota-mcpctl upstreams diff pg
-  robota-mcpctl upstreams approve pg
+  robota-mcpctl upstreams approve pg 5f0c…
 
 States: starting, up, backoff (failed; the next attempt waits), down (not ready within
 the start bound, or stopped). A tool that could not be imported is listed with why.")]
@@ -227,15 +227,20 @@ Example:
         name: String,
     },
 
-    /// Approve an upstream's tool surface as it lists it now: its held tools are served
-    /// (audited as upstream-approved)
+    /// Approve the tool surface `upstreams diff` showed: its held tools are served
+    /// (audited as upstream-approved); refused when the upstream listed anything else
+    /// since
     #[command(after_help = "\
 Example:
-  robota-mcpctl upstreams diff fetch && robota-mcpctl upstreams approve fetch")]
+  robota-mcpctl upstreams diff fetch
+  robota-mcpctl upstreams approve fetch a7d2…   (the current surface diff printed)")]
     Approve {
         /// The upstream's name (its `[upstreams.<name>]` table)
         #[arg(value_name = "NAME")]
         name: String,
+        /// The current surface digest `upstreams diff` printed
+        #[arg(value_name = "SURFACE")]
+        surface: String,
     },
 }
 

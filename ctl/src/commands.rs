@@ -156,8 +156,14 @@ pub fn run(ctx: &Ctx, command: &CtlCommand) -> Result<(), CtlError> {
             other => Err(unexpected("upstream-diff", &other)),
         },
         CtlCommand::Upstreams {
-            command: Some(UpstreamsCommand::Approve { name }),
-        } => match call(ctx, Command::UpstreamApprove { name: name.clone() })? {
+            command: Some(UpstreamsCommand::Approve { name, surface }),
+        } => match call(
+            ctx,
+            Command::UpstreamApprove {
+                name: name.clone(),
+                surface: surface.clone(),
+            },
+        )? {
             Reply::Upstream { upstream } if !ctx.json => print(&format!(
                 "upstream {} approved: surface {}\n\n{}",
                 render::clean(&upstream.name),

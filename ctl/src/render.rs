@@ -427,9 +427,12 @@ pub fn upstream_diff(d: &UpstreamDiff) -> String {
             }
         }
     }
-    out.push_str(&format!(
-        "approve with: robota-mcpctl upstreams approve {name}\n"
-    ));
+    if let Some(current) = &d.current {
+        out.push_str(&format!(
+            "approve with: robota-mcpctl upstreams approve {name} {}\n",
+            clean(current)
+        ));
+    }
     out
 }
 

@@ -179,9 +179,12 @@ pub enum Command {
     UpstreamDiff {
         name: String,
     },
-    /// Approve an upstream's tool surface as it is now: its held tools are served.
+    /// Approve an upstream's tool surface as `upstream-diff` showed it (`surface`, its
+    /// digest): refused when the upstream listed anything else since. Its held tools are
+    /// served.
     UpstreamApprove {
         name: String,
+        surface: String,
     },
 }
 
@@ -199,9 +202,8 @@ impl Command {
             Command::GrantShow { .. } | Command::GrantDeny { .. } | Command::GrantRevoke { .. } => {
                 &["grant_id"]
             }
-            Command::UpstreamRestart { .. }
-            | Command::UpstreamDiff { .. }
-            | Command::UpstreamApprove { .. } => &["name"],
+            Command::UpstreamRestart { .. } | Command::UpstreamDiff { .. } => &["name"],
+            Command::UpstreamApprove { .. } => &["name", "surface"],
             Command::Status
             | Command::BearerList
             | Command::BearerRotate

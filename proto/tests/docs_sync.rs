@@ -55,7 +55,10 @@ fn all_commands() -> Vec<Command> {
             Command::KeysRefresh => Some(Command::Upstreams),
             Command::Upstreams => Some(Command::UpstreamRestart { name: "pg".into() }),
             Command::UpstreamRestart { .. } => Some(Command::UpstreamDiff { name: "pg".into() }),
-            Command::UpstreamDiff { .. } => Some(Command::UpstreamApprove { name: "pg".into() }),
+            Command::UpstreamDiff { .. } => Some(Command::UpstreamApprove {
+                name: "pg".into(),
+                surface: "a7d2".into(),
+            }),
             Command::UpstreamApprove { .. } => None,
         }
     }

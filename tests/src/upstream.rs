@@ -62,6 +62,26 @@ pub fn read_paths_with(extra: &[&Path]) -> String {
     format!("read_paths = {}", toml_array(&paths))
 }
 
+/// `node` and the entry script of an MCP server from npm (`server-filesystem`,
+/// `server-everything`; pinned in `tests/npm-mcp`, installed on first use), and the
+/// directory they live beneath (for `read_paths`).
+pub fn npm_server(package: &str) -> (PathBuf, PathBuf, PathBuf) {
+    crate::setup::ensure("npm");
+    let modules = Path::new(env!("CARGO_MANIFEST_DIR")).join("npm-mcp/node_modules");
+    let script = modules
+        .join("@modelcontextprotocol")
+        .join(package)
+        .join("dist/index.js");
+    assert!(script.is_file(), "{} is missing", script.display());
+    let node = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("node"))
+        .find(|p| p.is_file())
+        .expect("node on PATH (tests/setup.sh debian installs it)");
+    (node, script, modules)
+}
+
 /// Our fixture binary (an rmcp server, the misbehaving double).
 pub fn fixture_bin() -> PathBuf {
     crate::bin("robota-e2e-upstream")

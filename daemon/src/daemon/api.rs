@@ -60,7 +60,9 @@ impl ControlApi for Api {
             }),
             Command::UpstreamRestart { name } => upstream_restart(core, &name, peer).await,
             Command::UpstreamDiff { name } => upstream_diff(core, &name),
-            Command::UpstreamApprove { name } => upstream_approve(core, &name, peer).await,
+            Command::UpstreamApprove { name, surface } => {
+                upstream_approve(core, &name, &surface, peer).await
+            }
             // The control socket switches the connection over before a handler sees it.
             Command::Mcp => Response::error(
                 ErrorCode::BadRequest,
@@ -199,16 +201,19 @@ fn upstream_diff(core: &Core, name: &str) -> Response {
 }
 
 /// `upstream-approve NAME`: its surface as listed now becomes the approved one.
-async fn upstream_approve(core: &Core, name: &str, peer: Peer) -> Response {
+async fn upstream_approve(core: &Core, name: &str, surface: &str, peer: Peer) -> Response {
+    use crate::upstream::Refusal;
     let upstream = match upstream_named(core, name) {
         Ok(upstream) => upstream,
         Err(refused) => return refused,
     };
     let by = format!("local:{}", peer.uid);
+    let reviewed = surface.to_owned();
     // Reads and writes files and may rebuild the catalog: off the async workers.
-    match tokio::task::spawn_blocking(move || upstream.approve(&by)).await {
+    match tokio::task::spawn_blocking(move || upstream.approve(&reviewed, &by)).await {
         Ok(Ok(upstream)) => Response::ok(Reply::Upstream { upstream }),
-        Ok(Err(why)) => Response::error(ErrorCode::Unavailable, why),
+        Ok(Err(Refusal::Changed(why))) => Response::error(ErrorCode::Conflict, why),
+        Ok(Err(Refusal::Unavailable(why))) => Response::error(ErrorCode::Unavailable, why),
         Err(_) => Response::error(ErrorCode::Internal, "the approval did not finish"),
     }
 }

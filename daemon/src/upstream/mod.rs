@@ -237,6 +237,15 @@ pub struct Upstream {
     executable: Mutex<Option<(ExecutableKey, String)>>,
 }
 
+/// Why an approval was not made.
+#[derive(Debug)]
+pub enum Refusal {
+    /// The upstream's surface is not the one the operator reviewed.
+    Changed(String),
+    /// Nothing to approve, or it could not be kept.
+    Unavailable(String),
+}
+
 /// The approved surface, the one listed last, and the last drift audited.
 #[derive(Default)]
 struct PinState {
@@ -245,9 +254,9 @@ struct PinState {
     audited: Option<String>,
 }
 
-/// Device, inode, size and modification time: the executable is hashed again only when
-/// one of them changed.
-type ExecutableKey = (u64, u64, u64, i64, i64);
+/// Device, inode, size, modification and change times: the executable is hashed again
+/// whenever one of them changed (the change time cannot be set back by its owner).
+type ExecutableKey = (u64, u64, u64, i64, i64, i64, i64);
 
 /// Why serving stopped.
 enum Ended {
@@ -386,7 +395,7 @@ impl Upstream {
                     continue;
                 }
                 Ended::Failed(why) => {
-                    tracing::warn!(upstream = %self.config.name, error = %why, retry_in = %humantime::format_duration(delay), "upstream failed");
+                    tracing::warn!(upstream = %self.config.name, error = ?why, retry_in = %humantime::format_duration(delay), "upstream failed");
                     self.set_state(UpstreamState::Backoff, Some(why));
                 }
             }
@@ -413,7 +422,9 @@ impl Upstream {
                     let ready = async {
                         let negotiated =
                             protocol::handshake(&*link, self.config.protocol, limit).await?;
-                        let listed = protocol::list_tools(&*link, &negotiated, limit).await?;
+                        let listed =
+                            protocol::list_tools(&*link, &negotiated, limit, &self.context.memory)
+                                .await?;
                         Ok::<_, String>((negotiated, listed))
                     };
                     match ready.await {
@@ -461,7 +472,9 @@ impl Upstream {
                     )?;
                     let negotiated =
                         protocol::handshake(&*link, self.config.protocol, limit).await?;
-                    let listed = protocol::list_tools(&*link, &negotiated, limit).await?;
+                    let listed =
+                        protocol::list_tools(&*link, &negotiated, limit, &self.context.memory)
+                            .await?;
                     Ok((Live::Http(link, negotiated.clone()), negotiated, listed))
                 }
             }
@@ -563,12 +576,12 @@ impl Upstream {
                         Live::PerCall(_) => None,
                     };
                     if let Some(rpc) = rpc {
-                        match protocol::list_tools(rpc, negotiated, self.config.connect_timeout).await {
+                        match protocol::list_tools(rpc, negotiated, self.config.connect_timeout, &self.context.memory).await {
                             Ok(listed) => {
                                 tracing::info!(upstream = %self.config.name, "upstream announced a new tool list");
                                 self.set_listing(listed, false);
                             }
-                            Err(why) => tracing::warn!(upstream = %self.config.name, error = %why, "cannot read the upstream's new tool list; keeping the old one"),
+                            Err(why) => tracing::warn!(upstream = %self.config.name, error = ?why, "cannot read the upstream's new tool list; keeping the old one"),
                         }
                     }
                 }
@@ -655,7 +668,7 @@ impl Upstream {
         let link = match self.spawn_child() {
             Ok(link) => link,
             Err(why) => {
-                tracing::warn!(upstream = %self.config.name, error = %why, "cannot start a per-call child");
+                tracing::warn!(upstream = %self.config.name, error = ?why, "cannot start a per-call child");
                 broken.cancel();
                 return Err(CallError::NotSent(why));
             }
@@ -702,7 +715,8 @@ impl Upstream {
             return;
         }
         for (tool, why) in &listing.refused {
-            tracing::warn!(upstream = %self.config.name, tool = %tool, "tool not imported: {why}");
+            // What the upstream named and why, quoted: its text never becomes log syntax.
+            tracing::warn!(upstream = %self.config.name, tool = ?tool, why = ?why, "tool not imported");
         }
         self.context
             .metrics
@@ -771,22 +785,27 @@ impl Upstream {
         if held { drift } else { Drift::default() }
     }
 
-    /// Approves the surface as last listed (`by`: `local:<uid>`): kept in the pin file,
-    /// audited, and the held tools served.
-    pub fn approve(&self, by: &str) -> Result<UpstreamStatus, String> {
+    /// Approves the surface as last listed (`by`: `local:<uid>`) when it is `reviewed`
+    /// (the digest `diff` showed): kept in the pin file, audited, and the held tools
+    /// served. Anything listed since is not approved.
+    pub fn approve(&self, reviewed: &str, by: &str) -> Result<UpstreamStatus, Refusal> {
+        let name = &self.config.name;
         let Some(listed) = self.read_known() else {
-            return Err(format!(
-                "upstream {} has not listed its tools yet; there is nothing to approve",
-                self.config.name
-            ));
+            return Err(Refusal::Unavailable(format!(
+                "upstream {name} has not listed its tools yet; there is nothing to approve"
+            )));
         };
         let surface = Surface::of(&listed.tools, self.executable_sha());
         let digest = surface.digest();
+        if digest != reviewed {
+            return Err(Refusal::Changed(format!(
+                "upstream {name} lists surface {digest} now, not the {reviewed} given; nothing was approved: run robota-mcpctl upstreams diff {name} again"
+            )));
+        }
         if !self.write_pin(&listed.tools, surface.executable.as_deref(), by) {
-            return Err(format!(
-                "cannot keep the approval of upstream {} in the state directory (the log says why); nothing changed",
-                self.config.name
-            ));
+            return Err(Refusal::Unavailable(format!(
+                "cannot keep the approval of upstream {name} in the state directory (the log says why); nothing changed"
+            )));
         }
         {
             let mut pin = self.pin.lock();
@@ -891,6 +910,8 @@ impl Upstream {
             meta.size(),
             meta.mtime(),
             meta.mtime_nsec(),
+            meta.ctime(),
+            meta.ctime_nsec(),
         );
         if matches!(&*self.executable.lock(), Some((k, _)) if *k == key) {
             return;

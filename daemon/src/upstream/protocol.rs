@@ -393,12 +393,16 @@ pub struct Listed {
     pub held: Option<Share>,
 }
 
-/// Every tool definition the upstream lists (following `nextCursor`), as sent.
+/// Every tool definition the upstream lists (following `nextCursor`), as sent. One
+/// upstream's list may hold at most a quarter of the upstreams' `budget`, so one cannot
+/// keep what the others need for their answers and lists.
 pub async fn list_tools(
     rpc: &dyn Rpc,
     negotiated: &Negotiated,
     limit: Duration,
+    budget: &Budget,
 ) -> Result<Listed, String> {
+    let share = budget.units() / 4;
     let cancel = CancellationToken::new();
     let mut listed = Listed {
         tools: Vec::new(),
@@ -423,6 +427,12 @@ pub async fn list_tools(
             .await
             .map_err(|e| format!("tools/list failed: {}", e.describe()))?;
         listed.hold(held);
+        let holds = listed.held.as_ref().map_or(0, |h| h.num_permits());
+        if holds > share {
+            return Err(format!(
+                "the upstream's tool list would take about {holds} KiB of memory, more than one upstream's share ({share} KiB, a quarter of [limits] upstream_memory)"
+            ));
+        }
         match result.remove("tools") {
             Some(Value::Array(page)) => listed.tools.extend(page),
             _ => return Err("the tools/list answer holds no `tools` array".into()),

@@ -563,10 +563,12 @@ async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
         logged += 1;
         let text = String::from_utf8_lossy(&buf);
         let text = text.trim_end_matches(['\n', '\r']);
+        // The line is a quoted field, its control and invisible characters escaped: what
+        // an upstream writes can never pass for the daemon's own fields.
         if whole {
-            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, "{text}");
+            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, line = ?text, "upstream stderr");
         } else {
-            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, "{text} … [line cut]");
+            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, line = ?text, "upstream stderr (line cut)");
         }
     }
     if suppressed > 0 {

@@ -288,7 +288,11 @@ pub fn tool_error(upstream: &str, e: CallError) -> ToolError {
         CallError::Rpc {
             code: -32602,
             message,
-        } => ToolError::new(ToolErrorCode::InvalidArguments, message),
+        } => ToolError::new(
+            ToolErrorCode::InvalidArguments,
+            // Its words, always under its name: never the daemon's own voice.
+            format!("the upstream {upstream:?} refused the arguments: {message}"),
+        ),
         CallError::Rpc {
             code: -32601,
             message,

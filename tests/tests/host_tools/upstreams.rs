@@ -454,6 +454,59 @@ async fn what_an_upstream_sends_is_parsed_within_the_memory_budget() {
     client.close().await;
 }
 
+/// A Node.js server from npm — the MCP project's filesystem server, pinned — runs
+/// confined behind the daemon: V8's JIT works (the daemon's W^X is not inherited), it
+/// reads and writes the directory it is configured for, and when it is told to serve the
+/// daemon's own directory too, the kernel answers it `EACCES`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_server_from_npm_runs_confined() {
+    let (node, script, modules) = robota_e2e::upstream::npm_server("server-filesystem");
+    let files = tempfile::tempdir().expect("a directory");
+    let hello = files.path().join("hello.txt");
+    std::fs::write(&hello, "hello from the host").expect("a file");
+    let tmp = std::env::temp_dir();
+    let show = |p: &std::path::Path| p.display().to_string();
+    // It is told it may serve all of the temporary directory, where the daemon lives.
+    let d = Daemon::start(&format!(
+        "[upstreams.fs]\ncommand = {}\nwrite_paths = {}\n{}\n\n{}",
+        toml_array(&[show(&node), show(&script), show(files.path()), show(&tmp)]),
+        toml_array(&[show(files.path())]),
+        read_paths_with(&[&modules]),
+        allow(&["fs"])
+    ));
+    wait_state(&d, "fs", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let read = client
+        .call("fs.read_text_file", json!({"path": show(&hello)}))
+        .await;
+    assert!(!read.is_error, "{read:?}");
+    assert!(read.text.contains("hello from the host"), "{read:?}");
+    let written = files.path().join("new.txt");
+    let write = client
+        .call(
+            "fs.write_file",
+            json!({"path": show(&written), "content": "written by node"}),
+        )
+        .await;
+    assert!(!write.is_error, "{write:?}");
+    assert_eq!(
+        std::fs::read_to_string(&written).expect("the file it wrote"),
+        "written by node"
+    );
+    let audit = d.state_dir().join("audit.jsonl");
+    for (tool, path) in [
+        ("fs.read_text_file", show(&audit)),
+        ("fs.list_directory", show(d.state_dir())),
+    ] {
+        let denied = client.call(tool, json!({"path": path})).await;
+        assert!(
+            denied.is_error && denied.text.contains("EACCES"),
+            "{tool} {path}: {denied:?}"
+        );
+    }
+    client.close().await;
+}
+
 fn audited(d: &Daemon, reason: &str) -> Vec<Value> {
     let out = d.ctl_ok(&["--json", "audit", "--reason", reason]);
     out.stdout
@@ -464,18 +517,32 @@ fn audited(d: &Daemon, reason: &str) -> Vec<Value> {
 
 /// Pinned tool surfaces: the first listing is trusted and kept; a changed one is held
 /// (new tools not served, removed ones shown), shown by `upstreams diff`, counted by the
-/// drift gauge and audited, until `upstreams approve`. The approval and the executable's
-/// fingerprint outlive the daemon: with the executable changed, every tool is held.
+/// drift gauge and audited, until `upstreams approve` of the surface reviewed. The
+/// approval and the executable's fingerprint outlive the daemon: with the executable
+/// changed in place (its modification time set back), every tool is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_tool_surface_is_held_until_the_operator_approves_it() {
     let dir = tempfile::tempdir().expect("a directory");
+    // The executable is a script (a running binary cannot be written in place), with a
+    // build number a later build changes in place.
     let exe = dir.path().join("rogue-server");
-    std::fs::copy(robota_e2e::upstream::fixture_bin(), &exe).expect("a copy of the fixture");
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::write(
+            &exe,
+            format!(
+                "#!/bin/sh\nexec {} rogue \"$@\"\n# build 0\n",
+                robota_e2e::upstream::fixture_bin().display()
+            ),
+        )
+        .expect("the script");
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
     let state = dir.path().join("state");
     std::fs::create_dir(&state).expect("a state directory");
     let config = format!(
         "[upstreams.rogue]\ncommand = {}\n{}\n\n{}",
-        toml_array(&[exe.display().to_string(), "rogue".into()]),
+        toml_array(&[exe.display().to_string()]),
         robota_e2e::upstream::read_paths(),
         allow(&["rogue"])
     );
@@ -534,8 +601,21 @@ async fn a_changed_tool_surface_is_held_until_the_operator_approves_it() {
     );
     assert_eq!(audited(&d, "upstream-drift").len(), 1);
 
-    // Approved: served, the gauge back to 0, the approval audited with who.
-    let approved = d.ctl_ok(&["upstreams", "approve", "rogue"]).stdout;
+    // What the operator did not review is not approved: the surface first pinned is not
+    // the one listed now.
+    let stale = d.ctl(&["upstreams", "approve", "rogue", &surface]);
+    assert_eq!(stale.code(), Some(1), "{stale:?}");
+    assert!(stale.stderr.contains("nothing was approved"), "{stale:?}");
+    assert!(upstream(&d, "rogue").drift);
+    // Approved as reviewed: served, the gauge back to 0, the approval audited with who.
+    let reviewed = held.surface.clone().expect("the current surface");
+    assert!(
+        diff.contains(&format!("approve rogue {reviewed}")),
+        "{diff}"
+    );
+    let approved = d
+        .ctl_ok(&["upstreams", "approve", "rogue", &reviewed])
+        .stdout;
     assert!(approved.contains("approved"), "{approved}");
     let now = upstream(&d, "rogue");
     assert!(
@@ -565,26 +645,38 @@ async fn a_changed_tool_surface_is_held_until_the_operator_approves_it() {
         0.0
     );
     client.close().await;
-    drop(d);
 
-    // The executable changes (a byte appended): everything is held after a restart.
+    // Another build of the executable, written in place: same inode and size, and its
+    // modification time set back. At its next start every tool is held.
     {
-        use std::io::Write as _;
+        use std::io::{Seek as _, SeekFrom, Write as _};
+        let modified = std::fs::metadata(&exe)
+            .and_then(|m| m.modified())
+            .expect("mtime");
         let mut file = std::fs::OpenOptions::new()
-            .append(true)
+            .write(true)
             .open(&exe)
             .expect("the executable");
-        file.write_all(b"\0another build").expect("appended");
+        file.seek(SeekFrom::End(-2)).expect("seek");
+        file.write_all(b"1").expect("a byte changed");
+        file.set_modified(modified).expect("mtime set back");
     }
+    d.ctl_ok(&["upstreams", "restart", "rogue"]);
+    let all_held = |d: &Daemon| {
+        let mut last = None;
+        let held = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+            let u = upstream(d, "rogue");
+            let done = u.state == "up" && u.drift && u.tools.is_empty();
+            last = Some(u);
+            done
+        });
+        assert!(held, "{last:?}");
+    };
+    all_held(&d);
+    drop(d);
+    // The approval is durable: a new daemon on the same state holds them too.
     let d = Daemon::builder().state_dir(&state).extra(&config).start();
-    let mut last = None;
-    let all_held = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
-        let u = upstream(&d, "rogue");
-        let done = u.state == "up" && u.drift && u.tools.is_empty();
-        last = Some(u);
-        done
-    });
-    assert!(all_held, "{last:?}");
+    all_held(&d);
     let out = d.ctl_ok(&["--json", "upstreams", "diff", "rogue"]).stdout;
     let diff: Value = serde_json::from_str(&out).expect("diff JSON");
     assert_eq!(diff["executable_changed"], true, "{diff}");

@@ -420,6 +420,104 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
     assert!(m.read("/var/lib/robota-mcpd/planted-by-upstream").is_none());
 }
 
+/// Waits until `robota-mcpctl upstreams` shows `name` up; panics with the journal's
+/// lines about it otherwise.
+fn wait_upstream_up(m: &Machine, name: &str) {
+    let up = poll_until_blocking(SETTLE, Duration::from_millis(500), || {
+        let out = m.sh("robota-mcpctl upstreams");
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with(name) && l.contains(" up "))
+    });
+    assert!(
+        up,
+        "upstream {name} never came up: {}\n{}",
+        m.sh("robota-mcpctl upstreams").stdout,
+        m.sh(&format!(
+            "journalctl -u robota-mcpd -o cat --no-pager | grep -e {name} -e exec-upstream | tail -n 20"
+        ))
+        .stdout
+    );
+}
+
+/// A Node.js server from npm — the MCP project's filesystem server, pinned — under the
+/// packaged unit, configured as docs/operations.md says: the unit unchanged but for the
+/// directory it may write (`ReadWritePaths=`), V8's JIT running (the daemon keeps its
+/// own W^X), the directory served, and the daemon's state directory, which it is told
+/// to serve too, denied by the kernel.
+#[test]
+fn a_node_server_from_npm_runs_under_the_packaged_unit() {
+    let m = installed();
+    let (node, _, modules) = robota_e2e::upstream::npm_server("server-filesystem");
+    // What `apt install nodejs` and `npm install --prefix /opt/mcp/filesystem …` leave.
+    let root = m.root();
+    std::fs::create_dir_all(root.join("opt/node/bin")).expect("mkdir");
+    std::fs::copy(&node, root.join("opt/node/bin/node")).expect("node in the machine");
+    std::fs::create_dir_all(root.join("opt/mcp/filesystem")).expect("mkdir");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&modules)
+        .arg(root.join("opt/mcp/filesystem/node_modules"))
+        .status();
+    assert!(copied.is_ok_and(|s| s.success()), "node_modules copied in");
+    m.ok(
+        "mkdir -p /srv/files && echo 'hello from the host' > /srv/files/hello.txt \
+         && chown -R robota-mcpd:robota-mcpd /srv/files",
+    );
+    m.write(
+        "/etc/systemd/system/robota-mcpd.service.d/files.conf",
+        b"[Service]\nReadWritePaths=/srv/files\n",
+        0o644,
+    );
+    write_config(
+        &m,
+        &packaged_config_with(
+            &m,
+            "[upstreams.files]\n\
+             command = [\"/opt/node/bin/node\", \"/opt/mcp/filesystem/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js\", \"/srv/files\", \"/var/lib/robota-mcpd\"]\n\
+             write_paths = [\"/srv/files\"]\n\n\
+             [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"files.*\"]\ndecision = \"allow\"\n",
+        ),
+    );
+    m.ok("systemctl daemon-reload && systemctl restart robota-mcpd");
+    wait_upstream_up(&m, "files");
+    bearer(&m);
+    let read = tool_result(
+        &m,
+        "files.read_text_file",
+        serde_json::json!({"path": "/srv/files/hello.txt"}),
+    );
+    assert!(
+        read.to_string().contains("hello from the host") && read["isError"] != true,
+        "{read}"
+    );
+    let write = tool_result(
+        &m,
+        "files.write_file",
+        serde_json::json!({"path": "/srv/files/new.txt", "content": "written by node"}),
+    );
+    assert_ne!(write["isError"], true, "{write}");
+    assert_eq!(
+        m.ok("stat -c %U /srv/files/new.txt && cat /srv/files/new.txt"),
+        "robota-mcpd\nwritten by node"
+    );
+    let denied = tool_result(
+        &m,
+        "files.list_directory",
+        serde_json::json!({"path": "/var/lib/robota-mcpd"}),
+    );
+    assert!(
+        denied["isError"] == true && denied.to_string().contains("EACCES"),
+        "{denied}"
+    );
+    // The unit's own hardening is as shipped (check-unit holds it to exposure ≤ 1.5).
+    assert_eq!(m.property(UNIT, "NoNewPrivileges"), "yes");
+    assert!(
+        m.property(UNIT, "SystemCallFilter")
+            .contains("landlock_restrict_self")
+    );
+}
+
 #[test]
 fn a_group_member_reaches_the_control_socket_as_the_docs_configure_it() {
     let m = installed();
