@@ -91,8 +91,9 @@ pub fn deny_write_execute_here() -> io::Result<()> {
 /// (`confine_system_calls`).
 #[derive(Debug, Clone, Copy)]
 pub struct Refusals {
-    /// `network = "none"`: no IPv4 or IPv6 socket at all (UDP, MPTCP, TCP Fast Open).
-    pub inet_sockets: bool,
+    /// `network = "none"`: no socket but unix ones (no IPv4 or IPv6 socket at all —
+    /// UDP, MPTCP, TCP Fast Open — nor netlink, packet or any other family).
+    pub non_unix_sockets: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -110,8 +111,8 @@ const NR_REMOVEXATTRAT: i64 = 466;
 /// priority (`prlimit64`/`ioprio_set` on a pid other than 0: EPERM); changing a file's
 /// mode, owner, times or extended attributes by path (EPERM: Landlock does not govern
 /// metadata, and a path can name a file the process may not open — by descriptor it
-/// stays possible on files it opened); with `inet_sockets`, IPv4 and IPv6 sockets
-/// (EACCES). Filters only add up, so the count in `/proc/<pid>/status`
+/// stays possible on files it opened); with `non_unix_sockets`, every socket but a
+/// unix one (EACCES). Filters only add up, so the count in `/proc/<pid>/status`
 /// (`Seccomp_filters`) marks the process, and all it starts, as one more filtered than
 /// its parent. Needs no-new-privileges (or CAP_SYS_ADMIN).
 pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
@@ -186,13 +187,12 @@ pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
     for n in by_path {
         deny(&mut p, n, libc::EPERM);
     }
-    if refuse.inet_sockets {
-        p.push(op(JEQ_K, 0, 5, nr(libc::SYS_socket)));
+    if refuse.non_unix_sockets {
+        p.push(op(JEQ_K, 0, 4, nr(libc::SYS_socket)));
         p.push(op(LD_W_ABS, 0, 0, arg_low(0)));
-        p.push(op(JEQ_K, 2, 0, libc::AF_INET as u32));
-        p.push(op(JEQ_K, 1, 0, libc::AF_INET6 as u32));
-        p.push(op(RET_K, 0, 0, ALLOW));
+        p.push(op(JEQ_K, 1, 0, libc::AF_UNIX as u32));
         p.push(op(RET_K, 0, 0, errno(libc::EACCES)));
+        p.push(op(RET_K, 0, 0, ALLOW));
     }
     p.push(op(RET_K, 0, 0, ALLOW));
     let prog = libc::sock_fprog {

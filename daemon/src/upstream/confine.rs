@@ -156,7 +156,7 @@ impl Confinement {
         // What Landlock does not govern; also the mark the control socket knows a confined
         // process by (one more filter than the daemon).
         robota_sys::confine_system_calls(robota_sys::Refusals {
-            inet_sockets: self.network == Network::None,
+            non_unix_sockets: self.network == Network::None,
         })
         .map_err(|e| format!("cannot install the upstream's system-call filter: {e}"))?;
         Ok(())

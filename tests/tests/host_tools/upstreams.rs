@@ -160,7 +160,7 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + dirs.len() + write.len() + 2 + 9,
+        read.len() + dirs.len() + write.len() + 2 + 10,
         "{report:?}"
     );
     assert!(!secrets.path().join("planted-by-upstream").exists());
