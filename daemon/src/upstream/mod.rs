@@ -855,17 +855,9 @@ impl Upstream {
         diff
     }
 
-    fn pin_path(&self) -> Option<PathBuf> {
-        let dir = self.context.state_dir.as_ref()?;
-        Some(
-            dir.join("upstreams")
-                .join(format!("{}.pin.json", self.config.name)),
-        )
-    }
-
     /// The approved surface kept in the state directory, read under the budget.
     fn read_pin(&self) -> Option<Pinned> {
-        let path = self.pin_path()?;
+        let path = self.state_file(".pin.json")?;
         let text = std::fs::read(&path).ok()?;
         let pinned = protocol::parse(&text, &self.context.memory)
             .ok()
@@ -878,7 +870,7 @@ impl Upstream {
 
     /// Keeps the approved surface; `false` when it could not be written (logged).
     fn write_pin(&self, listed: &[Value], executable: Option<&str>, by: &str) -> bool {
-        let Some(path) = self.pin_path() else {
+        let Some(path) = self.state_file(".pin.json") else {
             return false;
         };
         let text = pin::pin_text(listed, executable, unix_secs(SystemTime::now()), by);
@@ -922,17 +914,19 @@ impl Upstream {
         }
     }
 
-    fn known_path(&self) -> Option<PathBuf> {
+    /// `<state_dir>/upstreams/<name><suffix>`: the kept list (`.json`), the approved
+    /// surface (`.pin.json`).
+    fn state_file(&self, suffix: &str) -> Option<PathBuf> {
         let dir = self.context.state_dir.as_ref()?;
         Some(
             dir.join("upstreams")
-                .join(format!("{}.json", self.config.name)),
+                .join(format!("{}{suffix}", self.config.name)),
         )
     }
 
     /// The last list kept, read under the budget like a list the upstream sends.
     fn read_known(&self) -> Option<Listed> {
-        let path = self.known_path()?;
+        let path = self.state_file(".json")?;
         let text = std::fs::read(&path).ok()?;
         match protocol::parse(&text, &self.context.memory) {
             Ok((Value::Object(mut known), held)) => match known.remove("tools") {
@@ -957,7 +951,7 @@ impl Upstream {
         if !self.context.persist {
             return;
         }
-        let Some(path) = self.known_path() else {
+        let Some(path) = self.state_file(".json") else {
             return;
         };
         let text = serde_json::json!({"tools": listed, "listed_at": unix_secs(SystemTime::now())})

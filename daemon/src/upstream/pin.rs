@@ -44,18 +44,9 @@ impl Surface {
     /// The surface of `listed` (definitions as sent; one without a string name, or a
     /// name listed again, is refused by the import and left out here).
     pub fn of(listed: &[Value], executable: Option<String>) -> Self {
-        let mut tools = BTreeMap::new();
-        for definition in listed {
-            let Some(object) = definition.as_object() else {
-                continue;
-            };
-            let Some(name) = object.get("name").and_then(Value::as_str) else {
-                continue;
-            };
-            tools
-                .entry(name.to_owned())
-                .or_insert_with(|| fingerprints(object));
-        }
+        let tools = named(listed)
+            .map(|(name, object)| (name.to_owned(), fingerprints(object)))
+            .collect();
         Self { tools, executable }
     }
 
@@ -63,6 +54,17 @@ impl Surface {
     pub fn digest(&self) -> String {
         canonical_sha256(&json!({"tools": self.tools, "executable": self.executable}))
     }
+}
+
+/// The definitions of `listed` that are objects with a string name, the first of each
+/// name (what the import refuses is left out here too).
+fn named(listed: &[Value]) -> impl Iterator<Item = (&str, &Map<String, Value>)> {
+    let mut seen = std::collections::HashSet::new();
+    listed.iter().filter_map(move |definition| {
+        let object = definition.as_object()?;
+        let name = object.get("name").and_then(Value::as_str)?;
+        seen.insert(name).then_some((name, object))
+    })
 }
 
 fn fingerprints(object: &Map<String, Value>) -> BTreeMap<String, String> {
@@ -155,23 +157,15 @@ pub fn file_sha256(path: &Path) -> std::io::Result<String> {
 /// What the pin file holds: the approved definitions (their surface members only), the
 /// executable's fingerprint, when and by whom.
 pub fn pin_text(listed: &[Value], executable: Option<&str>, at: u64, by: &str) -> String {
-    let mut tools = Map::new();
-    for definition in listed {
-        let Some(object) = definition.as_object() else {
-            continue;
-        };
-        let Some(name) = object.get("name").and_then(Value::as_str) else {
-            continue;
-        };
-        if tools.contains_key(name) {
-            continue;
-        }
-        let kept: Map<String, Value> = MEMBERS
-            .iter()
-            .filter_map(|m| object.get(*m).map(|v| ((*m).to_owned(), v.clone())))
-            .collect();
-        tools.insert(name.to_owned(), Value::Object(kept));
-    }
+    let tools: Map<String, Value> = named(listed)
+        .map(|(name, object)| {
+            let kept: Map<String, Value> = MEMBERS
+                .iter()
+                .filter_map(|m| object.get(*m).map(|v| ((*m).to_owned(), v.clone())))
+                .collect();
+            (name.to_owned(), Value::Object(kept))
+        })
+        .collect();
     json!({"tools": tools, "executable": executable, "approved_at": at, "approved_by": by})
         .to_string()
 }

@@ -96,6 +96,20 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "tests/run",
         "the test suite itself: running it from a test would recurse",
     ),
+    // docs/operations.md: a Node.js upstream under the packaged unit (what
+    // system::a_node_server_from_npm_runs_under_the_packaged_unit does in a booted machine)
+    (
+        "npm install --prefix /opt/mcp/filesystem @modelcontextprotocol/server-filesystem",
+        "installs into /opt from the npm registry; the system test installs the pinned copy",
+    ),
+    (
+        "chown -R robota-mcpd:robota-mcpd /srv/files",
+        "needs the package's user and /srv; the system test runs it in the machine",
+    ),
+    (
+        "systemctl edit robota-mcpd     # [Service] ReadWritePaths=/srv/files",
+        "an interactive editor on a systemd host; the system test writes the same drop-in",
+    ),
     // docs/operations.md: install
     (
         "apt install ./robota-mcpd_*.deb",
