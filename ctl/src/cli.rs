@@ -93,7 +93,7 @@ Examples:
   robota-mcpctl --json upstreams | jq '.upstreams[] | {name, state}'
   robota-mcpctl upstreams restart pg
   robota-mcpctl upstreams diff pg
-  robota-mcpctl upstreams approve pg 5f0c…
+  robota-mcpctl upstreams approve pg SURFACE
 
 States: starting, up, backoff (failed; the next attempt waits), down (not ready within
 the start bound, or stopped). A tool that could not be imported is listed with why.")]
@@ -233,7 +233,7 @@ Example:
     #[command(after_help = "\
 Example:
   robota-mcpctl upstreams diff fetch
-  robota-mcpctl upstreams approve fetch a7d2…   (the current surface diff printed)")]
+  robota-mcpctl upstreams approve fetch SURFACE   (the current surface diff printed)")]
     Approve {
         /// The upstream's name (its `[upstreams.<name>]` table)
         #[arg(value_name = "NAME")]
