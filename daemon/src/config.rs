@@ -986,17 +986,15 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         .limits
         .upstream_memory
         .map_or(UPSTREAM_MEMORY_DEFAULT, |s| s.0);
-    let largest = upstreams
+    let floor = upstreams
         .iter()
         .map(|u| u.response_limit)
-        .max()
-        .unwrap_or(0);
-    if upstream_memory < largest.max(1024 * 1024) || upstream_memory > UPSTREAM_MEMORY_CEILING {
+        .fold(1024 * 1024, u64::max);
+    if upstream_memory < floor || upstream_memory > UPSTREAM_MEMORY_CEILING {
         issues.add(
             "limits.upstream_memory",
             format!(
-                "must be between {} bytes (1MiB, and every upstream's response_limit) and 4GiB, got {upstream_memory} bytes",
-                largest.max(1024 * 1024)
+                "must be between {floor} bytes (1MiB, and every upstream's response_limit) and 4GiB, got {upstream_memory} bytes"
             ),
         );
     }

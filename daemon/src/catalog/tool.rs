@@ -45,15 +45,20 @@ impl ToolError {
 
     pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
         let mut message = message.into();
-        if message.len() > MAX_ERROR_MESSAGE {
-            let mut end = MAX_ERROR_MESSAGE;
-            while !message.is_char_boundary(end) {
-                end -= 1;
-            }
-            message.truncate(end);
-            message.push('…');
-        }
+        cut(&mut message, MAX_ERROR_MESSAGE);
         Self { code, message }
+    }
+}
+
+/// Cuts `text` to at most `max` bytes on a character boundary, marked with `…`.
+pub fn cut(text: &mut String, max: usize) {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
     }
 }
 

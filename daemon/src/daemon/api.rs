@@ -59,7 +59,7 @@ impl ControlApi for Api {
                 upstreams: core.upstreams_status(),
             }),
             Command::UpstreamRestart { name } => upstream_restart(core, &name, peer).await,
-            Command::UpstreamDiff { name } => upstream_diff(core, &name),
+            Command::UpstreamDiff { name } => upstream_diff(core, &name).await,
             Command::UpstreamApprove { name, surface } => {
                 upstream_approve(core, &name, &surface, peer).await
             }
@@ -193,10 +193,15 @@ fn upstream_named(core: &Core, name: &str) -> Result<Arc<crate::upstream::Upstre
 }
 
 /// `upstream-diff NAME`: how its surface differs from the approved one.
-fn upstream_diff(core: &Core, name: &str) -> Response {
-    match upstream_named(core, name) {
-        Ok(upstream) => Response::ok(Reply::UpstreamDiff(upstream.diff())),
-        Err(refused) => refused,
+async fn upstream_diff(core: &Core, name: &str) -> Response {
+    let upstream = match upstream_named(core, name) {
+        Ok(upstream) => upstream,
+        Err(refused) => return refused,
+    };
+    // Reads the pin and the kept list: off the async workers, like an approval.
+    match tokio::task::spawn_blocking(move || upstream.diff()).await {
+        Ok(diff) => Response::ok(Reply::UpstreamDiff(diff)),
+        Err(_) => Response::error(ErrorCode::Internal, "the diff did not finish"),
     }
 }
 

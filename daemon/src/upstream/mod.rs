@@ -19,7 +19,7 @@ pub mod tool;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::{Mutex, RwLock};
 use robota_proto::{RefusedTool, ToolChange, UpstreamDiff, UpstreamStatus};
@@ -34,6 +34,7 @@ use self::stdio::{ChildLink, ChildSpec, STOP_GRACE};
 pub use self::stdio::{Launcher, exec_child};
 use self::tool::Listing;
 use crate::audit::Audit;
+use crate::bearer::unix_secs;
 use crate::budget::Budget;
 use crate::catalog::{Catalog, HostTool, Source};
 use crate::config::{Children, UpstreamConfig, UpstreamEndpoint};
@@ -130,7 +131,7 @@ impl Upstreams {
     /// backend reconnected); answers once that attempt has ended, or after its connect
     /// bound. `None`: no upstream of that name.
     pub async fn restart(&self, name: &str) -> Option<UpstreamStatus> {
-        let upstream = self.list.iter().find(|u| u.config.name == name)?;
+        let upstream = self.get(name)?;
         let mut attempts = upstream.attempts.subscribe();
         let before = *attempts.borrow_and_update();
         upstream.wake.notify_one();
@@ -829,8 +830,8 @@ impl Upstream {
             name: self.config.name.clone(),
             approved: pin.approved.as_ref().map(Surface::digest),
             current: pin.now.as_ref().map(Surface::digest),
-            approved_at: pinned.as_ref().and_then(|p| p.at),
-            approved_by: pinned.as_ref().and_then(|p| p.by.clone()),
+            approved_at: pinned.as_ref().and_then(|p| p.approved_at),
+            approved_by: pinned.as_ref().and_then(|p| p.approved_by.clone()),
             executable_changed: false,
             added: Vec::new(),
             removed: Vec::new(),
@@ -838,7 +839,7 @@ impl Upstream {
         };
         if let (Some(approved), Some(now)) = (&pin.approved, &pin.now) {
             let drift = Drift::between(approved, now);
-            let approved_definitions = pinned.map(|p| p.definitions).unwrap_or_default();
+            let approved_definitions = pinned.map(|p| p.definitions()).unwrap_or_default();
             let current_definitions = current.map(|c| c.tools).unwrap_or_default();
             diff.executable_changed = drift.executable;
             diff.added = drift.added;
@@ -861,7 +862,7 @@ impl Upstream {
         let text = std::fs::read(&path).ok()?;
         let pinned = protocol::parse(&text, &self.context.memory)
             .ok()
-            .and_then(|(value, _held)| Pinned::from_value(value));
+            .and_then(|(value, _held)| serde_json::from_value::<Pinned>(value).ok());
         if pinned.is_none() {
             tracing::warn!(path = %path.display(), upstream = %self.config.name, "the approved tool surface is unreadable; the next listing is trusted as on first use");
         }
@@ -873,8 +874,11 @@ impl Upstream {
         let Some(path) = self.state_file(".pin.json") else {
             return false;
         };
-        let text = pin::pin_text(listed, executable, unix_secs(SystemTime::now()), by);
-        match write_atomically(&path, text.as_bytes()) {
+        let pinned = Pinned::of(listed, executable, unix_secs(SystemTime::now()), by);
+        let written = serde_json::to_vec(&pinned)
+            .map_err(std::io::Error::other)
+            .and_then(|text| write_atomically(&path, &text));
+        match written {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "cannot keep the upstream's approved tool surface");
@@ -1059,10 +1063,6 @@ impl Drop for KillOnDrop {
             let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
         }
     }
-}
-
-fn unix_secs(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// The bearer file's token: at most 4 KiB, trimmed, visible ASCII. Its content never

@@ -10,9 +10,9 @@
 //! `<state_dir>/upstreams/<name>.pin.json` (mode 0600) for `upstreams diff`.
 
 use std::collections::BTreeMap;
-use std::io::Read as _;
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
@@ -141,66 +141,51 @@ impl Drift {
 
 /// SHA-256 of the file at `path` (the executable a stdio upstream starts).
 pub fn file_sha256(path: &Path) -> std::io::Result<String> {
-    let mut file = std::fs::File::open(path)?;
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
     Ok(hex::encode(hasher.finalize()))
 }
 
-/// What the pin file holds: the approved definitions (their surface members only), the
-/// executable's fingerprint, when and by whom.
-pub fn pin_text(listed: &[Value], executable: Option<&str>, at: u64, by: &str) -> String {
-    let tools: Map<String, Value> = named(listed)
-        .map(|(name, object)| {
-            let kept: Map<String, Value> = MEMBERS
-                .iter()
-                .filter_map(|m| object.get(*m).map(|v| ((*m).to_owned(), v.clone())))
-                .collect();
-            (name.to_owned(), Value::Object(kept))
-        })
-        .collect();
-    json!({"tools": tools, "executable": executable, "approved_at": at, "approved_by": by})
-        .to_string()
-}
-
-/// A pin file read back: the approved definitions, executable, when and by whom.
+/// The pin file: the approved definitions (their surface members only, by name), the
+/// executable's fingerprint, when and by whom (`first-use` or `local:<uid>`).
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Pinned {
-    pub definitions: Vec<Value>,
+    pub tools: Map<String, Value>,
+    #[serde(default)]
     pub executable: Option<String>,
-    pub at: Option<u64>,
-    pub by: Option<String>,
+    #[serde(default)]
+    pub approved_at: Option<u64>,
+    #[serde(default)]
+    pub approved_by: Option<String>,
 }
 
 impl Pinned {
-    pub fn from_value(value: Value) -> Option<Self> {
-        let Value::Object(mut pin) = value else {
-            return None;
-        };
-        let Some(Value::Object(tools)) = pin.remove("tools") else {
-            return None;
-        };
-        Some(Self {
-            definitions: tools.into_iter().map(|(_, d)| d).collect(),
-            executable: pin
-                .remove("executable")
-                .and_then(|v| v.as_str().map(str::to_owned)),
-            at: pin.get("approved_at").and_then(Value::as_u64),
-            by: pin
-                .get("approved_by")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
-        })
+    /// What `listed` approves (`at`, `by`).
+    pub fn of(listed: &[Value], executable: Option<&str>, at: u64, by: &str) -> Self {
+        let tools = named(listed)
+            .map(|(name, object)| {
+                let kept: Map<String, Value> = MEMBERS
+                    .iter()
+                    .filter_map(|m| object.get(*m).map(|v| ((*m).to_owned(), v.clone())))
+                    .collect();
+                (name.to_owned(), Value::Object(kept))
+            })
+            .collect();
+        Self {
+            tools,
+            executable: executable.map(str::to_owned),
+            approved_at: Some(at),
+            approved_by: Some(by.to_owned()),
+        }
+    }
+
+    /// The approved definitions, as a list.
+    pub fn definitions(&self) -> Vec<Value> {
+        self.tools.values().cloned().collect()
     }
 
     pub fn surface(&self) -> Surface {
-        Surface::of(&self.definitions, self.executable.clone())
+        Surface::of(&self.definitions(), self.executable.clone())
     }
 }
 
@@ -219,9 +204,11 @@ pub fn member_changes(
     };
     let (was, now) = (find(approved), find(current));
     let text = |d: &Option<Map<String, Value>>, m: &str| {
-        d.as_ref()
-            .and_then(|d| d.get(m))
-            .map(|v| cut(canonical_json(v)))
+        d.as_ref().and_then(|d| d.get(m)).map(|v| {
+            let mut text = canonical_json(v);
+            crate::catalog::cut(&mut text, SHOWN);
+            text
+        })
     };
     MEMBERS
         .iter()
@@ -234,18 +221,6 @@ pub fn member_changes(
             })
         })
         .collect()
-}
-
-fn cut(mut text: String) -> String {
-    if text.len() > SHOWN {
-        let mut end = SHOWN;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-        text.push('…');
-    }
-    text
 }
 
 #[cfg(test)]
@@ -288,11 +263,11 @@ mod tests {
     #[test]
     fn a_pin_file_reads_back_as_the_surface_it_was_made_from() {
         let listed = [tool("a", "x"), tool("b", "y")];
-        let text = pin_text(&listed, Some("e"), 7, "first-use");
-        let pinned = Pinned::from_value(serde_json::from_str(&text).unwrap()).unwrap();
+        let text = serde_json::to_string(&Pinned::of(&listed, Some("e"), 7, "first-use")).unwrap();
+        let pinned: Pinned = serde_json::from_str(&text).unwrap();
         assert_eq!(pinned.surface(), Surface::of(&listed, Some("e".into())));
-        assert_eq!(pinned.by.as_deref(), Some("first-use"));
-        let changes = member_changes("a", &pinned.definitions, &[tool("a", "new")]);
+        assert_eq!(pinned.approved_by.as_deref(), Some("first-use"));
+        let changes = member_changes("a", &pinned.definitions(), &[tool("a", "new")]);
         assert_eq!(changes.len(), 1);
         assert_eq!(changes[0].member, "description");
         assert_eq!(changes[0].approved.as_deref(), Some("\"x\""));

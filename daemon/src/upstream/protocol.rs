@@ -119,9 +119,10 @@ pub enum Unread {
 }
 
 /// Parses one message an upstream sent, under `budget`: what its parse may take (its
-/// bytes and [`jsonrpc::VALUE_COST`] per JSON value, counted by one pass that allocates
-/// nothing) is taken from the budget first, so a message the budget cannot hold now is
-/// never parsed — a few megabytes of `[[],[],…]` would otherwise take gigabytes.
+/// bytes and [`jsonrpc::VALUE_COST`] per JSON value, counted by the strict pass, which
+/// keeps only the keys of the objects it is inside) is taken from the budget first, so a
+/// message the budget cannot hold now is never parsed — a few megabytes of `[[],[],…]`
+/// would otherwise take gigabytes.
 pub fn parse(bytes: &[u8], budget: &Budget) -> Result<(Value, Share), Unread> {
     let cost = jsonrpc::parse_cost(bytes).map_err(Unread::NotJson)?;
     let need = budget::units(cost);

@@ -51,7 +51,7 @@ impl Listing {
     /// with why, and so are approved tools no longer listed.
     pub fn hold(&mut self, drift: &Drift, upstream: &str) {
         let then = format!(
-            "held until approved (robota-mcpctl upstreams diff {upstream}, then upstreams approve {upstream})"
+            "held until approved (robota-mcpctl upstreams diff {upstream}, then upstreams approve {upstream} with the surface it shows)"
         );
         let (held, served): (Vec<_>, Vec<_>) = std::mem::take(&mut self.tools)
             .into_iter()
@@ -156,14 +156,10 @@ fn spec_of(
     }
     {
         use serde::Deserialize as _;
-        let whole = Value::Object(definition);
-        if let Err(e) = rmcp::model::Tool::deserialize(&whole) {
+        use serde::de::IntoDeserializer as _;
+        if let Err(e) = rmcp::model::Tool::deserialize((&definition).into_deserializer()) {
             return Err(format!("not a valid MCP tool definition: {e}"));
         }
-        let Value::Object(whole) = whole else {
-            unreachable!("made an object above")
-        };
-        definition = whole;
     }
     // Held once, in the spec; the listing keeps the rest of the definition.
     let Some(Value::Object(input_schema)) = definition.remove("inputSchema") else {
