@@ -44,6 +44,9 @@ pub enum Sub {
         /// The daemon's pid: the command is not run if its parent is another process.
         #[arg(long)]
         parent: u32,
+        /// Join this cgroup first (the child's own; a v1 memory hierarchy's too).
+        #[arg(long)]
+        cgroup: Vec<std::path::PathBuf>,
         /// Confined: whether it may use the network ("none" or "any").
         #[arg(long)]
         network: Option<String>,

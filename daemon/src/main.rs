@@ -20,6 +20,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(Sub::ExecUpstream {
         parent,
+        cgroup,
         network,
         read,
         write,
@@ -51,7 +52,7 @@ fn main() -> ExitCode {
         // Returns only if the command could not be executed.
         eprintln!(
             "robota-mcpd exec-upstream: {}",
-            upstream::exec_child(*parent, confinement.as_ref(), argv)
+            upstream::exec_child(*parent, cgroup, confinement.as_ref(), argv)
         );
         return code(exit::RUNTIME);
     }
@@ -99,8 +100,24 @@ fn main() -> ExitCode {
         return deep_check(&plan, as_user.as_deref(), unit.as_deref(), &source);
     }
     // Upstream children start through this very binary, which has the kernel kill them
-    // when the daemon dies.
-    plan.launcher = upstream::Launcher::Shim("/proc/self/exe".into());
+    // when the daemon dies, and each child's process tree is kept in a cgroup of its own
+    // beneath the daemon's, which the daemon makes its own before it starts anything.
+    let cgroups = upstream::cgroup::Tree::adopt();
+    match &cgroups {
+        Ok(_) => {}
+        Err(why)
+            if plan.config.upstreams.iter().any(|u| {
+                matches!(&u.endpoint, config::UpstreamEndpoint::Command { confine, .. } if confine.enabled)
+            }) =>
+        {
+            tracing::warn!("confined stdio upstreams cannot start: {why}");
+        }
+        Err(why) => tracing::debug!("no cgroup for upstreams: {why}"),
+    }
+    plan.launcher = upstream::Launcher::Shim {
+        exe: "/proc/self/exe".into(),
+        cgroups: std::sync::Arc::new(cgroups),
+    };
 
     for problem in upstream::confine::harden_daemon() {
         tracing::warn!("{problem}");

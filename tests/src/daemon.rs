@@ -16,6 +16,7 @@ use nix::unistd::Pid;
 use robota_proto::Status;
 use tempfile::TempDir;
 
+use crate::cgroup::{Cgroup, Hierarchies};
 use crate::notify::NotifyListener;
 use crate::secrets;
 
@@ -240,27 +241,40 @@ impl DaemonBuilder {
         let stderr = File::create(dir.path().join("daemon.stderr")).expect("stderr file");
 
         let mut env = self.env.clone();
-        // Through a shell when the daemon is to be started as systemd would with
-        // `WatchdogSec=` (`WATCHDOG_PID` is the daemon's own pid: the shell execs it) or
-        // with a descriptor left open.
-        let mut cmd = if self.watchdog_usec.is_none() && self.inherited.is_none() {
-            Command::new(crate::mcpd_bin())
-        } else {
-            let mut script = String::new();
-            if let Some(usec) = self.watchdog_usec {
-                script.push_str("WATCHDOG_PID=$$ ");
-                env.push(("WATCHDOG_USEC".into(), usec.to_string()));
-            }
-            script.push_str("exec ");
-            if let Some(path) = &self.inherited {
-                env.push(("ROBOTA_E2E_INHERITED".into(), path.display().to_string()));
-                script.push_str("9<\"$ROBOTA_E2E_INHERITED\" ");
-            }
-            script.push_str("\"$0\" \"$@\"");
-            let mut c = Command::new("/bin/sh");
-            c.arg("-c").arg(script).arg(crate::mcpd_bin());
-            c
-        };
+        // A cgroup of its own, as the packaged unit's Delegate=yes gives it: the daemon keeps
+        // its upstreams' process trees there.
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let cgroup = Cgroup::create(
+            &format!(
+                "robota-daemon-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
+            Hierarchies::Daemon,
+        );
+        // Through a shell, which joins that cgroup, then becomes the daemon (same pid) as
+        // systemd would start it: with `WatchdogSec=` (`WATCHDOG_PID` is the daemon's own
+        // pid), with a descriptor left open.
+        let mut script = String::from(
+            r#"while [ "$1" != -- ]; do echo 0 > "$1" || exit 1; shift; done; shift; "#,
+        );
+        if let Some(usec) = self.watchdog_usec {
+            script.push_str("WATCHDOG_PID=$$ ");
+            env.push(("WATCHDOG_USEC".into(), usec.to_string()));
+        }
+        script.push_str("exec ");
+        if let Some(path) = &self.inherited {
+            env.push(("ROBOTA_E2E_INHERITED".into(), path.display().to_string()));
+            script.push_str("9<\"$ROBOTA_E2E_INHERITED\" ");
+        }
+        script.push_str("\"$@\"");
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(script)
+            .arg("sh")
+            .args(cgroup.procs_files())
+            .arg("--")
+            .arg(crate::mcpd_bin());
         let child = cmd
             .arg("--config")
             .arg(&config_path)
@@ -279,6 +293,7 @@ impl DaemonBuilder {
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
         Daemon {
+            cgroup,
             socket: run.join("control.sock"),
             state_dir: state,
             dir,
@@ -305,6 +320,8 @@ impl DaemonBuilder {
 }
 
 pub struct Daemon {
+    /// Dropped after the daemon has exited (its fields go after [`Drop::drop`]).
+    cgroup: Cgroup,
     dir: TempDir,
     child: Mutex<Child>,
     exit: Mutex<Option<ExitStatus>>,
@@ -323,6 +340,11 @@ pub struct Daemon {
 impl Daemon {
     pub fn builder() -> DaemonBuilder {
         DaemonBuilder::default()
+    }
+
+    /// The cgroup it was started in, as a unit's.
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
     }
 
     /// A ready daemon with the harness config plus `extra` TOML.

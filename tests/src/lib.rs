@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod authz;
+pub mod cgroup;
 pub mod daemon;
 pub mod docker;
 pub mod docs;

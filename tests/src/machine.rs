@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use crate::cgroup::{Cgroup, Hierarchies};
 use crate::daemon::{CtlOutput, run_bounded};
 use crate::poll_until_blocking;
 
@@ -93,7 +94,7 @@ impl Machine {
         run_bounded(mount, COMMAND_LIMIT).expect_code(0, "mount the machine's overlay");
         // The overlay's root is the upper directory's: the machine's / must be 0755.
         fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).expect("chmod root");
-        let cgroup = Cgroup::create(&name);
+        let cgroup = Cgroup::create(&format!("robota-machine-{name}"), Hierarchies::Tracking);
         let mut machine = Machine {
             name,
             dir,
@@ -322,87 +323,6 @@ impl Drop for Machine {
             self.mounted = false;
         }
     }
-}
-
-/// A machine's own cgroup, one directory per process-tracking hierarchy this host mounts
-/// (the unified one and, on a hybrid host, the named `systemd` one), under the cgroup
-/// the tests run in.
-struct Cgroup {
-    dirs: Vec<PathBuf>,
-}
-
-impl Cgroup {
-    fn create(name: &str) -> Cgroup {
-        let mounts = fs::read_to_string("/proc/self/mounts").expect("/proc/self/mounts");
-        let ours = fs::read_to_string("/proc/self/cgroup").expect("/proc/self/cgroup");
-        let mut dirs = Vec::new();
-        for line in mounts.lines() {
-            let fields: Vec<&str> = line.split(' ').collect();
-            let [_, at, kind, options, ..] = fields[..] else {
-                continue;
-            };
-            // Which line of /proc/self/cgroup names our place in this hierarchy.
-            let key = match kind {
-                "cgroup2" => "0::".to_owned(),
-                "cgroup" if options.split(',').any(|o| o == "name=systemd") => {
-                    ":name=systemd:".to_owned()
-                }
-                _ => continue,
-            };
-            let place = ours
-                .lines()
-                .find_map(|l| {
-                    if key == "0::" {
-                        l.strip_prefix("0::")
-                    } else {
-                        l.split_once(&key).map(|(_, p)| p)
-                    }
-                })
-                .unwrap_or("/");
-            let mut dir = Path::new(at).join(place.trim_start_matches('/'));
-            if !dir.is_dir() {
-                dir = PathBuf::from(at);
-            }
-            let dir = dir.join(format!("robota-machine-{name}"));
-            fs::create_dir(&dir)
-                .unwrap_or_else(|e| panic!("create the machine's cgroup {}: {e}", dir.display()));
-            dirs.push(dir);
-        }
-        assert!(
-            !dirs.is_empty(),
-            "this host mounts no cgroup hierarchy systemd-nspawn can track a machine in"
-        );
-        Cgroup { dirs }
-    }
-
-    fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
-    }
-
-    /// Kills whatever is left in it (a machine that did not power off), then removes it.
-    fn remove(&mut self) {
-        for dir in self.dirs.drain(..) {
-            let kill = dir.join("cgroup.kill");
-            if kill.exists() {
-                let _ = fs::write(&kill, "1");
-            }
-            let _ =
-                poll_until_blocking(Duration::from_secs(10), Duration::from_millis(100), || {
-                    remove_tree(&dir);
-                    !dir.exists()
-                });
-        }
-    }
-}
-
-/// Removes a cgroup and its descendants, deepest first (cgroups go with rmdir only).
-fn remove_tree(dir: &Path) {
-    for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            remove_tree(&entry.path());
-        }
-    }
-    let _ = fs::remove_dir(dir);
 }
 
 /// The process systemd-nspawn started as the machine's init: its child running systemd.

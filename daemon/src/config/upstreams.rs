@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -81,7 +82,14 @@ pub struct Confine {
     pub read_paths: Vec<PathBuf>,
     /// The only places it may write, besides its own home and private tmp.
     pub write_paths: Vec<PathBuf>,
+    /// What its whole process tree may use (`memory = "unbounded"`: none).
+    pub memory: Option<u64>,
 }
+
+/// A stdio child's process tree's memory unless its table says otherwise.
+pub const CHILD_MEMORY_DEFAULT: u64 = 1 << 30;
+/// The least `memory` a stdio child may be given: a process tree needs more.
+const MEMORY_FLOOR: u64 = 16 << 20;
 
 /// Whether a confined child may use the network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -159,6 +167,7 @@ pub(super) struct RawUpstream {
     network: Option<Network>,
     read_paths: Option<Vec<PathBuf>>,
     write_paths: Option<Vec<PathBuf>>,
+    memory: Option<MemoryText>,
     url: Option<String>,
     path: Option<String>,
     bearer_file: Option<PathBuf>,
@@ -172,6 +181,26 @@ pub(super) struct RawUpstream {
     pin: Option<bool>,
     #[serde(default)]
     aliases: BTreeMap<String, String>,
+}
+
+/// `memory = "512MiB"`, or `"unbounded"`.
+#[derive(Debug, Clone, Copy)]
+struct MemoryText(Option<u64>);
+
+impl<'de> Deserialize<'de> for MemoryText {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.trim() == "unbounded" {
+            return Ok(MemoryText(None));
+        }
+        bytesize::ByteSize::from_str(s.trim())
+            .map(|b| MemoryText(Some(b.as_u64())))
+            .map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "invalid size {s:?} ({e}); write e.g. \"512MiB\", or \"unbounded\""
+                ))
+            })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -373,6 +402,20 @@ pub(super) fn validate(
                         }
                     }
                 }
+                let memory = u.memory.map_or(Some(CHILD_MEMORY_DEFAULT), |m| m.0);
+                match memory {
+                    Some(m) if m < MEMORY_FLOOR => issues.add(
+                        key("memory"),
+                        format!(
+                            "must be at least 16 MiB (a process tree needs more), got {m} bytes; or \"unbounded\""
+                        ),
+                    ),
+                    Some(_) => {}
+                    None => issues.warn(
+                        key("memory"),
+                        "the server's process tree may use all the memory the daemon's unit allows",
+                    ),
+                }
                 if u.confine == Some(false) {
                     issues.warn(
                         key("confine"),
@@ -389,6 +432,7 @@ pub(super) fn validate(
                         network: u.network.unwrap_or(Network::None),
                         read_paths: u.read_paths.unwrap_or_default(),
                         write_paths: u.write_paths.unwrap_or_default(),
+                        memory,
                     },
                 }
             }
@@ -401,6 +445,7 @@ pub(super) fn validate(
                     ("network", u.network.is_some()),
                     ("read_paths", u.read_paths.is_some()),
                     ("write_paths", u.write_paths.is_some()),
+                    ("memory", u.memory.is_some()),
                 ] {
                     if given {
                         issues.add(key(k), "applies to a stdio child (`command`) only");
@@ -686,8 +731,10 @@ restart = { initial = "10s", max = "1s" }
     fn confinement_is_the_default_and_its_keys_are_checked() {
         let config = parse(
             "[upstreams.a]\ncommand = [\"/bin/true\"]\n\n[upstreams.b]\ncommand = [\"/bin/true\"]\n\
-             network = \"any\"\nread_paths = [\"/srv/docs\"]\nwrite_paths = [\"/var/lib/b\"]\n\n\
-             [upstreams.c]\ncommand = [\"/bin/true\"]\nconfine = false\n",
+             network = \"any\"\nread_paths = [\"/srv/docs\"]\nwrite_paths = [\"/var/lib/b\"]\n\
+             memory = \"512MiB\"\n\n\
+             [upstreams.c]\ncommand = [\"/bin/true\"]\nconfine = false\n\n\
+             [upstreams.d]\ncommand = [\"/bin/true\"]\nmemory = \"unbounded\"\n",
             &env(),
         )
         .expect("valid");
@@ -701,29 +748,38 @@ restart = { initial = "10s", max = "1s" }
                 enabled: true,
                 network: Network::None,
                 read_paths: Vec::new(),
-                write_paths: Vec::new()
+                write_paths: Vec::new(),
+                memory: Some(1 << 30),
             }
         );
         assert_eq!(confine(1).network, Network::Any);
+        assert_eq!(confine(1).memory, Some(512 << 20));
+        assert_eq!(confine(3).memory, None);
         assert_eq!(confine(1).read_paths, [PathBuf::from("/srv/docs")]);
         assert_eq!(confine(1).write_paths, [PathBuf::from("/var/lib/b")]);
         assert!(!confine(2).enabled);
-        // An unconfined server is a warning, with why.
+        // An unconfined server, or one without a memory bound, is a warning, with why.
         let warned: Vec<_> = config.warnings.iter().map(|w| w.path.as_str()).collect();
-        assert_eq!(warned, ["upstreams.c.confine"]);
+        assert_eq!(warned, ["upstreams.c.confine", "upstreams.d.memory"]);
         assert!(config.warnings[0].problem.contains("unconfined"));
+        assert!(config.warnings[1].problem.contains("all the memory"));
         let found = paths(
             "[upstreams.a]\ncommand = [\"/bin/true\"]\nread_paths = [\"srv\"]\nwrite_paths = [\"x\"]\n\
-             [upstreams.h]\nurl = \"http://127.0.0.1:1/mcp\"\nnetwork = \"none\"\n",
+             memory = \"4MiB\"\n\
+             [upstreams.h]\nurl = \"http://127.0.0.1:1/mcp\"\nnetwork = \"none\"\nmemory = \"1GiB\"\n",
         );
         assert_eq!(
             found,
             [
                 "upstreams.a.read_paths",
                 "upstreams.a.write_paths",
+                "upstreams.a.memory",
                 "upstreams.h.network",
+                "upstreams.h.memory",
             ]
         );
+        let found = paths("[upstreams.i]\ncommand = [\"/bin/true\"]\nmemory = \"lots\"\n");
+        assert_eq!(found, ["upstreams.i.memory"]);
         let found = paths("[upstreams.n]\ncommand = [\"/bin/true\"]\nnetwork = \"some\"\n");
         assert_eq!(found, ["upstreams.n.network"]);
     }

@@ -9,6 +9,7 @@
 //! a slow or broken upstream never holds back the daemon's start or any other tool; a
 //! call that may have had an effect is never retried.
 
+pub mod cgroup;
 pub mod confine;
 pub mod http;
 pub mod pin;
@@ -535,6 +536,7 @@ impl Upstream {
             env: vars,
             cwd: cwd.clone(),
             confinement,
+            memory: confine.memory,
         };
         ChildLink::spawn(
             &self.config.name,

@@ -26,6 +26,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use super::cgroup::{Leaf, Tree};
 use super::protocol::{
     self, Answer, CallError, Incoming, Negotiated, Rpc, RpcFuture, Unread, answer_server_request,
     id_in_prefix,
@@ -33,11 +34,16 @@ use super::protocol::{
 use crate::budget::Budget;
 
 /// How a child is started.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Launcher {
     /// Through the daemon's binary (`/proc/self/exe exec-upstream --parent <pid> -- argv`),
-    /// which asks the kernel to kill the child when the daemon dies, then executes it.
-    Shim(PathBuf),
+    /// which asks the kernel to kill the child when the daemon dies, joins the child's
+    /// cgroup, confines itself, then executes it.
+    Shim {
+        exe: PathBuf,
+        /// Where children's process trees are kept, or why the daemon has no such place.
+        cgroups: Arc<Result<Tree, String>>,
+    },
     /// Directly (in-process tests): the child outlives a killed daemon, and is not
     /// confined.
     Direct,
@@ -51,6 +57,8 @@ pub struct ChildSpec {
     pub cwd: Option<PathBuf>,
     /// What its processes may reach (none: `confine = false`).
     pub confinement: Option<super::confine::Confinement>,
+    /// What its whole process tree may use (none: unbounded).
+    pub memory: Option<u64>,
 }
 
 /// The PATH a child gets when its environment sets none.
@@ -82,6 +90,8 @@ pub struct ChildLink {
     /// Fired once the child has been reaped.
     reaped: CancellationToken,
     list_changed: Arc<Notify>,
+    /// Its cgroup: what it and everything it started are killed with.
+    leaf: Option<Leaf>,
 }
 
 impl ChildLink {
@@ -94,17 +104,31 @@ impl ChildLink {
         budget: Budget,
         list_changed: Arc<Notify>,
     ) -> Result<Arc<Self>, String> {
+        let confined = spec.confinement.is_some();
+        let mut leaf = None;
         let mut command = match launcher {
             Launcher::Direct => {
                 let mut c = Command::new(&spec.argv[0]);
                 c.args(&spec.argv[1..]);
                 c
             }
-            Launcher::Shim(exe) => {
+            Launcher::Shim { exe, cgroups } => {
+                leaf = match &**cgroups {
+                    Ok(tree) => Some(tree.leaf(upstream, spec.memory, confined)?),
+                    Err(why) if confined => {
+                        return Err(format!(
+                            "its process tree cannot be bounded and ended with it: {why}; or write confine = false"
+                        ));
+                    }
+                    Err(_) => None,
+                };
                 let mut c = Command::new(exe);
                 c.arg("exec-upstream")
                     .arg("--parent")
                     .arg(std::process::id().to_string());
+                if let Some(leaf) = &leaf {
+                    c.args(leaf.args());
+                }
                 if let Some(confinement) = &spec.confinement {
                     c.args(confinement.args());
                 }
@@ -128,9 +152,15 @@ impl ChildLink {
         }
         // Spawned from a runtime worker thread, which lives as long as the runtime: the
         // parent-death signal is tied to the thread that forked.
-        let mut child = command
-            .spawn()
-            .map_err(|e| format!("cannot start the command: {e}"))?;
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                if let Some(leaf) = &leaf {
+                    leaf.discard();
+                }
+                return Err(format!("cannot start the command: {e}"));
+            }
+        };
         let pid = child.id().ok_or("the child exited at once")?;
         let (stdin, stdout, stderr) =
             match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
@@ -148,6 +178,7 @@ impl ChildLink {
             why: Mutex::new(None),
             reaped: CancellationToken::new(),
             list_changed,
+            leaf,
         });
         tokio::spawn(write_stdin(link.clone(), stdin, outbound));
         tokio::spawn(read_stdout(link.clone(), stdout, response_limit, budget));
@@ -576,25 +607,34 @@ async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
     }
 }
 
-/// Waits for the child; once it has exited, kills what it left in its group.
+/// Waits for the child; once it has exited, kills what it left in its cgroup (or, with
+/// none, in its process group).
 async fn reap(link: Arc<ChildLink>, mut child: Child) {
     let status = child.wait().await;
-    let why = match status {
+    let mut why = match status {
         Ok(status) => format!("its process exited ({status})"),
         Err(e) => format!("waiting for its process failed: {e}"),
     };
-    // Its group may hold children it started; they go with it.
     let _ = killpg(link.group(), Signal::SIGKILL);
+    if let Some(leaf) = &link.leaf {
+        if leaf.hit_memory_bound() {
+            why.push_str(
+                "; the kernel killed a process of this upstream at its memory bound (`memory`)",
+            );
+        }
+        leaf.end().await;
+    }
     link.close(why);
     link.reaped.cancel();
 }
 
-/// `robota-mcpd exec-upstream --parent <pid> [confinement] -- argv…`: asks the kernel to
-/// kill this process when its parent dies, checks the parent is still the daemon that
-/// started it, confines itself, then becomes the upstream's command. Returns only on
-/// failure.
+/// `robota-mcpd exec-upstream --parent <pid> [--cgroup DIR…] [confinement] -- argv…`: asks
+/// the kernel to kill this process when its parent dies, checks the parent is still the
+/// daemon that started it, joins the child's cgroups, confines itself, then becomes the
+/// upstream's command. Returns only on failure.
 pub fn exec_child(
     parent: u32,
+    cgroups: &[PathBuf],
     confinement: Option<&super::confine::Confinement>,
     argv: &[OsString],
 ) -> String {
@@ -606,6 +646,9 @@ pub fn exec_child(
     // The daemon may have died before the signal was set: then the parent is another.
     if nix::unistd::getppid().as_raw() != i32::try_from(parent).unwrap_or(-1) {
         return "the daemon that started this upstream is gone".into();
+    }
+    if let Err(e) = super::cgroup::join(cgroups) {
+        return e;
     }
     if let Some(confinement) = confinement
         && let Err(e) = confinement.apply()
@@ -681,6 +724,7 @@ mod tests {
             env: Vec::new(),
             cwd: None,
             confinement: None,
+            memory: None,
         }
     }
 
@@ -801,6 +845,7 @@ mod tests {
             ],
             env: vec![("ONLY".into(), "this".into())],
             cwd: Some("/".into()),
+            memory: None,
             confinement: None,
         };
         let link = ChildLink::spawn(

@@ -335,6 +335,7 @@ mod tests {
                     network: crate::config::Network::None,
                     read_paths: Vec::new(),
                     write_paths: Vec::new(),
+                    memory: None,
                 },
             },
             protocol: UpstreamProtocol::Auto,

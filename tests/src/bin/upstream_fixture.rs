@@ -4,7 +4,8 @@
 //!   stdio and stateless Streamable HTTP) with a few plain tools;
 //! - `rogue [--slow-start SECS] [--events FILE] [--linger]`: a misbehaving double speaking
 //!   newline-delimited JSON-RPC by hand — it crashes mid-call, hangs, writes garbage,
-//!   floods stdout, answers too much, changes its tool list, leaves a grandchild behind,
+//!   floods stdout, answers too much, changes its tool list, leaves grandchildren behind
+//!   (one in a session of its own), has a grandchild take memory (`hog N`: N MiB),
 //!   answers and lists tools built to take far more memory parsed than as text.
 //!
 //! HTTP servers print `listening <addr>` once bound and exit when stdin closes. Events a
@@ -47,6 +48,15 @@ fn main() {
     let result = match args.first().map(String::as_str) {
         Some("rmcp-stdio") => rmcp_stdio(events),
         Some("rmcp-http") => rmcp_http(events, flag("--unix").map(PathBuf::from)),
+        Some("hog") => {
+            // Takes (and touches) that many MiB, then ends.
+            let mib: usize = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+            let held: Vec<Vec<u8>> = (0..mib)
+                .map(|i| vec![(i % 251) as u8 + 1; 1 << 20])
+                .collect();
+            std::hint::black_box(&held);
+            Ok(())
+        }
         Some("rogue") => {
             rogue(events, flag("--slow-start").and_then(|s| s.parse().ok()));
             if args.iter().any(|a| a == "--linger") {
@@ -331,6 +341,7 @@ fn rogue_tools(changed: bool) -> Value {
         "change",
         "pid",
         "fork",
+        "hog",
         "run_query",
         "dense",
         "amplify",
@@ -481,19 +492,49 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                         );
                     }
                     "fork" => {
-                        // A grandchild in our process group, left running.
-                        let child = std::process::Command::new("/bin/sleep")
-                            .arg("300")
-                            .stdin(std::process::Stdio::null())
-                            .stdout(std::process::Stdio::null())
-                            .stderr(std::process::Stdio::null())
-                            .spawn();
-                        let pid = child.map(|c| c.id()).unwrap_or(0);
+                        // Two grandchildren left running: one in our process group, one
+                        // that left it for a session of its own.
+                        let sleep = |argv: &[&str]| {
+                            std::process::Command::new(argv[0])
+                                .args(&argv[1..])
+                                .stdin(std::process::Stdio::null())
+                                .stdout(std::process::Stdio::null())
+                                .stderr(std::process::Stdio::null())
+                                .spawn()
+                                .map(|c| c.id())
+                                .unwrap_or(0)
+                        };
+                        let grandchild = sleep(&["/bin/sleep", "300"]);
+                        let escaped = sleep(&["/usr/bin/setsid", "/bin/sleep", "300"]);
                         send(
                             &mut out,
-                            answer(
-                                json!({"content": [], "structuredContent": {"pid": std::process::id(), "grandchild": pid}}),
-                            ),
+                            answer(json!({"content": [], "structuredContent": {
+                                "pid": std::process::id(), "grandchild": grandchild, "escaped": escaped
+                            }})),
+                        );
+                    }
+                    "hog" => {
+                        // A grandchild in a session of its own takes `mib` MiB; how it
+                        // ended is the answer.
+                        let mib = msg["params"]["arguments"]["mib"].as_u64().unwrap_or(0);
+                        let ended =
+                            std::env::current_exe()
+                                .map_err(|e| e.to_string())
+                                .and_then(|exe| {
+                                    std::process::Command::new("/usr/bin/setsid")
+                                        .arg(exe)
+                                        .arg("hog")
+                                        .arg(mib.to_string())
+                                        .status()
+                                        .map_err(|e| e.to_string())
+                                });
+                        let ended = match ended {
+                            Ok(status) => status.to_string(),
+                            Err(e) => format!("not started: {e}"),
+                        };
+                        send(
+                            &mut out,
+                            answer(json!({"content": [], "structuredContent": {"ended": ended}})),
                         );
                     }
                     _ => send(

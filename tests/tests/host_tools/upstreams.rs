@@ -160,7 +160,7 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + dirs.len() + write.len() + 2 + 10,
+        read.len() + dirs.len() + write.len() + 2 + 10 + 3,
         "{report:?}"
     );
     assert!(!secrets.path().join("planted-by-upstream").exists());
@@ -1087,7 +1087,7 @@ async fn rm_pid(client: &McpClient) -> i32 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_kills_the_childs_whole_group_and_a_stop_ends_a_lingering_child() {
+async fn a_restart_kills_the_childs_whole_tree_and_a_stop_ends_a_lingering_child() {
     let d = Daemon::start(&format!(
         "[upstreams.rogue]\ncommand = {}\n\n{}",
         fixture_command(&["rogue", "--linger"]),
@@ -1095,29 +1095,96 @@ async fn a_restart_kills_the_childs_whole_group_and_a_stop_ends_a_lingering_chil
     ));
     wait_state(&d, "rogue", "up");
     let client = McpClient::connect(&d, &d.bearer()).await;
-    let forked = client.call("rogue.fork", json!({})).await.ok("fork");
-    let (child, grandchild) = (
-        forked["pid"].as_i64().expect("pid") as i32,
-        forked["grandchild"].as_i64().expect("grandchild") as i32,
+    let fork = || async {
+        let forked = client.call("rogue.fork", json!({})).await.ok("fork");
+        let pid = |k: &str| {
+            forked[k]
+                .as_i64()
+                .unwrap_or_else(|| panic!("{k}: {forked}")) as i32
+        };
+        [pid("pid"), pid("grandchild"), pid("escaped")]
+    };
+    let tree = fork().await;
+    // The daemon made its cgroup its own; each child has one beneath it, which the
+    // grandchild that left the process group (setsid) is still in.
+    let daemon_cgroup = cgroup_of(d.pid());
+    assert!(daemon_cgroup.ends_with("/daemon"), "{daemon_cgroup}");
+    let base = daemon_cgroup.trim_end_matches("/daemon");
+    for pid in tree {
+        assert!(alive(pid));
+        let place = cgroup_of(pid);
+        assert!(
+            place.starts_with(&format!("{base}/upstreams/rogue/")),
+            "process {pid} runs in {place}"
+        );
+    }
+    assert_ne!(
+        std::fs::read_to_string(format!("/proc/{}/stat", tree[2]))
+            .unwrap()
+            .rsplit(") ")
+            .next()
+            .and_then(|rest| rest.split(' ').nth(3))
+            .map(str::to_owned),
+        Some(tree[0].to_string()),
+        "the escaped grandchild has a session of its own"
     );
-    assert!(alive(grandchild));
     d.ctl_ok(&["upstreams", "restart", "rogue"]);
     assert!(
-        poll_until(LIMIT, Duration::from_millis(20), || !alive(child)
-            && !alive(grandchild))
+        poll_until(LIMIT, Duration::from_millis(20), || tree
+            .iter()
+            .all(|p| !alive(*p)))
         .await,
-        "child {child} or grandchild {grandchild} outlived the upstream's restart"
+        "a process of {tree:?} outlived the upstream's restart"
     );
-    let next = client.call("rogue.pid", json!({})).await.ok("pid")["pid"]
-        .as_i64()
-        .expect("pid") as i32;
+    let next = fork().await;
     client.close().await;
     d.ctl_ok(&["stop"]);
     assert!(d.wait_exit(LIMIT).is_some(), "the daemon did not stop");
     assert!(
-        poll_until(LIMIT, Duration::from_millis(20), || !alive(next)).await,
-        "the lingering child {next} outlived the daemon's stop"
+        poll_until(LIMIT, Duration::from_millis(20), || next
+            .iter()
+            .all(|p| !alive(*p)))
+        .await,
+        "a process of the lingering child's tree {next:?} outlived the daemon's stop"
     );
+}
+
+/// The unified hierarchy's line of `/proc/<pid>/cgroup`.
+fn cgroup_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_whole_process_tree_is_bounded_by_its_memory() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rogue]\ncommand = {}\nmemory = \"64MiB\"\n\n{}",
+        fixture_command(&["rogue"]),
+        allow(&["rogue"])
+    ));
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let hog = |mib: u64| {
+        let client = &client;
+        async move {
+            let answer = client
+                .call("rogue.hog", json!({"mib": mib}))
+                .await
+                .ok("hog");
+            answer["ended"].as_str().unwrap_or_default().to_owned()
+        }
+    };
+    // Within the bound, a grandchild in a session of its own takes what it asks for.
+    assert_eq!(hog(16).await, "exit status: 0");
+    // Past it, the kernel kills it; the upstream's own process goes on.
+    let ended = hog(256).await;
+    assert!(ended.contains("SIGKILL"), "the 256 MiB grandchild: {ended}");
+    assert_eq!(hog(16).await, "exit status: 0");
+    client.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

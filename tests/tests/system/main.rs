@@ -334,29 +334,45 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
     let m = installed();
     let script = include_bytes!("../../fixtures/hostile_stdio.py");
     m.write("/usr/local/lib/hostile_stdio.py", script, 0o644);
-    write_config(
-        &m,
-        &packaged_config_with(
-            &m,
-            "[upstreams.hostile]\ncommand = [\"/usr/bin/python3\", \"/usr/local/lib/hostile_stdio.py\"]\n\n\
-             [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"hostile.*\"]\ndecision = \"allow\"\n",
-        ),
-    );
+    let packaged = packaged_config_with(&m, "");
+    let config = |memory: &str| {
+        format!(
+            "{packaged}{}",
+            format!(
+                "[upstreams.hostile]\ncommand = [\"/usr/bin/python3\", \"/usr/local/lib/hostile_stdio.py\"]\n{memory}\n\
+                 [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"hostile.*\"]\ndecision = \"allow\"\n"
+            )
+        )
+    };
+    write_config(&m, &config(""));
     m.ok("systemctl restart robota-mcpd");
-    let up = (0..60).any(|_| {
-        let out = m.sh("robota-mcpctl upstreams");
-        if out.stdout.contains("hostile") && out.stdout.contains(" up ") {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(500));
-        false
-    });
-    assert!(
-        up,
-        "the confined upstream never came up: {}\n{}",
-        m.sh("robota-mcpctl upstreams").stdout,
-        m.sh("journalctl -u robota-mcpd -o cat --no-pager | grep -i -e hostile -e exec-upstream | tail -n 20").stdout
-    );
+    if !memory_controller(&m) {
+        // This host keeps the memory controller on a cgroup v1 hierarchy, which a
+        // container sees read-only: the default `memory` bound cannot be enforced, and
+        // the upstream's start fails, saying so, until the operator writes it off.
+        let refused = poll_until_blocking(SETTLE, Duration::from_millis(500), || {
+            m.sh("robota-mcpctl upstreams")
+                .stdout
+                .contains("memory = \"unbounded\"")
+        });
+        assert!(
+            refused,
+            "no visible refusal of the memory bound: {}\n{}",
+            m.sh("robota-mcpctl upstreams").stdout,
+            m.sh("journalctl -u robota-mcpd -o cat --no-pager | tail -n 20")
+                .stdout
+        );
+        write_config(&m, &config("memory = \"unbounded\"\n"));
+        let reload = m.sh("systemctl reload robota-mcpd");
+        assert_eq!(
+            reload.status.code(),
+            Some(0),
+            "{reload:?}\n{}",
+            m.sh("journalctl -u robota-mcpd -o cat --no-pager | tail -n 30")
+                .stdout
+        );
+    }
+    wait_upstream_up(&m, "hostile");
     bearer(&m);
     let pid = main_pid(&m);
     let state: Vec<String> = m
@@ -414,10 +430,43 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + listing.len() + write.len() + 2 + 10 + 2,
+        read.len() + listing.len() + write.len() + 2 + 10 + 2 + 3,
         "{report:?}"
     );
     assert!(m.read("/var/lib/robota-mcpd/planted-by-upstream").is_none());
+
+    // Its process tree is in a cgroup of its own beneath the unit's, and a process that
+    // left its session dies with the daemon when the daemon is killed.
+    let left = tool_result(&m, "hostile.fork", serde_json::json!({}));
+    let left: i64 = left["content"][0]["text"]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("a pid: {left}"));
+    let place = m.ok(&format!("grep '^0::' /proc/{left}/cgroup"));
+    assert!(
+        place.starts_with("0::/system.slice/robota-mcpd.service/upstreams/hostile/"),
+        "{place}"
+    );
+    let daemon = m.ok(&format!("grep '^0::' /proc/{pid}/cgroup"));
+    assert_eq!(daemon.trim(), "0::/system.slice/robota-mcpd.service/daemon");
+    m.ok(&format!("kill -9 {pid}"));
+    wait_for(&m, "MainPID", "a new process", |p| {
+        p.parse::<i64>().is_ok_and(|p| p > 0 && p != pid)
+    });
+    let gone = poll_until_blocking(SETTLE, Duration::from_millis(100), || {
+        m.sh(&format!("test -e /proc/{left}")).status.code() != Some(0)
+    });
+    assert!(gone, "process {left} outlived the killed daemon");
+    wait_upstream_up(&m, "hostile");
+}
+
+/// Whether the machine's unified cgroup hierarchy offers the memory controller (a host
+/// on cgroup v2 alone); where it does not, the package cannot bound an upstream's memory.
+fn memory_controller(m: &Machine) -> bool {
+    m.sh("cat /sys/fs/cgroup/cgroup.controllers /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null")
+        .stdout
+        .split_whitespace()
+        .any(|c| c == "memory")
 }
 
 /// Waits until `robota-mcpctl upstreams` shows `name` up; panics with the journal's
@@ -469,14 +518,22 @@ fn a_node_server_from_npm_runs_under_the_packaged_unit() {
         b"[Service]\nReadWritePaths=/srv/files\n",
         0o644,
     );
+    // As the docs say for a host whose memory controller is on cgroup v1 (this one).
+    let memory = if memory_controller(&m) {
+        ""
+    } else {
+        "memory = \"unbounded\"\n"
+    };
     write_config(
         &m,
         &packaged_config_with(
             &m,
-            "[upstreams.files]\n\
-             command = [\"/opt/node/bin/node\", \"/opt/mcp/filesystem/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js\", \"/srv/files\", \"/var/lib/robota-mcpd\"]\n\
-             write_paths = [\"/srv/files\"]\n\n\
-             [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"files.*\"]\ndecision = \"allow\"\n",
+            &format!(
+                "[upstreams.files]\n\
+                 command = [\"/opt/node/bin/node\", \"/opt/mcp/filesystem/node_modules/@modelcontextprotocol/server-filesystem/dist/index.js\", \"/srv/files\", \"/var/lib/robota-mcpd\"]\n\
+                 write_paths = [\"/srv/files\"]\n{memory}\n\
+                 [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"files.*\"]\ndecision = \"allow\"\n"
+            ),
         ),
     );
     m.ok("systemctl daemon-reload && systemctl restart robota-mcpd");
