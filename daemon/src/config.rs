@@ -542,12 +542,17 @@ struct SizeText(u64);
 impl<'de> Deserialize<'de> for SizeText {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        bytesize::ByteSize::from_str(s.trim())
-            .map(|b| SizeText(b.as_u64()))
-            .map_err(|e| {
-                serde::de::Error::custom(format!("invalid size {s:?} ({e}); write e.g. \"1MiB\""))
-            })
+        size_of(&s)
+            .map(SizeText)
+            .map_err(|e| serde::de::Error::custom(format!("{e}; write e.g. \"1MiB\"")))
     }
+}
+
+/// The bytes a size text such as `"1MiB"` names.
+fn size_of(text: &str) -> Result<u64, String> {
+    bytesize::ByteSize::from_str(text.trim())
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("invalid size {text:?} ({e})"))
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -82,25 +82,6 @@ impl Cgroup {
         self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
-    /// The directory in the unified hierarchy.
-    pub fn unified(&self) -> &Path {
-        &self.dirs[0]
-    }
-
-    /// The processes in it and beneath it (unified hierarchy).
-    pub fn pids(&self) -> Vec<i32> {
-        let mut pids = Vec::new();
-        for dir in descendants(self.unified()) {
-            for line in fs::read_to_string(dir.join("cgroup.procs"))
-                .unwrap_or_default()
-                .lines()
-            {
-                pids.extend(line.trim().parse::<i32>());
-            }
-        }
-        pids
-    }
-
     /// Kills whatever is left in it, then removes it and what was made beneath it.
     pub fn remove(&mut self) {
         for dir in self.dirs.drain(..) {

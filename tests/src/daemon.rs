@@ -293,7 +293,7 @@ impl DaemonBuilder {
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
         Daemon {
-            cgroup,
+            _cgroup: cgroup,
             socket: run.join("control.sock"),
             state_dir: state,
             dir,
@@ -320,8 +320,9 @@ impl DaemonBuilder {
 }
 
 pub struct Daemon {
-    /// Dropped after the daemon has exited (its fields go after [`Drop::drop`]).
-    cgroup: Cgroup,
+    /// Held only to be dropped — killed and removed — after the daemon has exited (its
+    /// fields go after [`Drop::drop`]).
+    _cgroup: Cgroup,
     dir: TempDir,
     child: Mutex<Child>,
     exit: Mutex<Option<ExitStatus>>,
@@ -340,11 +341,6 @@ pub struct Daemon {
 impl Daemon {
     pub fn builder() -> DaemonBuilder {
         DaemonBuilder::default()
-    }
-
-    /// The cgroup it was started in, as a unit's.
-    pub fn cgroup(&self) -> &Cgroup {
-        &self.cgroup
     }
 
     /// A ready daemon with the harness config plus `extra` TOML.

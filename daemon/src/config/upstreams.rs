@@ -5,12 +5,11 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{DurationText, Issues, SizeText, check_name};
+use super::{DurationText, Issues, SizeText, check_name, size_of};
 
 /// Defaults and ceilings of the bounds on what an upstream may send.
 pub const RESPONSE_LIMIT_DEFAULT: u64 = 8 * 1024 * 1024;
@@ -87,7 +86,7 @@ pub struct Confine {
 }
 
 /// A stdio child's process tree's memory unless its table says otherwise.
-pub const CHILD_MEMORY_DEFAULT: u64 = 1 << 30;
+const CHILD_MEMORY_DEFAULT: u64 = 1 << 30;
 /// The least `memory` a stdio child may be given: a process tree needs more.
 const MEMORY_FLOOR: u64 = 16 << 20;
 
@@ -193,13 +192,9 @@ impl<'de> Deserialize<'de> for MemoryText {
         if s.trim() == "unbounded" {
             return Ok(MemoryText(None));
         }
-        bytesize::ByteSize::from_str(s.trim())
-            .map(|b| MemoryText(Some(b.as_u64())))
-            .map_err(|e| {
-                serde::de::Error::custom(format!(
-                    "invalid size {s:?} ({e}); write e.g. \"512MiB\", or \"unbounded\""
-                ))
-            })
+        size_of(&s).map(|m| MemoryText(Some(m))).map_err(|e| {
+            serde::de::Error::custom(format!("{e}; write e.g. \"512MiB\", or \"unbounded\""))
+        })
     }
 }
 
@@ -407,7 +402,8 @@ pub(super) fn validate(
                     Some(m) if m < MEMORY_FLOOR => issues.add(
                         key("memory"),
                         format!(
-                            "must be at least 16 MiB (a process tree needs more), got {m} bytes; or \"unbounded\""
+                            "must be at least {} MiB (a process tree needs more), got {m} bytes; or \"unbounded\"",
+                            MEMORY_FLOOR >> 20
                         ),
                     ),
                     Some(_) => {}

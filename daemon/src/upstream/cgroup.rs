@@ -69,7 +69,7 @@ impl Tree {
     /// where it is delegated. Called once, at start, before anything is started.
     pub fn adopt() -> Result<Tree, String> {
         const HOW: &str = "run it under the packaged unit (Delegate=yes) or `systemd-run --scope -p Delegate=yes`";
-        let own = own_dir("0::", |kind, _| kind == "cgroup2").map_err(|e| {
+        let own = own_dir(None).map_err(|e| {
             format!("the kernel offers the daemon no cgroup of its own ({e}); {HOW}")
         })?;
         let me = std::process::id();
@@ -275,9 +275,7 @@ fn remove_tree(dir: &Path) {
 
 /// The daemon's cgroup in the v1 memory hierarchy, when it may make `upstreams` there.
 fn legacy_memory() -> MemoryControl {
-    let found = own_dir("", |kind, options| {
-        kind == "cgroup" && options.split(',').any(|o| o == "memory")
-    });
+    let found = own_dir(Some("memory"));
     const NONE: &str = "the kernel offers the daemon no memory controller: none is delegated to its cgroup on the unified hierarchy (cgroup v2, a unit with Delegate=yes), nor may it make cgroups in a v1 memory hierarchy";
     let base = match found {
         Ok(own) => own.join("upstreams"),
@@ -293,27 +291,30 @@ fn legacy_memory() -> MemoryControl {
     }
 }
 
-/// The daemon's own cgroup directory in the hierarchy mounted with `fstype` and super
-/// options `matches` accepts; `line` is the prefix of its line in `/proc/self/cgroup`
-/// (`0::` for the unified one; empty: the line naming the `memory` controller).
-fn own_dir(line: &str, matches: impl Fn(&str, &str) -> bool) -> Result<PathBuf, String> {
+/// The daemon's own cgroup directory in the unified hierarchy (`None`) or in the v1
+/// hierarchy of `controller`.
+fn own_dir(controller: Option<&str>) -> Result<PathBuf, String> {
+    let has = |list: &str, name: &str| list.split(',').any(|c| c == name);
     let ours =
         fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+    // hierarchy-id:controllers:path; the unified hierarchy's line is `0::path`.
     let path = ours
         .lines()
         .find_map(|l| {
-            if line.is_empty() {
-                let mut parts = l.splitn(3, ':');
-                let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-                controllers
-                    .split(',')
-                    .any(|c| c == "memory")
-                    .then_some(path)
-            } else {
-                l.strip_prefix(line)
-            }
+            let mut parts = l.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let ours = match controller {
+                None => controllers.is_empty(),
+                Some(name) => has(controllers, name),
+            };
+            ours.then_some(path)
         })
-        .ok_or("no memory hierarchy is mounted")?;
+        .ok_or_else(|| {
+            format!(
+                "the process is in no {} hierarchy",
+                controller.unwrap_or("unified")
+            )
+        })?;
     let mountinfo = fs::read_to_string("/proc/self/mountinfo")
         .map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
     // id parent major:minor root mount-point options … - fstype source super-options
@@ -325,7 +326,11 @@ fn own_dir(line: &str, matches: impl Fn(&str, &str) -> bool) -> Result<PathBuf, 
             let right: Vec<&str> = right.split(' ').collect();
             let (root, at) = (*left.get(3)?, *left.get(4)?);
             let (kind, options) = (*right.first()?, *right.get(2).unwrap_or(&""));
-            matches(kind, options).then(|| (root.to_owned(), at.to_owned()))
+            let ours = match controller {
+                None => kind == "cgroup2",
+                Some(name) => kind == "cgroup" && has(options, name),
+            };
+            ours.then(|| (root.to_owned(), at.to_owned()))
         })
         .ok_or("the hierarchy is not mounted")?;
     let relative = path

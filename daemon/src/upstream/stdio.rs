@@ -113,8 +113,14 @@ impl ChildLink {
                 c
             }
             Launcher::Shim { exe, cgroups } => {
-                leaf = match &**cgroups {
-                    Ok(tree) => Some(tree.leaf(upstream, spec.memory, confined)?),
+                // Only a confined child needs its cgroup; an unconfined one is put in one
+                // where it can be.
+                let placed = match &**cgroups {
+                    Ok(tree) => tree.leaf(upstream, spec.memory, confined),
+                    Err(why) => Err(why.clone()),
+                };
+                leaf = match placed {
+                    Ok(leaf) => Some(leaf),
                     Err(why) if confined => {
                         return Err(format!(
                             "its process tree cannot be bounded and ended with it: {why}; or write confine = false"
@@ -615,14 +621,18 @@ async fn reap(link: Arc<ChildLink>, mut child: Child) {
         Ok(status) => format!("its process exited ({status})"),
         Err(e) => format!("waiting for its process failed: {e}"),
     };
-    let _ = killpg(link.group(), Signal::SIGKILL);
-    if let Some(leaf) = &link.leaf {
-        if leaf.hit_memory_bound() {
-            why.push_str(
-                "; the kernel killed a process of this upstream at its memory bound (`memory`)",
-            );
+    match &link.leaf {
+        Some(leaf) => {
+            if leaf.hit_memory_bound() {
+                why.push_str(
+                    "; the kernel killed a process of this upstream at its memory bound (`memory`)",
+                );
+            }
+            leaf.end().await;
         }
-        leaf.end().await;
+        None => {
+            let _ = killpg(link.group(), Signal::SIGKILL);
+        }
     }
     link.close(why);
     link.reaped.cancel();
