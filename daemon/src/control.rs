@@ -162,24 +162,50 @@ pub fn bind(config: &ControlConfig) -> Result<ControlSocket, ControlError> {
     })
 }
 
-/// Whether `peer` is one of the daemon's confined upstreams (or a process one started): it
-/// runs as the daemon's user under more system-call filters than the daemon, which only
-/// the upstream launcher's added filter gives it (`upstream/confine.rs`); filters cannot
-/// be removed, so neither can the mark.
-fn confined_upstream(peer: &Peer, own_uid: u32) -> bool {
+/// Why `peer` is refused as one of the daemon's confined upstreams (or a process one
+/// started), if it is or may be one. A confined upstream runs as the daemon's user under
+/// more system-call filters than the daemon, which only the upstream launcher's added
+/// filter gives it (`upstream/confine.rs`); filters cannot be removed, so neither can the
+/// mark. A peer of the daemon's own user must therefore be shown to run under no more
+/// filters than the daemon, and what cannot be shown is refused: a connecting process
+/// that has exited since (its socket handed to its parent), one whose `/proc` status
+/// cannot be read, one in another PID namespace. The status is read between taking a
+/// pidfd of the connecting process from the socket and seeing through it that the
+/// process is still alive, so it is that process's status and not one that reused its
+/// pid (on kernels before 6.5, which have no `SO_PEERPIDFD`, only the pid is read).
+fn confined_upstream(stream: &UnixStream, peer: &Peer, own_uid: u32) -> Option<&'static str> {
+    use nix::errno::Errno;
+    use nix::sys::socket::{getsockopt, sockopt::PeerPidfd};
     use robota_sys::seccomp_filters as filters_of;
-    let Some(pid) = peer
-        .pid
-        .filter(|pid| *pid > 0 && *pid != std::process::id() as i32)
-    else {
-        return false;
-    };
     if peer.uid != own_uid {
-        return false;
+        return None;
     }
-    match (filters_of(&pid.to_string()), filters_of("self")) {
-        (Some(theirs), Some(ours)) => theirs > ours,
-        _ => false,
+    let Some(pid) = peer.pid.filter(|pid| *pid > 0) else {
+        return Some("the connecting process is in another PID namespace");
+    };
+    if pid == std::process::id() as i32 {
+        return None;
+    }
+    let pidfd = match getsockopt(stream, PeerPidfd) {
+        Ok(fd) => Some(fd),
+        Err(Errno::ENOPROTOOPT) => None,
+        Err(_) => return Some("the connecting process has exited"),
+    };
+    let theirs = filters_of(&pid.to_string());
+    let exited = pidfd.is_some_and(|fd| {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        // A pidfd is readable once its process has exited.
+        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).map_or(true, |ready| ready > 0)
+    });
+    match (theirs, filters_of("self")) {
+        _ if exited => Some("the connecting process has exited"),
+        (None, _) => Some("the connecting process has exited or its status cannot be read"),
+        (Some(theirs), ours) if theirs > ours.unwrap_or(0) => {
+            Some("it runs under the system-call filter the daemon gives its upstreams")
+        }
+        _ => None,
     }
 }
 
@@ -351,17 +377,19 @@ async fn connection<A: ControlApi>(
     };
     // Fixed for the connection's life: its peer and the filters it runs under (which only
     // ever grow) were settled at connect, so /proc is read once, not at every request.
-    let confined = confined_upstream(&peer, own_uid);
+    let confined = confined_upstream(&stream, &peer, own_uid);
     let refusal = |peer: Peer| {
-        let reply = if confined {
+        let reply = if let Some(why) = confined {
             tracing::warn!(
                 uid = peer.uid,
                 pid = peer.pid,
-                "control connection refused: the peer is an upstream the daemon confined"
+                "control connection refused: the peer may be an upstream the daemon confined: {why}"
             );
             Response::error(
                 ErrorCode::PermissionDenied,
-                "a process the daemon started confined (an upstream, or what it started) may not use the control socket",
+                format!(
+                    "a process the daemon started confined (an upstream, or what it started) may not use the control socket, and a peer running as the daemon's own user must be shown not to be one: {why}"
+                ),
             )
         } else if peer_allowed(peer, own_uid, &config.read(), user_groups) {
             return None;

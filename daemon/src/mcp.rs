@@ -16,15 +16,18 @@ use parking_lot::Mutex;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
     CreateTaskResult, ErrorData, GetTaskParams, GetTaskResult, Implementation, ListToolsResult,
-    PaginatedRequestParams, ProtocolVersion, RequestId, ServerCapabilities, ServerConfig, Tool,
-    ToolAnnotations,
+    PaginatedRequestParams, ProgressNotificationParam, ProgressToken, ProtocolVersion, RequestId,
+    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
 };
-use rmcp::service::RequestContext;
+use rmcp::service::{Peer, RequestContext};
 use rmcp::{RoleServer, ServerHandler};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::catalog::{self, ERROR_META, Snapshot, ToolError, ToolOutput, ToolSpec, UPSTREAM_META};
+use crate::catalog::{
+    self, ERROR_META, Progress, ProgressUpdate, Snapshot, ToolError, ToolOutput, ToolSpec,
+    UPSTREAM_META,
+};
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
 use crate::session::{JobOp, RuntimeTools, TurnSubmission};
@@ -33,6 +36,10 @@ use crate::vocab::{Admitted, Caller, JobId, ToolErrorCode};
 /// The protocol revisions served, oldest first.
 pub const SUPPORTED_VERSIONS: [ProtocolVersion; 2] =
     [ProtocolVersion::V_2025_11_25, ProtocolVersion::V_2026_07_28];
+
+/// Least time between two progress notifications of one call (at most 20 a second); an
+/// update that comes sooner replaces the one waiting.
+pub const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Whether an `MCP-Protocol-Version` value is one we serve.
 pub fn is_supported_version(value: &str) -> bool {
@@ -367,6 +374,10 @@ impl PassthroughSlot {
         self.0.lock().take()
     }
 
+    pub fn is_filled(&self) -> bool {
+        self.0.lock().is_some()
+    }
+
     /// The JSON-RPC response carrying the slot's result for request `id`, if it holds one.
     pub fn response(&self, id: &Value) -> Option<Value> {
         self.take()
@@ -523,7 +534,35 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             .shared
             .inflight
             .register(caller.caller.clone(), id, cancel.clone());
-        let (tool, result) = self.dispatch(caller, request, cancel).await;
+        let (tool, result) = match shape.progress {
+            None => {
+                self.dispatch(caller, request, cancel, Progress::default())
+                    .await
+            }
+            Some((peer, token)) => {
+                let (sink, mut updates) = Progress::channel();
+                // The forwarder ends only when the call has dropped its sink, i.e. once
+                // the call is over.
+                let done = {
+                    let call = std::pin::pin!(self.dispatch(caller, request, cancel, sink));
+                    let forward = std::pin::pin!(forward_progress(&peer, &token, &mut updates));
+                    match futures_util::future::select(call, forward).await {
+                        futures_util::future::Either::Left((done, _)) => done,
+                        futures_util::future::Either::Right(((), call)) => call.await,
+                    }
+                };
+                // The latest update not yet sent (the last step, typically) goes before
+                // the result rather than never.
+                let unsent = {
+                    let last = updates.borrow_and_update();
+                    last.clone().filter(|_| last.has_changed())
+                };
+                if let Some(update) = unsent {
+                    let _ = peer.notify_progress(progress_note(&token, update)).await;
+                }
+                done
+            }
+        };
         let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
         let metrics = &self.shared.wire.metrics;
         if let Ok(ToolOutput::Job(job)) = &result
@@ -573,6 +612,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         let shape = Shape {
             modern: false,
             tasks: false,
+            progress: None,
         };
         let response = self
             .run_call(caller, id, request, cancel, slot, shape)
@@ -587,6 +627,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         caller: &Admitted,
         request: CallToolRequestParams,
         cancel: CancellationToken,
+        progress: Progress,
     ) -> (Option<String>, Result<ToolOutput, ToolError>) {
         let names = self.names();
         let Some(target) = names.resolve(&request.name).cloned() else {
@@ -598,7 +639,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             Target::Refused(why) => (None, Err(ToolError::new(ToolErrorCode::Unavailable, why))),
             Target::Runtime(name) => {
                 let result = session
-                    .invoke_runtime_tool(caller, &name, args, cancel)
+                    .invoke_runtime_tool(caller, &name, args, cancel, progress)
                     .await;
                 (Some(name), result)
             }
@@ -653,13 +694,44 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     }
 }
 
-/// How a call's answer is shaped for the request's client.
-#[derive(Debug, Clone, Copy)]
+/// Sends a call's progress to its caller as `notifications/progress` under the caller's
+/// `token`, at most one per [`PROGRESS_INTERVAL`] (the latest update when they come
+/// faster); ends when the call drops its sink.
+async fn forward_progress(
+    peer: &Peer<RoleServer>,
+    token: &ProgressToken,
+    updates: &mut tokio::sync::watch::Receiver<Option<ProgressUpdate>>,
+) {
+    while updates.changed().await.is_ok() {
+        let Some(update) = updates.borrow_and_update().clone() else {
+            continue;
+        };
+        if peer
+            .notify_progress(progress_note(token, update))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        tokio::time::sleep(PROGRESS_INTERVAL).await;
+    }
+}
+
+fn progress_note(token: &ProgressToken, update: ProgressUpdate) -> ProgressNotificationParam {
+    let mut note = ProgressNotificationParam::new(token.clone(), update.progress);
+    note.total = update.total;
+    note.message = update.message;
+    note
+}
+
+/// How a call's answer goes back to the request's client.
 struct Shape {
     /// Revision 2026-07-28 or later.
     modern: bool,
     /// The client declared the tasks extension: a job is answered as a task.
     tasks: bool,
+    /// The client asked for progress: where it goes, under the client's token.
+    progress: Option<(Peer<RoleServer>, ProgressToken)>,
 }
 
 /// `result` serialized as the SDK's handler shapes it for a peer before 2026-07-28 (no
@@ -782,6 +854,11 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             tasks: context
                 .client_capabilities()
                 .is_some_and(|c| c.supports_tasks()),
+            progress: context
+                .meta
+                .get_progress_token()
+                .or_else(|| request.meta.as_ref()?.get_progress_token())
+                .map(|token| (context.peer.clone(), token)),
         };
         let call = self.run_call(
             &caller,

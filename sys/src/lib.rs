@@ -107,7 +107,9 @@ const NR_REMOVEXATTRAT: i64 = 466;
 
 /// One more system-call filter on this process and whatever it executes, which refuses:
 /// another architecture's calls (ENOSYS); `io_uring_setup` (ENOSYS: a ring performs
-/// operations outside the calls filters see); changing another process's limits or I/O
+/// operations outside the calls filters see); `clone3` (ENOSYS, so libc falls back to
+/// `clone`: its `CLONE_INTO_CGROUP` places the child in any cgroup whose directory the
+/// process can open, which Landlock does not govern); changing another process's limits or I/O
 /// priority (`prlimit64`/`ioprio_set` on a pid other than 0: EPERM); changing a file's
 /// mode, owner, times or extended attributes by path (EPERM: Landlock does not govern
 /// metadata, and a path can name a file the process may not open — by descriptor it
@@ -157,6 +159,7 @@ pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
         p.push(op(RET_K, 0, 0, errno(e)));
     };
     deny(&mut p, libc::SYS_io_uring_setup, libc::ENOSYS);
+    deny(&mut p, libc::SYS_clone3, libc::ENOSYS);
     unless_zero(&mut p, libc::SYS_prlimit64, 0, false, libc::EPERM);
     unless_zero(&mut p, libc::SYS_ioprio_set, 1, false, libc::EPERM);
     unless_zero(&mut p, libc::SYS_utimensat, 1, true, libc::EPERM);
@@ -213,11 +216,18 @@ pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
 }
 
 /// How many system-call filters process `pid` (a number, or `self`) runs under:
-/// `Seccomp_filters` in its `/proc` status; none when it cannot be read.
+/// `Seccomp_filters` in its `/proc` status; none when it cannot be read or the process
+/// has exited (a zombie is no longer what it was).
 pub fn seccomp_filters(pid: &str) -> Option<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
-        .and_then(|v| v.trim().parse().ok())
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    if field("State:").is_none_or(|state| state.starts_with(['Z', 'X'])) {
+        return None;
+    }
+    field("Seccomp_filters:").and_then(|v| v.parse().ok())
 }

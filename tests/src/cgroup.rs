@@ -1,8 +1,8 @@
 //! A cgroup of its own for what a test starts, as a service manager would give it: a
 //! booted machine (in every process-tracking hierarchy, for systemd-nspawn) or a daemon
 //! (in the unified hierarchy, which it makes its own and keeps its upstreams' process
-//! trees in, and, on a host that keeps memory on a cgroup v1 hierarchy, in that one too,
-//! where it bounds their memory). Made under the cgroup the tests run in; killed and
+//! trees in, and, on a host that keeps memory or pids on cgroup v1 hierarchies, in those
+//! too, where it bounds their memory and number). Made under the cgroup the tests run in; killed and
 //! removed, with whatever was made beneath it, on [`Cgroup::remove`] or drop.
 
 use std::fs;
@@ -16,7 +16,7 @@ use crate::poll_until_blocking;
 pub enum Hierarchies {
     /// The unified one and, on a hybrid host, the named `systemd` one.
     Tracking,
-    /// The unified one and a v1 `memory` one, where mounted.
+    /// The unified one and the v1 `memory` and `pids` ones, where mounted.
     Daemon,
 }
 
@@ -45,6 +45,7 @@ impl Cgroup {
                 ("cgroup2", _) => "",
                 ("cgroup", Hierarchies::Tracking) if has("name=systemd") => "name=systemd",
                 ("cgroup", Hierarchies::Daemon) if has("memory") => "memory",
+                ("cgroup", Hierarchies::Daemon) if has("pids") => "pids",
                 _ => continue,
             };
             let place = ours

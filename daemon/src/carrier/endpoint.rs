@@ -236,11 +236,19 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .handle(Request::from_parts(parts, Full::new(bytes)))
             .await;
         drop(held);
-        // An imported tool's result goes out whole, instead of rmcp's rendering of it.
-        if let Some(slot) = passthrough
-            && let Some(answer) = slot.response(message.id.as_ref().unwrap_or(&Value::Null))
-        {
-            return json_response(StatusCode::OK, &answer);
+        // An imported tool's result goes out whole, instead of rmcp's rendering of it: as
+        // the answer, or as the answer's event when progress made the answer a stream.
+        if let Some(slot) = passthrough {
+            let id = message.id.unwrap_or(Value::Null);
+            if let Some(answer) = slot.response(&id) {
+                return json_response(StatusCode::OK, &answer);
+            }
+            if is_event_stream(&response) {
+                return response.map(|body| {
+                    body.map_frame(move |frame| whole_event(frame, &slot, &id))
+                        .boxed()
+                });
+            }
         }
         if response.status().is_client_error() {
             self.metrics.rejected(self.listener, Rejection::Protocol);
@@ -382,6 +390,33 @@ fn busy() -> Response<Body> {
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     response
+}
+
+fn is_event_stream<B>(response: &Response<B>) -> bool {
+    response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+/// One event of a call's stream (rmcp writes one `data: <message>` event per frame): the
+/// event answering the call, once the slot holds the whole result, becomes that result;
+/// every other event (progress) goes as it is.
+fn whole_event(
+    frame: hyper::body::Frame<Bytes>,
+    slot: &PassthroughSlot,
+    id: &Value,
+) -> hyper::body::Frame<Bytes> {
+    let answers = slot.is_filled()
+        && frame
+            .data_ref()
+            .and_then(|data| data.strip_prefix(b"data: "))
+            .and_then(|json| serde_json::from_slice::<Value>(json).ok())
+            .is_some_and(|message| message.get("result").is_some() && message.get("id").is_some());
+    match answers.then(|| slot.response(id)).flatten() {
+        Some(answer) => hyper::body::Frame::data(Bytes::from(format!("data: {answer}\n\n"))),
+        None => frame,
+    }
 }
 
 /// On HTTP/1, close after a response sent without reading the request body.

@@ -92,7 +92,42 @@ pub trait HostView: Send + Sync + 'static {
 pub struct ToolContext<'a> {
     pub caller: &'a Caller,
     pub cancel: CancellationToken,
+    /// Where the call's progress goes, if its caller asked for it.
+    pub progress: Progress,
     pub host: &'a dyn HostView,
+}
+
+/// How far a call has come: the fields of MCP's `notifications/progress`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgressUpdate {
+    pub progress: f64,
+    pub total: Option<f64>,
+    pub message: Option<String>,
+}
+
+/// Where a call reports its progress: to its caller when the caller asked for progress,
+/// nowhere otherwise. An update replaces one not yet sent, so a tool may report as often
+/// as it likes and the caller gets the latest at the pace the carrier sends them.
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Option<tokio::sync::watch::Sender<Option<ProgressUpdate>>>);
+
+impl Progress {
+    /// A sink and the receiver its updates reach (the latest one, once read).
+    pub fn channel() -> (Self, tokio::sync::watch::Receiver<Option<ProgressUpdate>>) {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        (Self(Some(tx)), rx)
+    }
+
+    /// Whether the caller asked for progress (otherwise reporting is a no-op).
+    pub fn wanted(&self) -> bool {
+        self.0.is_some()
+    }
+
+    pub fn report(&self, update: ProgressUpdate) {
+        if let Some(tx) = &self.0 {
+            tx.send_replace(Some(update));
+        }
+    }
 }
 
 /// MCP annotations of a tool (hints to clients; `read_only` also drives default policy),

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{
-    Args, Catalog, HostView, Lookup, Snapshot, ToolContext, ToolError, ToolOutput, ToolSpec,
+    Args, Catalog, HostView, Lookup, Progress, Snapshot, ToolContext, ToolError, ToolOutput,
+    ToolSpec,
 };
 use crate::config::Decision;
 use crate::grants::{CallApproval, GrantError, Grants};
@@ -51,6 +52,7 @@ pub trait RuntimeTools: Send + Sync + 'static {
         name: &str,
         args: Args,
         cancel: CancellationToken,
+        progress: Progress,
     ) -> impl Future<Output = Result<ToolOutput, ToolError>> + Send;
 
     /// The durable job behind an MCP task, read or cancelled with the checks of the job
@@ -212,6 +214,7 @@ impl RuntimeTools for Session {
         name: &str,
         args: Args,
         cancel: CancellationToken,
+        progress: Progress,
     ) -> Result<ToolOutput, ToolError> {
         let snapshot = self.catalog.snapshot();
         let entry = match snapshot.lookup(name) {
@@ -234,6 +237,7 @@ impl RuntimeTools for Session {
         let ctx = ToolContext {
             caller,
             cancel: cancel.clone(),
+            progress,
             host: self.view.as_ref(),
         };
         let result = if spec.annotations.replay_safe {
@@ -377,6 +381,7 @@ pub(crate) mod tests {
                 "system.info",
                 Args::new(),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap();
@@ -397,6 +402,7 @@ pub(crate) mod tests {
                 "system.nope",
                 Args::new(),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap_err();
@@ -407,6 +413,7 @@ pub(crate) mod tests {
                 "system.info",
                 args(serde_json::json!({"x": 1})),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap_err();
@@ -519,10 +526,16 @@ pub(crate) mod tests {
         };
         let s = &s;
         let call = |who: Admitted| async move {
-            s.invoke_runtime_tool(&who, "system.info", Args::new(), CancellationToken::new())
-                .await
-                .map(drop)
-                .map_err(|e| e.code)
+            s.invoke_runtime_tool(
+                &who,
+                "system.info",
+                Args::new(),
+                CancellationToken::new(),
+                Default::default(),
+            )
+            .await
+            .map(drop)
+            .map_err(|e| e.code)
         };
         assert_eq!(
             call(Admitted::with_token(
@@ -550,6 +563,7 @@ pub(crate) mod tests {
                 &name,
                 Args::new(),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap_err();
@@ -566,6 +580,7 @@ pub(crate) mod tests {
                 "system.info",
                 args(serde_json::json!({"\"".repeat(100_000): 1})),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap_err();

@@ -1935,6 +1935,7 @@ mod tests {
         let ctx = ToolContext {
             caller: &caller,
             cancel: Default::default(),
+            progress: Default::default(),
             host: &crate::session::tests::NoCarriers,
         };
         let args = json!({"path": t.path("rw/h"), "content": "hi"});

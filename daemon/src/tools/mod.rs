@@ -129,6 +129,7 @@ mod tests {
                 tool,
                 object(args),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
         };

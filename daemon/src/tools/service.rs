@@ -861,6 +861,7 @@ mod tests {
                     .cloned()
                     .unwrap(),
                 CancellationToken::new(),
+                Default::default(),
             )
             .await
             .unwrap_err();

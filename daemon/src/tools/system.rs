@@ -210,6 +210,7 @@ mod tests {
         let ctx = ToolContext {
             caller: &crate::vocab::Caller::Local(0),
             cancel: Default::default(),
+            progress: Default::default(),
             host: &crate::session::tests::NoCarriers,
         };
         let v = health(&ctx).unwrap();

@@ -1,6 +1,6 @@
 //! Each stdio child in a control group of its own, so that its whole process tree —
 //! grandchildren that left its process group with `setsid` included — is bounded by the
-//! upstream's `memory` and ends with it.
+//! upstream's `memory` and [`TASKS`] processes and threads, and ends with it.
 //!
 //! The daemon needs a cgroup it holds alone (the packaged unit's, with `Delegate=yes`; a
 //! `systemd-run --scope -p Delegate=yes`; a container's). At start it makes that cgroup
@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! <own>/daemon                  the daemon (and the jobs it runs)
-//! <own>/upstreams/<name>        memory.max = the upstream's `memory`
+//! <own>/upstreams/<name>        memory.max = the upstream's `memory`, pids.max = TASKS
 //! <own>/upstreams/<name>/<n>    one child and everything it starts
 //! ```
 //!
@@ -18,9 +18,11 @@
 //! restarted or stopped, its cgroup is killed (`cgroup.kill`) and removed. When the daemon
 //! ends, however it ends, its service manager kills the whole tree with its unit.
 //!
-//! The memory bound is the unified hierarchy's memory controller where it is delegated to
-//! the daemon; on a host that keeps memory on a cgroup v1 hierarchy, that hierarchy's
-//! controller where the daemon may write it (a daemon run as root), with the same layout.
+//! Each bound is the unified hierarchy's controller (memory, pids) where it is delegated
+//! to the daemon; on a host that keeps the controller on a cgroup v1 hierarchy, that
+//! hierarchy's where the daemon may write it (a daemon run as root), with the same layout.
+//! Without a memory controller a bounded upstream does not start; without a pids
+//! controller it starts without that bound.
 
 use std::ffi::OsString;
 use std::fs;
@@ -29,31 +31,38 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// Processes and threads one upstream's children may have at once (`pids.max`): more
+/// than any MCP server needs, few enough that one cannot take every task the daemon's
+/// unit may have (or the host's PIDs) and leave the daemon unable to start a thread.
+pub const TASKS: u32 = 1024;
+
 /// The daemon's cgroup, made its own; where its upstreams' processes go.
 #[derive(Debug)]
 pub struct Tree {
     /// `<own>/upstreams`, in the unified hierarchy.
     upstreams: PathBuf,
-    memory: MemoryControl,
+    memory: Control,
+    pids: Control,
     next: AtomicU64,
 }
 
+/// Where one controller is for the upstreams.
 #[derive(Debug)]
-enum MemoryControl {
+enum Control {
     /// The unified hierarchy's controller, enabled for `upstreams/`.
     Unified,
-    /// A cgroup v1 memory hierarchy: `<the daemon's cgroup there>/upstreams`.
+    /// A cgroup v1 hierarchy's: `<the daemon's cgroup there>/upstreams`.
     Legacy(PathBuf),
     /// None the daemon may use; why.
     Absent(String),
 }
 
-/// One child's cgroup (and, with a v1 memory hierarchy, its upstream's there).
+/// One child's cgroup (and, with v1 hierarchies, its upstream's there).
 #[derive(Debug)]
 pub struct Leaf {
     dir: PathBuf,
-    /// The v1 memory cgroup it also joins.
-    legacy: Option<PathBuf>,
+    /// The v1 cgroups it also joins.
+    legacy: Vec<PathBuf>,
     /// Where the kernel counts the processes it killed at the memory bound, and the count
     /// when the child started.
     oom_count: Option<(PathBuf, u64)>,
@@ -96,28 +105,36 @@ impl Tree {
         }
         make_dir(&upstreams)?;
         let controllers = fs::read_to_string(own.join("cgroup.controllers")).unwrap_or_default();
-        let memory = if controllers.split_whitespace().any(|c| c == "memory") {
-            let enable = |dir: &Path| fs::write(dir.join("cgroup.subtree_control"), "+memory");
+        let control = |name: &str| {
+            if !controllers.split_whitespace().any(|c| c == name) {
+                return legacy(name);
+            }
+            let enable =
+                |dir: &Path| fs::write(dir.join("cgroup.subtree_control"), format!("+{name}"));
             match enable(&own).and_then(|()| enable(&upstreams)) {
-                Ok(()) => MemoryControl::Unified,
-                Err(e) => MemoryControl::Absent(format!(
-                    "cannot enable the memory controller beneath {}: {e}",
+                Ok(()) => Control::Unified,
+                Err(e) => Control::Absent(format!(
+                    "cannot enable the {name} controller beneath {}: {e}",
                     own.display()
                 )),
             }
-        } else {
-            legacy_memory()
         };
+        let (memory, pids) = (control("memory"), control("pids"));
+        if let Control::Absent(why) = &pids {
+            tracing::info!("upstreams' process trees are not bounded in number: {why}");
+        }
         Ok(Tree {
             upstreams,
             memory,
+            pids,
             next: AtomicU64::new(1),
         })
     }
 
     /// A fresh cgroup for one child of `upstream`, whose tree is bounded by `memory`
-    /// (none: unbounded). A bound the kernel does not offer is an error when `required`
-    /// (a confined upstream), and is skipped otherwise.
+    /// (none: unbounded) and [`TASKS`]. A memory bound the kernel does not offer is an
+    /// error when `required` (a confined upstream), and is skipped otherwise; so is the
+    /// tasks bound, always.
     pub fn leaf(
         &self,
         upstream: &str,
@@ -126,8 +143,9 @@ impl Tree {
     ) -> Result<Leaf, String> {
         let group = self.upstreams.join(upstream);
         make_dir(&group)?;
-        let (legacy, oom_count) = match (&self.memory, memory) {
-            (MemoryControl::Unified, _) => {
+        let mut legacy = Vec::new();
+        let oom_count = match (&self.memory, memory) {
+            (Control::Unified, _) => {
                 let limit = memory.map_or_else(|| "max".to_owned(), |m| m.to_string());
                 write(&group.join("memory.max"), &limit)?;
                 // Swap would let the tree grow past its bound.
@@ -135,24 +153,35 @@ impl Tree {
                     let swap = if memory.is_some() { "0" } else { "max" };
                     write(&group.join("memory.swap.max"), swap)?;
                 }
-                (None, Some(group.join("memory.events")))
+                Some(group.join("memory.events"))
             }
-            (MemoryControl::Legacy(base), _) => {
+            (Control::Legacy(base), _) => {
                 let dir = base.join(upstream);
                 make_dir(&dir)?;
                 let limit = memory.map_or_else(|| "-1".to_owned(), |m| m.to_string());
                 write(&dir.join("memory.limit_in_bytes"), &limit)?;
                 let count = dir.join("memory.oom_control");
-                (Some(dir), Some(count))
+                legacy.push(dir);
+                Some(count)
             }
-            (MemoryControl::Absent(why), Some(m)) if required => {
+            (Control::Absent(why), Some(m)) if required => {
                 return Err(format!(
                     "its memory bound ({}) cannot be enforced: {why}; write memory = \"unbounded\" to run it without a bound of its own",
                     bytesize::ByteSize::b(m).display().iec()
                 ));
             }
-            (MemoryControl::Absent(_), _) => (None, None),
+            (Control::Absent(_), _) => None,
         };
+        match &self.pids {
+            Control::Unified => write(&group.join("pids.max"), &TASKS.to_string())?,
+            Control::Legacy(base) => {
+                let dir = base.join(upstream);
+                make_dir(&dir)?;
+                write(&dir.join("pids.max"), &TASKS.to_string())?;
+                legacy.push(dir);
+            }
+            Control::Absent(_) => {}
+        }
         let dir = group.join(self.next.fetch_add(1, Ordering::Relaxed).to_string());
         make_dir(&dir)?;
         let oom_count = oom_count.map(|file| {
@@ -171,7 +200,7 @@ impl Leaf {
     /// The launcher's arguments that place it.
     pub fn args(&self) -> Vec<OsString> {
         let mut args = vec!["--cgroup".into(), self.dir.clone().into()];
-        if let Some(dir) = &self.legacy {
+        for dir in &self.legacy {
             args.push("--cgroup".into());
             args.push(dir.clone().into());
         }
@@ -273,21 +302,25 @@ fn remove_tree(dir: &Path) {
     }
 }
 
-/// The daemon's cgroup in the v1 memory hierarchy, when it may make `upstreams` there.
-fn legacy_memory() -> MemoryControl {
-    let found = own_dir(Some("memory"));
-    const NONE: &str = "the kernel offers the daemon no memory controller: none is delegated to its cgroup on the unified hierarchy (cgroup v2, a unit with Delegate=yes), nor may it make cgroups in a v1 memory hierarchy";
-    let base = match found {
+/// The daemon's cgroup in the v1 hierarchy of `controller`, when it may make `upstreams`
+/// there.
+fn legacy(controller: &str) -> Control {
+    let none = |e: String| {
+        Control::Absent(format!(
+            "the kernel offers the daemon no {controller} controller: none is delegated to its cgroup on the unified hierarchy (cgroup v2, a unit with Delegate=yes), nor may it make cgroups in a v1 {controller} hierarchy ({e})"
+        ))
+    };
+    let base = match own_dir(Some(controller)) {
         Ok(own) => own.join("upstreams"),
-        Err(e) => return MemoryControl::Absent(format!("{NONE} ({e})")),
+        Err(e) => return none(e),
     };
     if base.exists() {
         // A former daemon's; its processes were killed in the unified hierarchy.
         remove_tree(&base);
     }
     match make_dir(&base) {
-        Ok(()) => MemoryControl::Legacy(base),
-        Err(e) => MemoryControl::Absent(format!("{NONE} ({e})")),
+        Ok(()) => Control::Legacy(base),
+        Err(e) => none(e),
     }
 }
 

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::protocol::{self, CallError, Incoming as Message, Negotiated, Rpc, RpcFuture, Unread};
 use crate::budget::{Budget, Share};
+use crate::catalog::Progress;
 use crate::config::HttpTarget;
 
 /// Idle connections kept for reuse.
@@ -322,13 +323,14 @@ impl HttpLink {
     }
 
     /// One request and its answer (JSON or the event that answers it), renewing a
-    /// forgotten session once.
+    /// forgotten session once; `id` is the request's (none for a notification) with where
+    /// its progress goes.
     async fn exchange(
         &self,
         negotiated: &Negotiated,
         method: &str,
         body: &Value,
-        id: Option<u64>,
+        id: Option<(u64, &Progress)>,
     ) -> Result<protocol::Answer, CallError> {
         let mut renewed = false;
         loop {
@@ -344,7 +346,7 @@ impl HttpLink {
                 renewed = true;
                 continue;
             };
-            let Some(id) = id else {
+            let Some((id, progress)) = id else {
                 // A notification: any 2xx will do; the body is not read.
                 return Ok(protocol::Answer {
                     result: Map::new(),
@@ -372,7 +374,7 @@ impl HttpLink {
                     }
                 }
                 Answer::Stream(body) => {
-                    let result = self.read_stream(body, id).await;
+                    let result = self.read_stream(body, id, progress).await;
                     // A stream read to its answer may still be open: the connection is not
                     // reused.
                     drop(conn);
@@ -403,7 +405,9 @@ impl HttpLink {
             "clientInfo": protocol::client_info(),
         });
         let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "initialize", "params": params});
-        let initialize = Box::pin(self.exchange(negotiated, "initialize", &body, Some(id)));
+        let none = Progress::default();
+        let initialize =
+            Box::pin(self.exchange(negotiated, "initialize", &body, Some((id, &none))));
         initialize.await?;
         let note = serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized", "params": {}});
         let initialized =
@@ -411,16 +415,24 @@ impl HttpLink {
         initialized.await.map(drop)
     }
 
-    /// Reads events until the one answering `id`; notifications on the way are looked at.
+    /// Reads events until the one answering `id`; notifications on the way are looked at,
+    /// its progress passed on.
     async fn read_stream(
         &self,
         mut body: Incoming,
         id: u64,
+        progress: &Progress,
     ) -> Result<protocol::Answer, CallError> {
         let mut events = Events::new(self.bounds.response_limit, self.bounds.stream_limit);
         loop {
             while let Some(data) = events.next_event()? {
                 let (message, held) = self.parse(&data)?;
+                if let Some((token, update)) = protocol::progress(&message) {
+                    if token == id {
+                        progress.report(update);
+                    }
+                    continue;
+                }
                 match protocol::classify(message) {
                     Message::Response { id: got, result } if got == id => {
                         return result.map(|result| protocol::Answer {
@@ -498,12 +510,16 @@ impl Rpc for HttpLink {
         &'a self,
         negotiated: &'a Negotiated,
         method: &'a str,
-        params: Map<String, Value>,
+        mut params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
+        progress: &'a Progress,
     ) -> RpcFuture<'a, protocol::Answer> {
         Box::pin(async move {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            if progress.wanted() {
+                protocol::ask_progress(&mut params, id);
+            }
             let body =
                 serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
             let mut outstanding = Outstanding {
@@ -513,7 +529,7 @@ impl Rpc for HttpLink {
                 done: false,
             };
             let answer = tokio::select! {
-                answer = self.exchange(negotiated, method, &body, Some(id)) => answer,
+                answer = self.exchange(negotiated, method, &body, Some((id, progress))) => answer,
                 () = cancel.cancelled() => {
                     self.send_cancel(negotiated, id, "the caller cancelled the request");
                     Err(CallError::Cancelled)

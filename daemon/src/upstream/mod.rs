@@ -37,7 +37,7 @@ use self::tool::Listing;
 use crate::audit::Audit;
 use crate::bearer::unix_secs;
 use crate::budget::Budget;
-use crate::catalog::{Catalog, HostTool, Source};
+use crate::catalog::{Catalog, HostTool, Progress, Source};
 use crate::config::{Children, UpstreamConfig, UpstreamEndpoint};
 use crate::metrics::Metrics;
 use crate::vocab::{UpstreamEvent, UpstreamKind, UpstreamState};
@@ -253,8 +253,16 @@ pub enum Refusal {
 struct PinState {
     approved: Option<Surface>,
     now: Option<Surface>,
-    audited: Option<String>,
+    /// The digest of the drift audited last, when, and the drifts seen since and not
+    /// audited.
+    audited: Option<(String, Instant, u64)>,
 }
+
+/// Least time between two drift records of one upstream since its last approval: an
+/// upstream changing its list without end must not push the audit trail's older records
+/// (approvals, grants) out of its retention. Drifts in between are counted, and the
+/// next record's log line says how many.
+const DRIFT_AUDIT_INTERVAL: Duration = Duration::from_secs(600);
 
 /// Device, inode, size, modification and change times: the executable is hashed again
 /// whenever one of them changed (the change time cannot be set back by its owner).
@@ -620,6 +628,7 @@ impl Upstream {
         original: &str,
         args: Map<String, Value>,
         cancel: &CancellationToken,
+        progress: &Progress,
     ) -> Result<Answer, CallError> {
         let live = self.live.read().clone();
         let Some(live) = live else {
@@ -638,6 +647,7 @@ impl Upstream {
                     negotiated.params(params),
                     cancel,
                     limit,
+                    progress,
                 )
                 .await
             }
@@ -648,10 +658,11 @@ impl Upstream {
                     negotiated.params(params),
                     cancel,
                     limit,
+                    progress,
                 )
                 .await
             }
-            Live::PerCall(broken) => self.call_in_child(params, cancel, &broken).await,
+            Live::PerCall(broken) => self.call_in_child(params, cancel, progress, &broken).await,
         }
     }
 
@@ -661,6 +672,7 @@ impl Upstream {
         &self,
         params: Map<String, Value>,
         cancel: &CancellationToken,
+        progress: &Progress,
         broken: &CancellationToken,
     ) -> Result<Answer, CallError> {
         let Ok(_permit) = self.per_call.clone().try_acquire_owned() else {
@@ -691,6 +703,7 @@ impl Upstream {
                 params,
                 cancel,
                 self.config.call_timeout,
+                progress,
             )
             .await;
         link.stop(Duration::ZERO).await;
@@ -766,7 +779,16 @@ impl Upstream {
             return drift;
         }
         let digest = surface.digest();
-        if pin.audited.as_deref() != Some(digest.as_str()) && self.context.persist {
+        let (due, unaudited) = match &mut pin.audited {
+            Some((last, _, _)) if *last == digest => (false, 0),
+            Some((_, at, skipped)) if at.elapsed() < DRIFT_AUDIT_INTERVAL => {
+                *skipped += 1;
+                (false, 0)
+            }
+            Some((_, _, skipped)) => (true, *skipped),
+            None => (true, 0),
+        };
+        if due && self.context.persist {
             tracing::warn!(
                 upstream = %self.config.name,
                 added = drift.added.len(),
@@ -774,7 +796,8 @@ impl Upstream {
                 changed = drift.changed.len(),
                 executable_changed = drift.executable,
                 held,
-                "the upstream's tool surface differs from the approved one; see robota-mcpctl upstreams diff {}",
+                unaudited,
+                "the upstream's tool surface differs from the approved one ({unaudited} other surfaces it listed since the last record were not audited); see robota-mcpctl upstreams diff {}",
                 self.config.name
             );
             self.context.audit.upstream(
@@ -783,7 +806,7 @@ impl Upstream {
                 &digest,
                 "the daemon",
             );
-            pin.audited = Some(digest);
+            pin.audited = Some((digest, Instant::now(), 0));
         }
         if held { drift } else { Drift::default() }
     }

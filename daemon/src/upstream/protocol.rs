@@ -13,6 +13,7 @@ use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::budget::{self, Budget, Share};
+use crate::catalog::{Progress, ProgressUpdate};
 use crate::config::UpstreamProtocol;
 use crate::jsonrpc;
 
@@ -150,7 +151,9 @@ pub type RpcFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, CallError>> + 
 /// One connection to an upstream, however it is carried.
 pub trait Rpc: Send + Sync {
     /// Sends `method` with `params` (as [`Negotiated::params`] made them) and waits for its
-    /// result, at most `limit`; `cancel` tells the upstream to stop.
+    /// result, at most `limit`; `cancel` tells the upstream to stop. When `progress` is
+    /// wanted, the request asks for progress ([`ask_progress`]) and the upstream's progress
+    /// notifications for it go there.
     fn request<'a>(
         &'a self,
         negotiated: &'a Negotiated,
@@ -158,6 +161,7 @@ pub trait Rpc: Send + Sync {
         params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
+        progress: &'a Progress,
     ) -> RpcFuture<'a, Answer>;
 
     fn notify<'a>(
@@ -166,6 +170,43 @@ pub trait Rpc: Send + Sync {
         method: &'a str,
         params: Map<String, Value>,
     ) -> RpcFuture<'a, ()>;
+}
+
+/// Longest progress message passed on (the rest is cut).
+const MAX_PROGRESS_MESSAGE: usize = 1024;
+
+/// Asks the upstream for progress on request `id`: `_meta.progressToken` is the id itself,
+/// which is how its notifications find their call (the caller's own token never leaves
+/// the daemon).
+pub fn ask_progress(params: &mut Map<String, Value>, id: u64) {
+    let meta = params
+        .entry("_meta")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if let Value::Object(meta) = meta {
+        meta.insert("progressToken".into(), Value::from(id));
+    }
+}
+
+/// A `notifications/progress` message: the request id its token names and the update.
+/// Anything else (another method, a token that is not one of our ids, a progress that is
+/// not a number) is `None`.
+pub fn progress(message: &Value) -> Option<(u64, ProgressUpdate)> {
+    if message.get("method").and_then(Value::as_str) != Some("notifications/progress")
+        || message.get("id").is_some()
+    {
+        return None;
+    }
+    let params = message.get("params")?;
+    let id = params.get("progressToken")?.as_u64()?;
+    let update = ProgressUpdate {
+        progress: params.get("progress")?.as_f64()?,
+        total: params.get("total").and_then(Value::as_f64),
+        message: params
+            .get("message")
+            .and_then(Value::as_str)
+            .map(|m| m.chars().take(MAX_PROGRESS_MESSAGE).collect()),
+    };
+    Some((id, update))
 }
 
 /// A JSON-RPC request line (no newline).
@@ -327,6 +368,7 @@ async fn discover(
             modern.params(Map::new()),
             cancel,
             limit,
+            &Progress::default(),
         )
         .await
         .map_err(|e| format!("server/discover failed: {}", e.describe()))?
@@ -364,7 +406,14 @@ async fn initialize(
         unreachable!("an object literal")
     };
     let result = rpc
-        .request(&legacy, "initialize", params, cancel, limit)
+        .request(
+            &legacy,
+            "initialize",
+            params,
+            cancel,
+            limit,
+            &Progress::default(),
+        )
         .await
         .map_err(|e| format!("initialize failed: {}", e.describe()))?
         .result;
@@ -424,6 +473,7 @@ pub async fn list_tools(
                 negotiated.params(params),
                 &cancel,
                 limit,
+                &Progress::default(),
             )
             .await
             .map_err(|e| format!("tools/list failed: {}", e.describe()))?;

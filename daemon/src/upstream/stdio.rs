@@ -32,6 +32,7 @@ use super::protocol::{
     id_in_prefix,
 };
 use crate::budget::Budget;
+use crate::catalog::Progress;
 
 /// How a child is started.
 #[derive(Debug, Clone)]
@@ -74,7 +75,11 @@ const MAX_PENDING: usize = 256;
 /// Of an oversize line, the bytes kept to find its id.
 const PREFIX: usize = 4096;
 
-type Waiter = oneshot::Sender<Result<Answer, CallError>>;
+/// A request waiting for its answer, and where its progress goes.
+struct Waiter {
+    answer: oneshot::Sender<Result<Answer, CallError>>,
+    progress: Progress,
+}
 
 /// A running child and the requests waiting for its answers.
 pub struct ChildLink {
@@ -222,7 +227,7 @@ impl ChildLink {
         self.closed.cancel();
         let waiting: Vec<Waiter> = self.pending.lock().drain().map(|(_, w)| w).collect();
         for waiter in waiting {
-            let _ = waiter.send(Err(CallError::Lost(format!(
+            let _ = waiter.answer.send(Err(CallError::Lost(format!(
                 "the upstream's process ended the exchange mid-call ({why})"
             ))));
         }
@@ -254,7 +259,7 @@ impl ChildLink {
 
     fn answer(&self, id: u64, result: Result<Answer, CallError>) {
         if let Some(waiter) = self.pending.lock().remove(&id) {
-            let _ = waiter.send(result);
+            let _ = waiter.answer.send(result);
         }
     }
 
@@ -296,15 +301,19 @@ impl Rpc for ChildLink {
         &'a self,
         negotiated: &'a Negotiated,
         method: &'a str,
-        params: Map<String, Value>,
+        mut params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
+        progress: &'a Progress,
     ) -> RpcFuture<'a, Answer> {
         Box::pin(async move {
             if self.closed.is_cancelled() {
                 return Err(CallError::NotSent(self.why().unwrap_or_default()));
             }
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            if progress.wanted() {
+                protocol::ask_progress(&mut params, id);
+            }
             let (tx, rx) = oneshot::channel();
             {
                 let mut pending = self.pending.lock();
@@ -313,7 +322,13 @@ impl Rpc for ChildLink {
                         "{MAX_PENDING} calls are already waiting for this upstream"
                     )));
                 }
-                pending.insert(id, tx);
+                pending.insert(
+                    id,
+                    Waiter {
+                        answer: tx,
+                        progress: progress.clone(),
+                    },
+                );
             }
             let mut outstanding = Outstanding {
                 link: self,
@@ -510,6 +525,13 @@ async fn read_stdout(
                         None => break format!("it sent a message the daemon cannot read: {why}"),
                     },
                 };
+                if let Some((id, update)) = protocol::progress(&message) {
+                    // For a request of ours still waiting; any other is dropped.
+                    if let Some(waiter) = link.pending.lock().get(&id) {
+                        waiter.progress.report(update);
+                    }
+                    continue;
+                }
                 match protocol::classify(message) {
                     Incoming::Response { id, result } => link.answer(
                         id,
@@ -757,6 +779,7 @@ mod tests {
                 Map::new(),
                 &CancellationToken::new(),
                 Duration::from_secs(20),
+                &Progress::default(),
             )
             .await
             .unwrap_err();
@@ -784,6 +807,7 @@ mod tests {
         )
         .unwrap();
         let (negotiated, cancel) = (Negotiated::modern(), CancellationToken::new());
+        let none = Progress::default();
         let ask = || {
             link.request(
                 &negotiated,
@@ -791,6 +815,7 @@ mod tests {
                 Map::new(),
                 &cancel,
                 Duration::from_secs(20),
+                &none,
             )
         };
         let err = ask().await.unwrap_err();
@@ -846,6 +871,49 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn progress_asked_for_reaches_its_call_and_no_other() {
+        // The child answers request 1 with the request it read, after progress for it and
+        // for a token that is no request of ours.
+        let link = ChildLink::spawn(
+            "t",
+            &sh(
+                "read line; \
+                 echo '{\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"progressToken\":1,\"progress\":5,\"total\":10,\"message\":\"half\"}}'; \
+                 echo '{\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"progressToken\":99,\"progress\":7}}'; \
+                 echo \"{\\\"jsonrpc\\\":\\\"2.0\\\",\\\"id\\\":1,\\\"result\\\":{\\\"asked\\\":$line}}\"; sleep 30",
+            ),
+            &Launcher::Direct,
+            1 << 20,
+            Budget::new(1 << 20),
+            Arc::new(Notify::new()),
+        )
+        .unwrap();
+        let (progress, seen) = Progress::channel();
+        let result = link
+            .request(
+                &Negotiated::modern(),
+                "tools/call",
+                Map::new(),
+                &CancellationToken::new(),
+                Duration::from_secs(20),
+                &progress,
+            )
+            .await
+            .unwrap()
+            .result;
+        assert_eq!(result["asked"]["params"]["_meta"]["progressToken"], 1);
+        assert_eq!(
+            *seen.borrow(),
+            Some(crate::catalog::ProgressUpdate {
+                progress: 5.0,
+                total: Some(10.0),
+                message: Some("half".into()),
+            })
+        );
+        link.stop(Duration::ZERO).await;
+    }
+
+    #[tokio::test]
     async fn the_environment_is_the_configured_one_and_path() {
         let spec = ChildSpec {
             argv: vec![
@@ -874,6 +942,7 @@ mod tests {
                 Map::new(),
                 &CancellationToken::new(),
                 Duration::from_secs(20),
+                &Progress::default(),
             )
             .await
             .unwrap()

@@ -203,7 +203,9 @@ impl HostTool for ImportedTool {
                 ));
             };
             let name = upstream.name().to_owned();
-            let result = upstream.call(&self.original, args, &ctx.cancel).await;
+            let result = upstream
+                .call(&self.original, args, &ctx.cancel, &ctx.progress)
+                .await;
             let imported = self.spec.imported.as_ref();
             match result {
                 // The answer's budget share is given back once it is the caller's output.

@@ -5,7 +5,8 @@
 //! - `rogue [--slow-start SECS] [--events FILE] [--linger]`: a misbehaving double speaking
 //!   newline-delimited JSON-RPC by hand — it crashes mid-call, hangs, writes garbage,
 //!   floods stdout, answers too much, changes its tool list, leaves grandchildren behind
-//!   (one in a session of its own), has a grandchild take memory (`hog N`: N MiB),
+//!   (one in a session of its own), has a grandchild take memory and threads (`hog`: `mib`
+//!   MiB, up to `threads` threads),
 //!   answers and lists tools built to take far more memory parsed than as text.
 //!
 //! HTTP servers print `listening <addr>` once bound and exit when stdin closes. Events a
@@ -49,13 +50,24 @@ fn main() {
         Some("rmcp-stdio") => rmcp_stdio(events),
         Some("rmcp-http") => rmcp_http(events, flag("--unix").map(PathBuf::from)),
         Some("hog") => {
-            // Takes (and touches) that many MiB, then ends.
+            // Takes (and touches) that many MiB, starts up to that many threads (saying
+            // how many it could), then ends.
             let mib: usize = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+            let threads: usize = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
             let held: Vec<Vec<u8>> = (0..mib)
                 .map(|i| vec![(i % 251) as u8 + 1; 1 << 20])
                 .collect();
             std::hint::black_box(&held);
-            Ok(())
+            let started = (0..threads)
+                .map_while(|_| {
+                    std::thread::Builder::new()
+                        .stack_size(64 << 10)
+                        .spawn(|| std::thread::sleep(Duration::from_secs(3)))
+                        .ok()
+                })
+                .count();
+            let _ = writeln!(std::io::stdout(), "{started}");
+            std::process::exit(0)
         }
         Some("rogue") => {
             rogue(events, flag("--slow-start").and_then(|s| s.parse().ok()));
@@ -516,7 +528,7 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                     "hog" => {
                         // A grandchild in a session of its own takes `mib` MiB; how it
                         // ended is the answer.
-                        let mib = msg["params"]["arguments"]["mib"].as_u64().unwrap_or(0);
+                        let arg = |key: &str| msg["params"]["arguments"][key].as_u64().unwrap_or(0);
                         let ended =
                             std::env::current_exe()
                                 .map_err(|e| e.to_string())
@@ -524,17 +536,27 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                                     std::process::Command::new("/usr/bin/setsid")
                                         .arg(exe)
                                         .arg("hog")
-                                        .arg(mib.to_string())
-                                        .status()
+                                        .arg(arg("mib").to_string())
+                                        .arg(arg("threads").to_string())
+                                        .stderr(std::process::Stdio::null())
+                                        .output()
                                         .map_err(|e| e.to_string())
                                 });
-                        let ended = match ended {
-                            Ok(status) => status.to_string(),
-                            Err(e) => format!("not started: {e}"),
+                        let (ended, threads) = match ended {
+                            Ok(out) => (
+                                out.status.to_string(),
+                                String::from_utf8_lossy(&out.stdout)
+                                    .trim()
+                                    .parse::<u64>()
+                                    .ok(),
+                            ),
+                            Err(e) => (format!("not started: {e}"), None),
                         };
                         send(
                             &mut out,
-                            answer(json!({"content": [], "structuredContent": {"ended": ended}})),
+                            answer(
+                                json!({"content": [], "structuredContent": {"ended": ended, "threads": threads}}),
+                            ),
                         );
                     }
                     _ => send(

@@ -160,8 +160,19 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + dirs.len() + write.len() + 2 + 10 + 3,
+        read.len() + dirs.len() + write.len() + 2 + 11 + 4,
         "{report:?}"
+    );
+    // Refused by the mechanism meant for them: the daemon's look at its peer (which
+    // fails closed when the connecting process is gone), and the system-call filter
+    // (clone3, whose CLONE_INTO_CGROUP Landlock does not govern).
+    assert_eq!(
+        report["use the control socket from an exited child"],
+        "denied (EACCES)"
+    );
+    assert_eq!(
+        report["start a process in the daemon's cgroup"],
+        "denied (ENOSYS)"
     );
     assert!(!secrets.path().join("planted-by-upstream").exists());
     assert!(!d.state_dir().join("planted-by-upstream").exists());
@@ -178,7 +189,7 @@ async fn python_sdk_over_stdio_is_imported_called_and_denied_by_default() {
     assert_eq!(u.kind, "stdio");
     assert_eq!(
         u.tools,
-        ["py.add", "py.echo", "py.escape", "py.nap"],
+        ["py.add", "py.count", "py.echo", "py.escape", "py.nap"],
         "{u:?}"
     );
     let client = McpClient::connect(&d, &d.bearer()).await;
@@ -1160,7 +1171,7 @@ fn cgroup_of(pid: i32) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upstreams_whole_process_tree_is_bounded_by_its_memory() {
+async fn an_upstreams_whole_process_tree_is_bounded_by_its_memory_and_tasks() {
     let d = Daemon::start(&format!(
         "[upstreams.rogue]\ncommand = {}\nmemory = \"64MiB\"\n\n{}",
         fixture_command(&["rogue"]),
@@ -1184,6 +1195,19 @@ async fn an_upstreams_whole_process_tree_is_bounded_by_its_memory() {
     let ended = hog(256).await;
     assert!(ended.contains("SIGKILL"), "the 256 MiB grandchild: {ended}");
     assert_eq!(hog(16).await, "exit status: 0");
+    // A grandchild starting thousands of threads gets no more than the upstream's share
+    // of tasks (its own process and the fixture's count too), and the daemon goes on.
+    let bomb = client
+        .call("rogue.hog", json!({"mib": 0, "threads": 5000}))
+        .await
+        .ok("hog threads");
+    let threads = bomb["threads"].as_u64().expect("a count of threads");
+    assert!(
+        (900..1024).contains(&threads),
+        "threads started beneath a bound of 1024 tasks: {bomb}"
+    );
+    let info = client.call("system.info", json!({})).await;
+    assert!(!info.is_error, "{info:?}");
     client.close().await;
 }
 
@@ -1409,4 +1433,177 @@ async fn a_call_the_backend_received_is_never_nothing_was_sent() {
         assert!(!message.contains("nothing was sent"), "{status}: {message}");
         client.close().await;
     }
+}
+
+/// The official Python SDK's client (`tests/fixtures/progress_client.py`) calling `tool`:
+/// the progress notifications it received, then the result.
+fn python_call(args: &[&str], bearer: Option<&str>) -> (Vec<Value>, Value) {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/progress_client.py");
+    let mut cmd = std::process::Command::new(robota_e2e::upstream::sdk_python());
+    cmd.arg(script).args(args);
+    if let Some(bearer) = bearer {
+        cmd.env("ROBOTA_BEARER", bearer);
+    }
+    let out = robota_e2e::daemon::run_bounded(cmd, LIMIT);
+    out.expect_code(0, "progress_client.py");
+    let mut lines: Vec<Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let result = lines.pop().expect("the result line")["result"].take();
+    (lines, result)
+}
+
+fn text_of(result: &Value) -> &str {
+    result["content"][0]["text"].as_str().unwrap_or_default()
+}
+
+/// A call carrying a progress token gets the upstream's progress for it, its token mapped
+/// back, before the result: from a Node server from npm over stdio and from the Python
+/// SDK over Streamable HTTP, to the Python SDK's client over the loopback carrier
+/// (revisions 2025-11-25 and 2026-07-28) and over the `robota-mcpctl stdio` relay. On
+/// HTTP the answer is then an event stream; without a token it stays plain JSON. A call
+/// reporting faster than 20 a second is paced, its latest update kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_from_upstreams_reaches_the_caller_paced() {
+    let (node, script, modules) = robota_e2e::upstream::npm_server("server-everything");
+    let web = HttpServer::sdk();
+    let show = |p: &std::path::Path| p.display().to_string();
+    let d = Daemon::start(&format!(
+        "[upstreams.everything]\ncommand = {}\n{}\n\n[upstreams.web]\nurl = \"{}\"\n\n{}\n\
+         [[policy]]\ncallers = [\"local:*\"]\ntools = [\"everything.*\", \"web.*\"]\ndecision = \"allow\"\n",
+        toml_array(&[show(&node), show(&script), "stdio".into()]),
+        read_paths_with(&[&modules]),
+        web.url(),
+        allow(&["everything", "web"])
+    ));
+    wait_state(&d, "everything", "up");
+    wait_state(&d, "web", "up");
+    let bearer = d.bearer();
+    let url = format!("http://{}/mcp", d.loopback_addr());
+    let long = (
+        "everything.trigger-long-running-operation",
+        r#"{"duration": 1, "steps": 4}"#,
+        "Long running operation completed",
+    );
+    let count = ("web.count", r#"{"steps": 4, "ms": 150}"#, "counted to 4");
+    let expect_steps = |notes: &[Value], what: &str| {
+        let seen: Vec<(f64, f64)> = notes
+            .iter()
+            .map(|n| {
+                (
+                    n["progress"].as_f64().unwrap(),
+                    n["total"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [(1., 4.), (2., 4.), (3., 4.), (4., 4.)],
+            "{what}: {notes:?}"
+        );
+    };
+    for lifecycle in ["initialize", "discover"] {
+        for (tool, args, done) in [long, count] {
+            let what = format!("{tool} over loopback, {lifecycle}");
+            let (notes, result) = python_call(
+                &["http", &url, lifecycle, tool, args, "progress"],
+                Some(&bearer),
+            );
+            expect_steps(&notes, &what);
+            assert!(text_of(&result).contains(done), "{what}: {result}");
+            assert_eq!(
+                result["_meta"]["io.robota/upstream"]["name"],
+                tool.split('.').next().unwrap(),
+                "{what}: the result passes through whole: {result}"
+            );
+        }
+    }
+    let (notes, result) = python_call(
+        &["http", &url, "initialize", count.0, count.1, "none"],
+        Some(&bearer),
+    );
+    assert!(
+        notes.is_empty() && text_of(&result).contains(count.2),
+        "{notes:?} {result}"
+    );
+    for (tool, args, done) in [long, count] {
+        let relay = [
+            "stdio",
+            "initialize",
+            tool,
+            args,
+            "progress",
+            "--",
+            &robota_e2e::mcpctl_bin().display().to_string(),
+            "--socket",
+            &show(d.socket_path()),
+            "stdio",
+        ]
+        .map(str::to_owned);
+        let relay: Vec<&str> = relay.iter().map(String::as_str).collect();
+        let (notes, result) = python_call(&relay, None);
+        expect_steps(&notes, &format!("{tool} over the relay"));
+        assert!(
+            text_of(&result).contains(done),
+            "{tool} over the relay: {result}"
+        );
+    }
+    // On the wire: an event stream with a token, plain JSON without.
+    let port = d.loopback_port();
+    let call = |token: Option<&str>| {
+        let mut message =
+            robota_e2e::http::tools_call(7, "web.count", json!({"steps": 2, "ms": 100}));
+        if let Some(token) = token {
+            message["params"]["_meta"] = json!({"progressToken": token});
+        }
+        robota_e2e::http::Request::mcp(port, Some(&bearer), &message)
+    };
+    let plain = robota_e2e::http::exchange(d.loopback_addr(), &call(None)).await;
+    assert!(!plain.is_sse(), "{}", plain.describe());
+    assert_eq!(plain.messages().len(), 1, "{}", plain.describe());
+    let streamed = robota_e2e::http::exchange(d.loopback_addr(), &call(Some("mine"))).await;
+    assert!(streamed.is_sse(), "{}", streamed.describe());
+    let messages = streamed.messages();
+    assert_eq!(messages.len(), 3, "{}", streamed.describe());
+    for (i, note) in messages[..2].iter().enumerate() {
+        assert_eq!(note["method"], "notifications/progress");
+        assert_eq!(note["params"]["progressToken"], "mine");
+        assert_eq!(note["params"]["progress"].as_f64(), Some(i as f64 + 1.));
+        assert_eq!(note["params"]["message"], format!("step {}", i + 1));
+    }
+    assert_eq!(messages[2]["id"], 7);
+    assert_eq!(text_of(&messages[2]["result"]), "counted to 2");
+    // 200 updates in about a second: paced to at most 20 a second.
+    let started = std::time::Instant::now();
+    let (notes, result) = python_call(
+        &[
+            "http",
+            &url,
+            "initialize",
+            "web.count",
+            r#"{"steps": 200, "ms": 5}"#,
+            "progress",
+        ],
+        Some(&bearer),
+    );
+    let took = started.elapsed().as_secs_f64();
+    assert!(text_of(&result).contains("counted to 200"), "{result}");
+    let bound = (took / 0.05).ceil() as usize + 1;
+    assert!(
+        !notes.is_empty() && notes.len() <= bound && notes.len() < 200,
+        "{} notes in {took:.2} s (at most {bound}): {notes:?}",
+        notes.len()
+    );
+    let values: Vec<f64> = notes
+        .iter()
+        .map(|n| n["progress"].as_f64().unwrap())
+        .collect();
+    assert!(
+        values.windows(2).all(|w| w[0] < w[1]),
+        "in order, coalesced: {values:?}"
+    );
+    d.assert_no_secrets();
 }
