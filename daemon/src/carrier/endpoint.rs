@@ -290,7 +290,16 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 let result = self
                     .server
                     .call_legacy(caller, request_id, call.params, Some(&slot))
-                    .await?;
+                    .await;
+                // The tool has run: whatever happens now, the SDK must not run it again.
+                let Some(result) = result else {
+                    let error = rmcp::model::ErrorData::internal_error(
+                        "the tool's result cannot be serialized",
+                        None,
+                    );
+                    let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
+                    return Some(json_response(StatusCode::OK, &body));
+                };
                 // An imported tool's result goes out whole, instead of the rendering.
                 if let Some(answer) = slot.response(id) {
                     return Some(json_response(StatusCode::OK, &answer));

@@ -1438,12 +1438,20 @@ async fn a_call_the_backend_received_is_never_nothing_was_sent() {
 /// The official Python SDK's client (`tests/fixtures/progress_client.py`) calling `tool`:
 /// the progress notifications it received, then the result.
 fn python_call(args: &[&str], bearer: Option<&str>) -> (Vec<Value>, Value) {
+    python_call_as(args, bearer, None)
+}
+
+/// [`python_call`] with a `Host` header (the remote carrier's public name).
+fn python_call_as(args: &[&str], bearer: Option<&str>, host: Option<&str>) -> (Vec<Value>, Value) {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/progress_client.py");
     let mut cmd = std::process::Command::new(robota_e2e::upstream::sdk_python());
     cmd.arg(script).args(args);
     if let Some(bearer) = bearer {
         cmd.env("ROBOTA_BEARER", bearer);
+    }
+    if let Some(host) = host {
+        cmd.env("ROBOTA_HOST", host);
     }
     let out = robota_e2e::daemon::run_bounded(cmd, LIMIT);
     out.expect_code(0, "progress_client.py");
@@ -1463,7 +1471,8 @@ fn text_of(result: &Value) -> &str {
 /// A call carrying a progress token gets the upstream's progress for it, its token mapped
 /// back, before the result: from a Node server from npm over stdio and from the Python
 /// SDK over Streamable HTTP, to the Python SDK's client over the loopback carrier
-/// (revisions 2025-11-25 and 2026-07-28) and over the `robota-mcpctl stdio` relay. On
+/// (revisions 2025-11-25 and 2026-07-28), the remote carrier (a signed access token) and
+/// the `robota-mcpctl stdio` relay. On
 /// HTTP the answer is then an event stream; without a token it stays plain JSON. A call
 /// reporting faster than 20 a second is paced, its latest update kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1471,14 +1480,22 @@ async fn progress_from_upstreams_reaches_the_caller_paced() {
     let (node, script, modules) = robota_e2e::upstream::npm_server("server-everything");
     let web = HttpServer::sdk();
     let show = |p: &std::path::Path| p.display().to_string();
-    let d = Daemon::start(&format!(
-        "[upstreams.everything]\ncommand = {}\n{}\n\n[upstreams.web]\nurl = \"{}\"\n\n{}\n\
-         [[policy]]\ncallers = [\"local:*\"]\ntools = [\"everything.*\", \"web.*\"]\ndecision = \"allow\"\n",
-        toml_array(&[show(&node), show(&script), "stdio".into()]),
-        read_paths_with(&[&modules]),
-        web.url(),
-        allow(&["everything", "web"])
-    ));
+    let (authz, keys) = robota_e2e::authz::Authz::with_standard_keys();
+    let d = robota_e2e::remote::RemoteConfig::new(&authz)
+        .builder()
+        .extra(format!(
+            "[upstreams.everything]\ncommand = {}\n{}\n\n[upstreams.web]\nurl = \"{}\"\n\n{}\n\
+         [[policy]]\ncallers = [\"local:*\", \"oauth:*\"]\ntools = [\"everything.*\", \"web.*\"]\ndecision = \"allow\"\n",
+            toml_array(&[show(&node), show(&script), "stdio".into()]),
+            read_paths_with(&[&modules]),
+            web.url(),
+            allow(&["everything", "web"])
+        ))
+        .start();
+    let token = authz
+        .token(&keys.rsa, robota_e2e::remote::PUBLIC_URL)
+        .build();
+    d.register_secret(&token);
     wait_state(&d, "everything", "up");
     wait_state(&d, "web", "up");
     let bearer = d.bearer();
@@ -1520,6 +1537,20 @@ async fn progress_from_upstreams_reaches_the_caller_paced() {
                 "{what}: the result passes through whole: {result}"
             );
         }
+    }
+    let remote = format!("http://{}/mcp", d.remote_addr());
+    let public_host = robota_e2e::remote::PUBLIC_URL
+        .trim_start_matches("https://")
+        .trim_end_matches("/mcp");
+    for (tool, args, done) in [long, count] {
+        let what = format!("{tool} over the remote carrier");
+        let (notes, result) = python_call_as(
+            &["http", &remote, "discover", tool, args, "progress"],
+            Some(&token),
+            Some(public_host),
+        );
+        expect_steps(&notes, &what);
+        assert!(text_of(&result).contains(done), "{what}: {result}");
     }
     let (notes, result) = python_call(
         &["http", &url, "initialize", count.0, count.1, "none"],
