@@ -534,6 +534,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             .shared
             .inflight
             .register(caller.caller.clone(), id, cancel.clone());
+        let limit = self.shared.wire.result_limit;
         let (tool, result) = match shape.progress {
             None => {
                 self.dispatch(caller, request, cancel, Progress::default())
@@ -541,11 +542,16 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             }
             Some((peer, token)) => {
                 let (sink, mut updates) = Progress::channel();
+                let mut out = ProgressOut {
+                    peer,
+                    token,
+                    left: limit,
+                };
                 // The forwarder ends only when the call has dropped its sink, i.e. once
                 // the call is over.
                 let done = {
                     let call = std::pin::pin!(self.dispatch(caller, request, cancel, sink));
-                    let forward = std::pin::pin!(forward_progress(&peer, &token, &mut updates));
+                    let forward = std::pin::pin!(out.forward(&mut updates));
                     match futures_util::future::select(call, forward).await {
                         futures_util::future::Either::Left((done, _)) => done,
                         futures_util::future::Either::Right(((), call)) => call.await,
@@ -558,7 +564,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                     last.clone().filter(|_| last.has_changed())
                 };
                 if let Some(update) = unsent {
-                    let _ = peer.notify_progress(progress_note(&token, update)).await;
+                    out.send(update).await;
                 }
                 done
             }
@@ -571,7 +577,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             metrics.tool_call(tool, None, started.elapsed());
             return CallToolResponse::Task(CreateTaskResult::new(tasks::task(job)));
         }
-        let (mut rendered, code) = self.bounded(result, slot.map(|s| (s, shape.modern)));
+        let (mut rendered, code) = self.bounded(result, slot.map(|s| (s, shape.modern)), limit);
         metrics.tool_call(tool, code, started.elapsed());
         if let Some(code) = code {
             self.mark_own_error(&mut rendered, tool, code);
@@ -661,8 +667,8 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         &self,
         result: Result<ToolOutput, ToolError>,
         passthrough: Option<(&PassthroughSlot, bool)>,
+        limit: u64,
     ) -> (CallToolResult, Option<ToolErrorCode>) {
-        let limit = self.shared.wire.result_limit;
         let result = match (result, passthrough) {
             (Ok(ToolOutput::Passthrough(raw)), Some((slot, modern))) => {
                 let raw = for_revision(raw, modern);
@@ -694,34 +700,48 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     }
 }
 
-/// Sends a call's progress to its caller as `notifications/progress` under the caller's
-/// `token`, at most one per [`PROGRESS_INTERVAL`] (the latest update when they come
-/// faster); ends when the call drops its sink.
-async fn forward_progress(
-    peer: &Peer<RoleServer>,
-    token: &ProgressToken,
-    updates: &mut tokio::sync::watch::Receiver<Option<ProgressUpdate>>,
-) {
-    while updates.changed().await.is_ok() {
-        let Some(update) = updates.borrow_and_update().clone() else {
-            continue;
-        };
-        if peer
-            .notify_progress(progress_note(token, update))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        tokio::time::sleep(PROGRESS_INTERVAL).await;
-    }
+/// Where a call's progress goes: its caller, under the caller's token, at most the
+/// result limit's worth of notifications in all (the result is judged on its own, so
+/// progress never costs a caller its result).
+struct ProgressOut {
+    peer: Peer<RoleServer>,
+    token: ProgressToken,
+    left: u64,
 }
 
-fn progress_note(token: &ProgressToken, update: ProgressUpdate) -> ProgressNotificationParam {
-    let mut note = ProgressNotificationParam::new(token.clone(), update.progress);
-    note.total = update.total;
-    note.message = update.message;
-    note
+impl ProgressOut {
+    /// Sends `update`; false once the caller is gone or the limit would be passed (then
+    /// nothing more is sent).
+    async fn send(&mut self, update: ProgressUpdate) -> bool {
+        let mut note = ProgressNotificationParam::new(self.token.clone(), update.progress);
+        note.total = update.total;
+        note.message = update.message;
+        // The notification's bytes on the wire, roughly: its params and the envelope.
+        let size = serde_json::to_vec(&note).map_or(u64::MAX, |b| b.len() as u64 + 64);
+        if size > self.left {
+            self.left = 0;
+            return false;
+        }
+        self.left -= size;
+        self.peer.notify_progress(note).await.is_ok()
+    }
+
+    /// Sends a call's progress at most once per [`PROGRESS_INTERVAL`] (the latest update
+    /// when they come faster); ends when the call drops its sink.
+    async fn forward(
+        &mut self,
+        updates: &mut tokio::sync::watch::Receiver<Option<ProgressUpdate>>,
+    ) {
+        while updates.changed().await.is_ok() {
+            let Some(update) = updates.borrow_and_update().clone() else {
+                continue;
+            };
+            if !self.send(update).await {
+                return;
+            }
+            tokio::time::sleep(PROGRESS_INTERVAL).await;
+        }
+    }
 }
 
 /// How a call's answer goes back to the request's client.

@@ -109,8 +109,13 @@ const NR_REMOVEXATTRAT: i64 = 466;
 /// another architecture's calls (ENOSYS); `io_uring_setup` (ENOSYS: a ring performs
 /// operations outside the calls filters see); `clone3` (ENOSYS, so libc falls back to
 /// `clone`: its `CLONE_INTO_CGROUP` places the child in any cgroup whose directory the
-/// process can open, which Landlock does not govern); changing another process's limits or I/O
-/// priority (`prlimit64`/`ioprio_set` on a pid other than 0: EPERM); changing a file's
+/// process can open, which Landlock does not govern); changing another process's limits,
+/// I/O priority, scheduling or CPUs (`prlimit64`, `ioprio_set`, `sched_setscheduler`,
+/// `sched_setparam`, `sched_setattr`, `sched_setaffinity` on a pid other than 0, and
+/// `setpriority` on anything but the process itself: EPERM — a process of the daemon's
+/// user could otherwise make the daemon idle); the kernel's keyrings (`add_key`,
+/// `request_key`, `keyctl`: EPERM — they are the user's, shared with the daemon and
+/// every other upstream); changing a file's
 /// mode, owner, times or extended attributes by path (EPERM: Landlock does not govern
 /// metadata, and a path can name a file the process may not open — by descriptor it
 /// stays possible on files it opened); with `non_unix_sockets`, every socket but a
@@ -162,6 +167,25 @@ pub fn confine_system_calls(refuse: Refusals) -> io::Result<()> {
     deny(&mut p, libc::SYS_clone3, libc::ENOSYS);
     unless_zero(&mut p, libc::SYS_prlimit64, 0, false, libc::EPERM);
     unless_zero(&mut p, libc::SYS_ioprio_set, 1, false, libc::EPERM);
+    for n in [
+        libc::SYS_sched_setscheduler,
+        libc::SYS_sched_setparam,
+        libc::SYS_sched_setattr,
+        libc::SYS_sched_setaffinity,
+    ] {
+        unless_zero(&mut p, n, 0, false, libc::EPERM);
+    }
+    // setpriority(which, who, prio): only PRIO_PROCESS (0) of itself (0).
+    p.push(op(JEQ_K, 0, 6, nr(libc::SYS_setpriority)));
+    p.push(op(LD_W_ABS, 0, 0, arg_low(0)));
+    p.push(op(JEQ_K, 0, 3, 0));
+    p.push(op(LD_W_ABS, 0, 0, arg_low(1)));
+    p.push(op(JEQ_K, 0, 1, 0));
+    p.push(op(RET_K, 0, 0, ALLOW));
+    p.push(op(RET_K, 0, 0, errno(libc::EPERM)));
+    for n in [libc::SYS_add_key, libc::SYS_request_key, libc::SYS_keyctl] {
+        deny(&mut p, n, libc::EPERM);
+    }
     unless_zero(&mut p, libc::SYS_utimensat, 1, true, libc::EPERM);
     let by_path = [
         libc::SYS_fchmodat,

@@ -27,7 +27,6 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper::{Request, Response};
 use rmcp::model::RequestId;
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
@@ -91,22 +90,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         origin: String,
         drained: &CancellationToken,
     ) -> Self {
-        let config = StreamableHttpServerConfig::default()
-            .with_legacy_session_mode(false)
-            .with_json_response(true)
-            .with_sse_keep_alive(None)
-            .with_allowed_hosts(hosts)
-            .with_allowed_origins([origin])
-            .enforce_origin_validation()
-            .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
-            .with_cancellation_token(drained.child_token());
         let inflight = server.inflight().clone();
         let names = server.clone();
-        let service = StreamableHttpService::new(
-            move || Ok(server.clone()),
-            Arc::new(NeverSessionManager::default()),
-            config,
-        );
+        let service = sdk_service(server, limits, hosts, origin, drained);
         Self {
             listener: site.listener,
             metrics: site.metrics,
@@ -127,12 +113,15 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
 
     /// Serve a request admitted as `caller`, with the carrier's `gate` (if any) asked
     /// about every call before it runs.
-    pub async fn serve(
+    pub async fn serve<B>(
         &self,
-        req: Request<Incoming>,
+        req: Request<B>,
         caller: Admitted,
         gate: Option<Gate<'_>>,
-    ) -> Response<Body> {
+    ) -> Response<Body>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send,
+    {
         let (mut parts, body) = req.into_parts();
         if parts.method != Method::POST {
             let mut response = server::empty(StatusCode::METHOD_NOT_ALLOWED);
@@ -325,9 +314,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     /// Read the body, holding budget for twice what has arrived: for a declared length,
     /// all of it before the first byte (waiting for it, holding nothing); for a body of
     /// unknown length, in steps that must be free at once.
-    async fn read(
+    async fn read<B: hyper::body::Body<Data = Bytes>>(
         &self,
-        body: Incoming,
+        body: B,
         declared: Option<u64>,
         deadline: Instant,
     ) -> Result<(Bytes, Share), ReadFailure> {
@@ -366,6 +355,33 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         }
         Ok((collected.freeze(), held))
     }
+}
+
+/// rmcp's stateless Streamable HTTP service over `server`, as every HTTP carrier runs it
+/// behind its endpoint: JSON answers (a stream only when the handler sends a message
+/// before its response), no session, no keep-alive events, rmcp's own host and origin
+/// checks set to the carrier's names.
+pub(super) fn sdk_service<S: RuntimeTools + TurnSubmission>(
+    server: McpServer<S>,
+    limits: &Limits,
+    hosts: Vec<String>,
+    origin: String,
+    drained: &CancellationToken,
+) -> StreamableHttpService<McpServer<S>, NeverSessionManager> {
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(true)
+        .with_sse_keep_alive(None)
+        .with_allowed_hosts(hosts)
+        .with_allowed_origins([origin])
+        .enforce_origin_validation()
+        .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
+        .with_cancellation_token(drained.child_token());
+    StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(NeverSessionManager::default()),
+        config,
+    )
 }
 
 /// Why a body could not be read.

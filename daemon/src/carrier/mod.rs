@@ -1,5 +1,7 @@
 //! Carriers: where MCP requests arrive. Each implements [`crate::transport::Carrier`].
 
+#[cfg(test)]
+mod differential;
 pub mod endpoint;
 pub mod http;
 pub mod lines;

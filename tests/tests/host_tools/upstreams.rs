@@ -160,7 +160,7 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + dirs.len() + write.len() + 2 + 11 + 4,
+        read.len() + dirs.len() + write.len() + 2 + 15 + 4,
         "{report:?}"
     );
     // Refused by the mechanism meant for them: the daemon's look at its peer (which
@@ -1637,4 +1637,30 @@ async fn progress_from_upstreams_reaches_the_caller_paced() {
         "in order, coalesced: {values:?}"
     );
     d.assert_no_secrets();
+    drop(d);
+    // The result limit bounds a call's progress too, and never costs it its result: with
+    // 1 KiB, a few notifications of about 150 bytes, then the result.
+    let small = Daemon::start(&format!(
+        "[limits]\ntool_result = \"1KiB\"\n\n[upstreams.web]\nurl = \"{}\"\n\n{}",
+        web.url(),
+        allow(&["web"])
+    ));
+    wait_state(&small, "web", "up");
+    let (notes, result) = python_call(
+        &[
+            "http",
+            &format!("http://{}/mcp", small.loopback_addr()),
+            "initialize",
+            "web.count",
+            r#"{"steps": 40, "ms": 60}"#,
+            "progress",
+        ],
+        Some(&small.bearer()),
+    );
+    assert!(text_of(&result).contains("counted to 40"), "{result}");
+    assert!(
+        (2..=7).contains(&notes.len()),
+        "{} notes within 1 KiB: {notes:?}",
+        notes.len()
+    );
 }

@@ -430,7 +430,7 @@ fn a_hostile_upstream_under_the_packaged_unit_reaches_nothing_of_the_daemons() {
     }
     assert_eq!(
         report.len(),
-        read.len() + listing.len() + write.len() + 2 + 11 + 2 + 4,
+        read.len() + listing.len() + write.len() + 2 + 15 + 2 + 4,
         "{report:?}"
     );
     assert!(m.read("/var/lib/robota-mcpd/planted-by-upstream").is_none());

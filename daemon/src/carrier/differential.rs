@@ -1,0 +1,391 @@
+//! The endpoint against rmcp's stateless service as the oracle (docs/design.md §4.4): for
+//! generated bodies and headers on every method the daemon serves, the endpoint answers
+//! what the SDK's service answers — status, content type and messages — except where the
+//! design says it answers first: the strict look (§4.7: a parse error, a batch, a bad id,
+//! bad params, a duplicate key) and the protocol-version check (§3.2), each a 400 with a
+//! JSON-RPC error. Any other difference is a bug.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request};
+use http_body_util::{BodyExt, Full};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::endpoint::{Endpoint, Site, sdk_service};
+use crate::config::{Environment, WireNameProfile, parse};
+use crate::mcp::{InFlight, McpServer, Wire};
+use crate::metrics::Metrics;
+use crate::vocab::{Admitted, Caller, Listener};
+
+const HOST: &str = "127.0.0.1:8080";
+const ORIGIN: &str = "http://127.0.0.1:8080";
+
+/// One generated request.
+#[derive(Debug, Clone)]
+struct Case {
+    body: Vec<u8>,
+    headers: Vec<(&'static str, &'static str)>,
+}
+
+fn id() -> impl Strategy<Value = Option<Value>> {
+    prop_oneof![
+        2 => Just(None),
+        3 => any::<i64>().prop_map(|n| Some(json!(n))),
+        8 => (0i64..100).prop_map(|n| Some(json!(n))),
+        4 => "[a-z0-9é ]{0,6}".prop_map(|s| Some(json!(s))),
+        1 => Just(Some(json!(i64::MAX))),
+        1 => Just(Some(json!(i64::MIN))),
+        1 => Just(Some(json!(i64::MAX as u64 + 1))),
+        1 => Just(Some(json!(u64::MAX))),
+        1 => Just(Some(json!(1.5))),
+        1 => Just(Some(json!(1.0))),
+        1 => Just(Some(json!(-0.0))),
+        1 => Just(Some(json!(1e300))),
+        1 => Just(Some(Value::Null)),
+        1 => Just(Some(json!(true))),
+        1 => Just(Some(json!([1]))),
+        1 => Just(Some(json!({"a": 1}))),
+    ]
+}
+
+fn meta() -> impl Strategy<Value = Option<Value>> {
+    prop_oneof![
+        3 => Just(None),
+        1 => Just(Some(json!({}))),
+        1 => Just(Some(json!({"progressToken": "t"}))),
+        1 => Just(Some(json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28"}))),
+        1 => Just(Some(json!({"x": [1, 2]}))),
+        1 => Just(Some(Value::Null)),
+        1 => Just(Some(json!(3))),
+    ]
+}
+
+/// A method and its params (`None`: no `params` member).
+fn method_and_params() -> impl Strategy<Value = (&'static str, Option<Value>)> {
+    let method = prop_oneof![
+        4 => Just("ping"),
+        4 => Just("tools/list"),
+        6 => Just("tools/call"),
+        1 => Just("initialize"),
+        1 => Just("tasks/get"),
+        1 => Just("server/discover"),
+        1 => Just("nope/nope"),
+        1 => Just("notifications/initialized"),
+    ];
+    // Tools whose answers do not change from one call to the next: an unknown one, bad
+    // arguments, a job that is not there.
+    let call = prop_oneof![
+        Just(json!({"name": "system.nope"})),
+        Just(json!({"name": "system.nope", "arguments": {}})),
+        Just(json!({"name": "system.info", "arguments": {"x": 1}})),
+        Just(json!({"name": "job.status", "arguments": {}})),
+        Just(json!({"name": "job.status", "arguments": {"job": 99999}})),
+        Just(json!({"name": "", "arguments": {}})),
+        Just(json!({"name": 7})),
+        Just(json!({"arguments": {}})),
+        Just(json!({"name": "system.nope", "arguments": "text"})),
+        Just(json!({"name": "system.nope", "task": {}})),
+    ];
+    let shape = prop_oneof![
+        8 => Just(0u8), // an object
+        2 => Just(1),   // absent
+        1 => Just(2),   // null
+        1 => Just(3),   // an array
+    ];
+    (
+        method,
+        shape,
+        call,
+        meta(),
+        proptest::option::of("[a-z]{1,3}"),
+        any::<bool>(),
+    )
+        .prop_map(|(method, shape, call, meta, cursor, extra)| {
+            let mut params = match method {
+                "tools/call" => call.as_object().cloned().unwrap_or_default(),
+                "initialize" => json!({"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}})
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+                "tasks/get" => json!({"taskId": "4242"}).as_object().cloned().unwrap_or_default(),
+                _ => Map::new(),
+            };
+            if let Some(meta) = meta {
+                params.insert("_meta".into(), meta);
+            }
+            if method == "tools/list"
+                && let Some(cursor) = cursor
+            {
+                params.insert("cursor".into(), Value::String(cursor));
+            }
+            if extra {
+                params.insert("extra".into(), json!(1));
+            }
+            let params = match shape {
+                0 => Some(Value::Object(params)),
+                1 => None,
+                2 => Some(Value::Null),
+                _ => Some(json!([1])),
+            };
+            (method, params)
+        })
+}
+
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    let message = (
+        id(),
+        method_and_params(),
+        prop_oneof![20 => Just("2.0"), 1 => Just("1.0")],
+        any::<bool>(),
+        prop_oneof![12 => Just(0u8), 1 => Just(1), 1 => Just(2)],
+    )
+        .prop_map(|(id, (method, params), version, extra, twist)| {
+            let mut message = Map::new();
+            message.insert("jsonrpc".into(), json!(version));
+            if let Some(id) = &id {
+                message.insert("id".into(), id.clone());
+            }
+            message.insert("method".into(), json!(method));
+            if let Some(params) = params {
+                message.insert("params".into(), params);
+            }
+            if extra {
+                message.insert("extra".into(), json!("member"));
+            }
+            let text = Value::Object(message).to_string();
+            match twist {
+                // A key twice: the method, then another.
+                1 => format!(
+                    "{},\"method\":\"ping\"}}",
+                    text.strip_suffix('}').unwrap_or(&text)
+                ),
+                // A batch of one.
+                2 => format!("[{text}]"),
+                _ => text,
+            }
+            .into_bytes()
+        });
+    prop_oneof![
+        20 => message,
+        1 => Just(b"{".to_vec()),
+        1 => Just(b"".to_vec()),
+        1 => Just(b"[]".to_vec()),
+        1 => Just(b"null".to_vec()),
+        1 => Just(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"} x".to_vec()),
+    ]
+}
+
+fn headers() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
+    let accept = prop_oneof![
+        10 => Just(vec!["application/json, text/event-stream"]),
+        1 => Just(vec!["application/json"]),
+        1 => Just(vec!["text/event-stream"]),
+        1 => Just(vec!["*/*"]),
+        1 => Just(vec![]),
+        1 => Just(vec!["application/json;q=0.9, text/event-stream"]),
+        1 => Just(vec!["Application/JSON", "TEXT/EVENT-STREAM"]),
+    ];
+    let kind = prop_oneof![
+        10 => Just(vec!["application/json"]),
+        1 => Just(vec!["application/json; charset=utf-8"]),
+        1 => Just(vec!["text/plain"]),
+        1 => Just(vec![]),
+        1 => Just(vec!["application/json", "application/json"]),
+    ];
+    let version = prop_oneof![
+        6 => Just(vec!["2025-11-25"]),
+        3 => Just(vec![]),
+        3 => Just(vec!["2026-07-28"]),
+        1 => Just(vec!["2025-06-18"]),
+        1 => Just(vec!["2025-11-25", "2025-11-25"]),
+        1 => Just(vec!["bogus"]),
+    ];
+    let origin = prop_oneof![
+        10 => Just(vec![]),
+        1 => Just(vec![ORIGIN]),
+        1 => Just(vec!["http://evil.example"]),
+    ];
+    (accept, kind, version, origin).prop_map(|(accept, kind, version, origin)| {
+        let mut all = vec![("host", HOST)];
+        all.extend(accept.into_iter().map(|v| ("accept", v)));
+        all.extend(kind.into_iter().map(|v| ("content-type", v)));
+        all.extend(version.into_iter().map(|v| ("mcp-protocol-version", v)));
+        all.extend(origin.into_iter().map(|v| ("origin", v)));
+        all
+    })
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (body(), headers()).prop_map(|(body, headers)| Case { body, headers })
+}
+
+/// What an answer says: status, content type (essence), and its messages (the JSON body,
+/// or each event's data of a stream; the raw text when neither).
+#[derive(Debug, PartialEq)]
+struct Said {
+    status: u16,
+    kind: Option<String>,
+    messages: Vec<Value>,
+}
+
+async fn said(response: http::Response<super::http::Body>) -> Said {
+    let status = response.status().as_u16();
+    let kind = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or_default().trim().to_owned());
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let messages = if kind.as_deref() == Some("text/event-stream") {
+        String::from_utf8_lossy(&body)
+            .split("\n\n")
+            .filter_map(|event| {
+                event
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim)
+                    .filter(|d| !d.is_empty())
+                    .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.into())))
+            })
+            .collect()
+    } else if body.is_empty() {
+        Vec::new()
+    } else {
+        vec![
+            serde_json::from_slice(&body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned())),
+        ]
+    };
+    Said {
+        status,
+        kind,
+        messages,
+    }
+}
+
+fn request(case: &Case) -> Request<Full<Bytes>> {
+    let mut request = Request::post("/mcp")
+        .body(Full::new(Bytes::from(case.body.clone())))
+        .expect("a request");
+    for (name, value) in &case.headers {
+        request
+            .headers_mut()
+            .append(*name, HeaderValue::from_static(value));
+    }
+    request
+}
+
+/// A difference the design documents: the endpoint answered first, 400 with a JSON-RPC
+/// error, for a request the strict look or the version check refuses.
+fn documented(case: &Case, ours: &Said) -> bool {
+    let version_refused = {
+        let versions: Vec<&str> = case
+            .headers
+            .iter()
+            .filter(|(n, _)| *n == "mcp-protocol-version")
+            .map(|(_, v)| *v)
+            .collect();
+        match versions[..] {
+            [] => false,
+            [one] => !crate::mcp::is_supported_version(one),
+            _ => true,
+        }
+    };
+    let strict_refused = crate::jsonrpc::inspect(&case.body).is_err();
+    ours.status == 400
+        && ours.messages.len() == 1
+        && ours.messages[0].get("error").is_some()
+        && (strict_refused || version_refused)
+}
+
+#[test]
+fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _entered = runtime.enter();
+    let env = Environment {
+        runtime_directory: Some("/run/robota-mcpd".into()),
+        state_directory: Some("/var/lib/robota-mcpd".into()),
+        ..Environment::default()
+    };
+    let config = parse("[loopback]\n", &env).expect("a configuration");
+    let bounds = config.loopback.as_ref().expect("a loopback carrier").bounds;
+    let metrics = Metrics::new();
+    let session = Arc::new(crate::session::tests::session(""));
+    let server = McpServer::new(
+        session,
+        WireNameProfile::Canonical,
+        BTreeMap::new(),
+        Arc::new(InFlight::default()),
+        Wire {
+            result_limit: config.limits.tool_result,
+            metrics: metrics.clone(),
+        },
+    )
+    .expect("a server");
+    let drained = CancellationToken::new();
+    let endpoint = Endpoint::new(
+        server.clone(),
+        Site {
+            listener: Listener::Loopback,
+            metrics,
+        },
+        &bounds,
+        &config.limits,
+        vec![HOST.into()],
+        ORIGIN.into(),
+        &drained,
+    );
+    let oracle = sdk_service(
+        server,
+        &config.limits,
+        vec![HOST.into()],
+        ORIGIN.into(),
+        &drained,
+    );
+    let caller: Admitted = Caller::Bearer("default".into()).into();
+    let mut runner = TestRunner::new(Config {
+        cases: 2000,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let seen = std::cell::RefCell::new(std::collections::HashMap::<u16, usize>::new());
+    let result = runner.run(&case(), |case| {
+        let (ours, theirs) = runtime.block_on(async {
+            let ours = said(endpoint.serve(request(&case), caller.clone(), None).await).await;
+            let mut to_oracle = request(&case);
+            to_oracle.extensions_mut().insert(caller.clone());
+            let theirs = said(oracle.handle(to_oracle).await.map(|b| b.boxed())).await;
+            (ours, theirs)
+        });
+        *seen.borrow_mut().entry(ours.status).or_default() += 1;
+        prop_assert!(
+            ours == theirs || documented(&case, &ours),
+            "{}\n{:?}\nours: {ours:?}\nthe SDK's: {theirs:?}",
+            String::from_utf8_lossy(&case.body),
+            case.headers
+        );
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    // The generator reaches answers of every kind.
+    let seen = seen.into_inner();
+    for status in [200, 202, 400, 403, 406, 415] {
+        assert!(seen.get(&status).is_some_and(|n| *n >= 10), "{seen:?}");
+    }
+}
