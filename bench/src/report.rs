@@ -189,6 +189,15 @@ impl Report {
             (Call::ToolsCall, 32),
         ];
         out.extend(cells.iter().filter_map(|&(c, n)| ratio_target(c, n, 0.95)));
+        // The physical limit here: a bare hyper server answering a fixed body.
+        out.extend([1, 32].iter().filter_map(|&n| {
+            let r = self.ratio(Server::Loopback, Server::Hello, Call::Ping, n)?;
+            Some(Verdict {
+                target: format!("loopback ≥ 0.8× hyper hello, ping, {n} client{}", plural(n)),
+                measured: format!("{r:.2}×{}", with_errors(Call::Ping, n)),
+                met: r >= 0.8 && clean(Call::Ping, n),
+            })
+        }));
         out.extend(cells.iter().filter_map(|&(c, n)| cpu_target(c, n)));
         out.extend(
             [1, 32]
