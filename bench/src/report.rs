@@ -332,7 +332,7 @@ impl Report {
         let t = &matrix.timing;
         format!(
             "## Method\n\n\
-             - **Servers**, each its own process with tokio's default multi-threaded runtime:\n\
+             - **Servers**, each its own process with tokio's default multi-threaded runtime, each in a cgroup of its own (the unified hierarchy, and the v1 memory and pids ones where the host keeps them there — where the daemon must run to bound its upstreams, and whose memory controller then accounts every process's kernel allocations):\n\
              \x20 - *hyper hello*: plain hyper 1.x HTTP/1.1 that reads the body and answers a \
              fixed 50-byte JSON-RPC result — the ceiling for any HTTP server here;\n\
              \x20 - *stock rmcp 3.11*: rmcp's stateless Streamable HTTP service \

@@ -14,7 +14,7 @@ use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,7 @@ use rmcp::service::RequestContext;
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{RoleServer, ServerHandler};
+use robota_e2e::cgroup::{Cgroup, Hierarchies};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -194,6 +195,7 @@ pub struct ChildServer {
     pub addr: SocketAddr,
     child: Child,
     stdin: Option<ChildStdin>,
+    _cgroup: Cgroup,
 }
 
 impl ChildServer {
@@ -201,7 +203,18 @@ impl ChildServer {
     /// address.
     pub fn spawn(name: &'static str, args: &[&str], env: &[(String, String)]) -> ChildServer {
         let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
-        let mut child = Command::new(exe)
+        // In a cgroup of its own, as the daemon it is measured against runs (whose memory
+        // controller then accounts its kernel allocations too).
+        let cgroup = Cgroup::create(
+            &format!(
+                "robota-bench-{}-{}",
+                name.replace(|c: char| !c.is_ascii_alphanumeric(), "-"),
+                std::process::id()
+            ),
+            Hierarchies::Daemon,
+        );
+        let mut child = cgroup
+            .command(&exe)
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
@@ -228,7 +241,12 @@ impl ChildServer {
             .strip_prefix("listening ")
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("the {name} server printed {line:?}"));
-        ChildServer { addr, child, stdin }
+        ChildServer {
+            addr,
+            child,
+            stdin,
+            _cgroup: cgroup,
+        }
     }
 
     pub fn pid(&self) -> i32 {

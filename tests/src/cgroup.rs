@@ -83,6 +83,19 @@ impl Cgroup {
         self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
+    /// A command that runs `program` in this cgroup: a shell joins it, then becomes the
+    /// program (same pid), as a service manager starts a unit's process.
+    pub fn command(&self, program: &Path) -> std::process::Command {
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo 0 > "$1" || exit 1; shift; done; shift; exec "$@""#)
+            .arg("sh")
+            .args(self.procs_files())
+            .arg("--")
+            .arg(program);
+        cmd
+    }
+
     /// Kills whatever is left in it, then removes it and what was made beneath it.
     pub fn remove(&mut self) {
         for dir in self.dirs.drain(..) {
