@@ -28,10 +28,6 @@ pub struct Inspected {
     pub method: Option<String>,
     /// A `tools/call`'s `name`: the tool's wire name.
     pub tool: Option<String>,
-    /// A request in its method's plain form: `params` absent or holding nothing but what
-    /// the method needs (for `tools/call`, `name` and `arguments`; for any other method,
-    /// nothing) — no cursor, no `_meta`, no `task`.
-    pub plain: bool,
     /// Parsed-memory estimate in bytes: the text plus [`VALUE_COST`] per JSON value.
     pub cost: usize,
 }
@@ -152,22 +148,11 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
                 },
                 _ => None,
             };
-            let plain = match &fields.params {
-                None => true,
-                Some(Kind::Object(Some(params))) if method == "tools/call" => {
-                    params.members
-                        == usize::from(params.name.is_some())
-                            + usize::from(params.arguments.is_some())
-                }
-                Some(Kind::Object(Some(params))) => params.members == 0,
-                Some(_) => false,
-            };
             let method = Some(method.clone());
             Ok(Inspected {
                 id,
                 method,
                 tool,
-                plain,
                 cost,
             })
         }
@@ -180,7 +165,6 @@ pub fn inspect(body: &[u8]) -> Result<Inspected, Invalid> {
             id: None,
             method: None,
             tool: None,
-            plain: false,
             cost,
         }),
         None => Err(Invalid::Request {
@@ -470,32 +454,6 @@ mod tests {
         let r =
             ok(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a\u002eb"}}"#);
         assert_eq!(r.tool.as_deref(), Some("a.b"), "the name is read unescaped");
-    }
-
-    #[test]
-    fn a_request_is_plain_only_without_params_beyond_what_its_method_needs() {
-        for body in [
-            r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a"}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"arguments":{"_meta":1,"task":2},"name":"a"}}"#,
-        ] {
-            assert!(ok(body).plain, "{body}");
-        }
-        for body in [
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"cursor":"x"}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"cursor":null}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{"_meta":{}}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","_meta":{}}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a","task":{}}}"#,
-            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"a"}}"#,
-        ] {
-            assert!(!ok(body).plain, "{body}");
-        }
-        assert!(
-            !ok(r#"{"jsonrpc":"2.0","id":3,"result":{}}"#).plain,
-            "a response"
-        );
     }
 
     #[test]

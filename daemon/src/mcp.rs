@@ -69,9 +69,6 @@ pub struct WireNames {
     /// Collisions an upstream's listing takes part in: their names are refused (answered
     /// `unavailable` with why), logged, and nothing else changes.
     refusals: Vec<WireError>,
-    /// The `tools/list` result of this generation, serialized once when first asked for
-    /// (the catalog changes only with its generation).
-    encoded: std::sync::OnceLock<Option<bytes::Bytes>>,
 }
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -178,7 +175,6 @@ impl WireNames {
             tools,
             problems,
             refusals,
-            encoded: std::sync::OnceLock::new(),
         }
     }
 
@@ -191,18 +187,6 @@ impl WireNames {
                 "names refused, the rest of the catalog is served: {refusal}"
             );
         }
-    }
-
-    /// The whole `tools/list` result of this generation as JSON, shaped for revision
-    /// 2025-11-25, serialized on first use.
-    fn encoded_listing(&self) -> Option<bytes::Bytes> {
-        self.encoded
-            .get_or_init(|| {
-                legacy_json(rmcp::model::ServerResult::ListToolsResult(
-                    ListToolsResult::with_all_items(self.tools.clone()),
-                ))
-            })
-            .clone()
     }
 
     /// The first problem: at start-up, any of them refuses the carrier.
@@ -493,12 +477,6 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         names.clone()
     }
 
-    /// The current generation's whole `tools/list` result for revision 2025-11-25,
-    /// serialized (what the SDK answers from [`ServerHandler::list_tools`]).
-    pub fn encoded_listing(&self) -> Option<bytes::Bytes> {
-        self.names().encoded_listing()
-    }
-
     fn caller(&self, context: &RequestContext<RoleServer>) -> Option<Admitted> {
         context
             .extensions
@@ -540,10 +518,10 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                 self.dispatch(caller, request, cancel, Progress::default())
                     .await
             }
-            Some((peer, token)) => {
+            Some((to, token)) => {
                 let (sink, mut updates) = Progress::channel();
                 let mut out = ProgressOut {
-                    peer,
+                    sink: to,
                     token,
                     left: limit,
                 };
@@ -600,31 +578,6 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         if let Some(imported) = snapshot.get(tool).and_then(|e| e.spec().imported.as_ref()) {
             meta.insert(UPSTREAM_META.into(), imported.meta());
         }
-    }
-
-    /// A `tools/call` of revision 2025-11-25 from a client without tasks, run without the
-    /// SDK (the carrier's own answer): [`Self::run_call`], and the result serialized as
-    /// the SDK's handler shapes it for that revision. Cancelled when the future is dropped
-    /// (the client went away), as the SDK cancels a request whose answer has no reader.
-    pub async fn call_legacy(
-        &self,
-        caller: &Admitted,
-        id: RequestId,
-        request: CallToolRequestParams,
-        slot: Option<&PassthroughSlot>,
-    ) -> Option<bytes::Bytes> {
-        let cancel = CancellationToken::new();
-        let on_drop = cancel.clone().drop_guard();
-        let shape = Shape {
-            modern: false,
-            tasks: false,
-            progress: None,
-        };
-        let response = self
-            .run_call(caller, id, request, cancel, slot, shape)
-            .await;
-        on_drop.disarm();
-        legacy_json(rmcp::model::ServerResult::from(response))
     }
 
     /// Run a call; returns the canonical name it resolved to (None: not in the catalog).
@@ -704,7 +657,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
 /// result limit's worth of notifications in all (the result is judged on its own, so
 /// progress never costs a caller its result).
 struct ProgressOut {
-    peer: Peer<RoleServer>,
+    sink: ProgressSink,
     token: ProgressToken,
     left: u64,
 }
@@ -723,7 +676,10 @@ impl ProgressOut {
             return false;
         }
         self.left -= size;
-        self.peer.notify_progress(note).await.is_ok()
+        match &self.sink {
+            ProgressSink::Peer(peer) => peer.notify_progress(note).await.is_ok(),
+            ProgressSink::Carrier(ProgressSender(tx)) => tx.send(note).await.is_ok(),
+        }
     }
 
     /// Sends a call's progress at most once per [`PROGRESS_INTERVAL`] (the latest update
@@ -751,15 +707,18 @@ struct Shape {
     /// The client declared the tasks extension: a job is answered as a task.
     tasks: bool,
     /// The client asked for progress: where it goes, under the client's token.
-    progress: Option<(Peer<RoleServer>, ProgressToken)>,
+    progress: Option<(ProgressSink, ProgressToken)>,
 }
 
-/// `result` serialized as the SDK's handler shapes it for a peer before 2026-07-28 (no
-/// `resultType: "complete"`, only object `structuredContent`).
-fn legacy_json(mut result: rmcp::model::ServerResult) -> Option<bytes::Bytes> {
-    result.strip_result_type_for_legacy_peer();
-    result.strip_non_object_output_for_legacy_peer();
-    serde_json::to_vec(&result).ok().map(bytes::Bytes::from)
+/// Where a call's progress notifications go: the HTTP carriers put a sender in the
+/// request's HTTP parts and write what it carries into the call's answer; the line
+/// carriers' sessions send them through rmcp's peer.
+#[derive(Clone)]
+pub struct ProgressSender(pub tokio::sync::mpsc::Sender<ProgressNotificationParam>);
+
+enum ProgressSink {
+    Peer(Peer<RoleServer>),
+    Carrier(ProgressSender),
 }
 
 fn json_size(value: &Map<String, Value>) -> u64 {
@@ -862,11 +821,14 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             tracing::error!("tools/call reached the handler without an admitted caller");
             return Err(ErrorData::internal_error("no admitted caller", None));
         };
-        let slot = context
-            .extensions
-            .get::<http::request::Parts>()
+        let parts = context.extensions.get::<http::request::Parts>();
+        let slot = parts
             .and_then(|parts| parts.extensions.get::<PassthroughSlot>())
             .cloned();
+        let sink = match parts.and_then(|parts| parts.extensions.get::<ProgressSender>()) {
+            Some(sender) => ProgressSink::Carrier(sender.clone()),
+            None => ProgressSink::Peer(context.peer.clone()),
+        };
         let shape = Shape {
             modern: context
                 .protocol_version()
@@ -878,7 +840,7 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
                 .meta
                 .get_progress_token()
                 .or_else(|| request.meta.as_ref()?.get_progress_token())
-                .map(|token| (context.peer.clone(), token)),
+                .map(|token| (sink, token)),
         };
         let call = self.run_call(
             &caller,

@@ -119,6 +119,16 @@ impl HttpServer {
         Self::spawn(cmd)
     }
 
+    /// The Python SDK server, appending what happened to its calls (a cancelled `count`)
+    /// to `events`.
+    pub fn sdk_with_events(events: &Path) -> HttpServer {
+        let mut cmd = Command::new(sdk_python());
+        cmd.arg(sdk_script())
+            .arg("http")
+            .env("SDK_FIXTURE_EVENTS", events);
+        Self::spawn(cmd)
+    }
+
     /// Our rmcp server (`rmcp-http`), on TCP or on `unix`.
     pub fn rmcp(unix: Option<&Path>) -> HttpServer {
         let mut cmd = Command::new(fixture_bin());

@@ -16,10 +16,15 @@ use proptest::test_runner::{Config, TestRunner};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::endpoint::{Endpoint, Site, sdk_service};
+use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+
+use super::endpoint::{Endpoint, Site};
+use crate::config::Limits;
 use crate::config::{Environment, WireNameProfile, parse};
 use crate::mcp::{InFlight, McpServer, Wire};
 use crate::metrics::Metrics;
+use crate::session::{RuntimeTools, TurnSubmission};
 use crate::vocab::{Admitted, Caller, Listener};
 
 const HOST: &str = "127.0.0.1:8080";
@@ -59,6 +64,23 @@ fn meta() -> impl Strategy<Value = Option<Value>> {
         1 => Just(Some(json!({}))),
         1 => Just(Some(json!({"progressToken": "t"}))),
         1 => Just(Some(json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28"}))),
+        3 => Just(Some(json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }))),
+        1 => Just(Some(json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}},
+            "progressToken": 5,
+        }))),
+        1 => Just(Some(json!({
+            "io.modelcontextprotocol/protocolVersion": "2025-11-25",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }))),
+        1 => Just(Some(json!({
+            "io.modelcontextprotocol/protocolVersion": "1999-01-01",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }))),
         1 => Just(Some(json!({"x": [1, 2]}))),
         1 => Just(Some(Value::Null)),
         1 => Just(Some(json!(3))),
@@ -66,7 +88,9 @@ fn meta() -> impl Strategy<Value = Option<Value>> {
 }
 
 /// A method and its params (`None`: no `params` member).
-fn method_and_params() -> impl Strategy<Value = (&'static str, Option<Value>)> {
+fn method_and_params(
+    meta: impl Strategy<Value = Option<Value>>,
+) -> impl Strategy<Value = (&'static str, Option<Value>)> {
     let method = prop_oneof![
         4 => Just("ping"),
         4 => Just("tools/list"),
@@ -101,7 +125,7 @@ fn method_and_params() -> impl Strategy<Value = (&'static str, Option<Value>)> {
         method,
         shape,
         call,
-        meta(),
+        meta,
         proptest::option::of("[a-z]{1,3}"),
         any::<bool>(),
     )
@@ -136,10 +160,10 @@ fn method_and_params() -> impl Strategy<Value = (&'static str, Option<Value>)> {
         })
 }
 
-fn body() -> impl Strategy<Value = Vec<u8>> {
+fn body(meta: impl Strategy<Value = Option<Value>>) -> impl Strategy<Value = Vec<u8>> {
     let message = (
         id(),
-        method_and_params(),
+        method_and_params(meta),
         prop_oneof![20 => Just("2.0"), 1 => Just("1.0")],
         any::<bool>(),
         prop_oneof![12 => Just(0u8), 1 => Just(1), 1 => Just(2)],
@@ -182,7 +206,7 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
 
 fn headers() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
     let accept = prop_oneof![
-        10 => Just(vec!["application/json, text/event-stream"]),
+        40 => Just(vec!["application/json, text/event-stream"]),
         1 => Just(vec!["application/json"]),
         1 => Just(vec!["text/event-stream"]),
         1 => Just(vec!["*/*"]),
@@ -191,7 +215,7 @@ fn headers() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
         1 => Just(vec!["Application/JSON", "TEXT/EVENT-STREAM"]),
     ];
     let kind = prop_oneof![
-        10 => Just(vec!["application/json"]),
+        40 => Just(vec!["application/json"]),
         1 => Just(vec!["application/json; charset=utf-8"]),
         1 => Just(vec!["text/plain"]),
         1 => Just(vec![]),
@@ -200,7 +224,7 @@ fn headers() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
     let version = prop_oneof![
         6 => Just(vec!["2025-11-25"]),
         3 => Just(vec![]),
-        3 => Just(vec!["2026-07-28"]),
+        6 => Just(vec!["2026-07-28"]),
         1 => Just(vec!["2025-06-18"]),
         1 => Just(vec!["2025-11-25", "2025-11-25"]),
         1 => Just(vec!["bogus"]),
@@ -220,8 +244,90 @@ fn headers() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
     })
 }
 
+/// The SEP-2243 headers a client on 2026-07-28 sends for `body`: its method, and the
+/// name, URI or task id where the method has one (or, now and then, a wrong one).
+fn standard_headers(body: &[u8], wrong: bool) -> Vec<(&'static str, &'static str)> {
+    fn known(text: &str) -> Option<&'static str> {
+        [
+            "ping",
+            "tools/list",
+            "tools/call",
+            "initialize",
+            "tasks/get",
+            "server/discover",
+            "nope/nope",
+            "notifications/initialized",
+            "system.nope",
+            "system.info",
+            "job.status",
+            "4242",
+            "",
+        ]
+        .into_iter()
+        .find(|k| *k == text)
+    }
+    let Ok(message) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    let Some(method) = message
+        .get("method")
+        .and_then(Value::as_str)
+        .and_then(known)
+    else {
+        return Vec::new();
+    };
+    let mut out = vec![("mcp-method", if wrong { "tools/list" } else { method })];
+    let params = message.get("params");
+    let name = match method {
+        "tools/call" => params.and_then(|p| p.get("name")),
+        "tasks/get" => params.and_then(|p| p.get("taskId")),
+        _ => None,
+    };
+    if let Some(name) = name.and_then(Value::as_str).and_then(known) {
+        out.push(("mcp-name", name));
+    }
+    out
+}
+
+/// A request of a client on 2026-07-28: the whole per-request `_meta`, the version header.
+fn modern() -> impl Strategy<Value = (Vec<u8>, Vec<(&'static str, &'static str)>)> {
+    let meta = prop_oneof![
+        4 => Just(json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        })),
+        1 => Just(json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}},
+            "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+            "progressToken": "p",
+        })),
+    ];
+    (body(meta.prop_map(Some)), headers()).prop_map(|(body, mut headers)| {
+        headers.retain(|(n, _)| *n != "mcp-protocol-version");
+        headers.push(("mcp-protocol-version", "2026-07-28"));
+        (body, headers)
+    })
+}
+
 fn case() -> impl Strategy<Value = Case> {
-    (body(), headers()).prop_map(|(body, headers)| Case { body, headers })
+    (
+        prop_oneof![
+            3 => (body(meta()), headers()),
+            1 => modern(),
+        ],
+        prop_oneof![6 => Just(0u8), 1 => Just(1), 1 => Just(2)],
+    )
+        .prop_map(|((body, mut headers), sep)| {
+            let modern = headers
+                .iter()
+                .any(|(n, v)| *n == "mcp-protocol-version" && *v == "2026-07-28");
+            // Mostly the headers a 2026-07-28 client sends; sometimes none, or wrong ones.
+            if modern && sep != 1 {
+                headers.extend(standard_headers(&body, sep == 2));
+            }
+            Case { body, headers }
+        })
 }
 
 /// What an answer says: status, content type (essence), and its messages (the JSON body,
@@ -286,8 +392,17 @@ fn request(case: &Case) -> Request<Full<Bytes>> {
 }
 
 /// A difference the design documents: the endpoint answered first, 400 with a JSON-RPC
-/// error, for a request the strict look or the version check refuses.
-fn documented(case: &Case, ours: &Said) -> bool {
+/// error, for a request the strict look or the version check refuses; or the request
+/// names another Origin, which the carrier's admission refuses (403, audited) before the
+/// endpoint sees it, as the SDK's service refuses it (403).
+fn documented(case: &Case, ours: &Said, theirs: &Said) -> bool {
+    let foreign_origin = case
+        .headers
+        .iter()
+        .any(|(n, v)| *n == "origin" && *v != ORIGIN);
+    if foreign_origin {
+        return theirs.status == 403;
+    }
     let version_refused = {
         let versions: Vec<&str> = case
             .headers
@@ -306,6 +421,32 @@ fn documented(case: &Case, ours: &Said) -> bool {
         && ours.messages.len() == 1
         && ours.messages[0].get("error").is_some()
         && (strict_refused || version_refused)
+}
+
+/// rmcp's stateless Streamable HTTP service over `server`, the oracle: JSON answers (a stream only when the handler sends a message
+/// before its response), no session, no keep-alive events, rmcp's own host and origin
+/// checks set to the carrier's names.
+fn sdk_service<S: RuntimeTools + TurnSubmission>(
+    server: McpServer<S>,
+    limits: &Limits,
+    hosts: Vec<String>,
+    origin: String,
+    drained: &CancellationToken,
+) -> StreamableHttpService<McpServer<S>, NeverSessionManager> {
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(true)
+        .with_sse_keep_alive(None)
+        .with_allowed_hosts(hosts)
+        .with_allowed_origins([origin])
+        .enforce_origin_validation()
+        .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
+        .with_cancellation_token(drained.child_token());
+    StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(NeverSessionManager::default()),
+        config,
+    )
 }
 
 #[test]
@@ -345,9 +486,6 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
         },
         &bounds,
         &config.limits,
-        vec![HOST.into()],
-        ORIGIN.into(),
-        &drained,
     );
     let oracle = sdk_service(
         server,
@@ -358,11 +496,12 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
     );
     let caller: Admitted = Caller::Bearer("default".into()).into();
     let mut runner = TestRunner::new(Config {
-        cases: 2000,
+        cases: 5000,
         failure_persistence: None,
         ..Config::default()
     });
     let seen = std::cell::RefCell::new(std::collections::HashMap::<u16, usize>::new());
+    let negotiated = std::cell::RefCell::new(0usize);
     let result = runner.run(&case(), |case| {
         let (ours, theirs) = runtime.block_on(async {
             let ours = said(endpoint.serve(request(&case), caller.clone(), None).await).await;
@@ -372,8 +511,16 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
             (ours, theirs)
         });
         *seen.borrow_mut().entry(ours.status).or_default() += 1;
+        if ours.status == 200
+            && case
+                .headers
+                .iter()
+                .any(|(n, v)| *n == "mcp-protocol-version" && *v == "2026-07-28")
+        {
+            *negotiated.borrow_mut() += 1;
+        }
         prop_assert!(
-            ours == theirs || documented(&case, &ours),
+            ours == theirs || documented(&case, &ours, &theirs),
             "{}\n{:?}\nours: {ours:?}\nthe SDK's: {theirs:?}",
             String::from_utf8_lossy(&case.body),
             case.headers
@@ -385,7 +532,12 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
     }
     // The generator reaches answers of every kind.
     let seen = seen.into_inner();
-    for status in [200, 202, 400, 403, 406, 415] {
+    for status in [200, 202, 400, 404, 406, 415] {
         assert!(seen.get(&status).is_some_and(|n| *n >= 10), "{seen:?}");
     }
+    let negotiated = negotiated.into_inner();
+    assert!(
+        negotiated >= 100,
+        "{negotiated} answers to requests negotiated per request"
+    );
 }

@@ -5,11 +5,14 @@
 //! carrier's memory budget (413 past the size limit, 408 past the body deadline, 503 when
 //! the budget stays taken), then looked at strictly ([`crate::jsonrpc`]: 400 with a
 //! JSON-RPC error for a parse error, a batch, a bad id or params), then 400 for an
-//! unsupported `MCP-Protocol-Version` (with the request's id). A
+//! unsupported `MCP-Protocol-Version` (with the request's id). Then the Streamable HTTP
+//! rules ([`super::streamable`]: media types first, before the body is read); a
 //! `notifications/cancelled` cancels the same caller's in-flight request and is answered
 //! 202 here; a carrier's gate may answer a call itself (the remote carrier's 403 for a
-//! tool that needs scopes the token lacks, before anything runs); everything else goes to
-//! rmcp's stateless service. Every error answer is counted by reason.
+//! tool that needs scopes the token lacks, before anything runs); every request is then
+//! answered by rmcp's dispatch in this task ([`super::streamable::answer`]) — one path for
+//! every method. Host and Origin are the carrier's admission's (before this). Every error
+//! answer is counted by reason.
 //!
 //! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
 //! for twice its body (ours and the SDK's copy) while it is read, then for
@@ -28,19 +31,18 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
-use rmcp::model::RequestId;
-use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
-use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::ServerHandler;
+use rmcp::model::{ClientJsonRpcMessage, RequestId};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::http::{self as server, Body};
+use super::streamable::{self, Checked};
 use crate::budget::{Budget, Share, units};
 use crate::config::{HttpLimits, Limits};
 use crate::jsonrpc::{self, Invalid};
-use crate::mcp::{InFlight, McpServer, PassthroughSlot, SUPPORTED_VERSIONS, is_supported_version};
+use crate::mcp::{InFlight, McpServer, SUPPORTED_VERSIONS, is_supported_version};
 use crate::metrics::Metrics;
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::vocab::Admitted;
@@ -62,10 +64,9 @@ pub struct Endpoint<S> {
     body_limit: u64,
     body_timeout: Duration,
     inflight: Arc<InFlight>,
-    /// For the canonical names of calls (the gate's input) and the carrier's own answers
-    /// ([`Self::direct`]).
     server: McpServer<S>,
-    service: StreamableHttpService<McpServer<S>, NeverSessionManager>,
+    /// The peer every request's context names.
+    peer: streamable::Peer,
 }
 
 /// Who the endpoint answers for (the `listener` label of its metrics).
@@ -75,24 +76,8 @@ pub struct Site {
 }
 
 impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
-    /// `hosts` and `origin` configure rmcp's own checks consistently with our admission.
-    ///
-    /// `drained` must fire only once the carrier's drain is over: rmcp answers every
-    /// request still in its hands 500 the moment its token fires, which would take the
-    /// drain grace away from in-flight requests (a drain that runs out drops the
-    /// connections, and that cancels their handlers anyway).
-    pub fn new(
-        server: McpServer<S>,
-        site: Site,
-        bounds: &HttpLimits,
-        limits: &Limits,
-        hosts: Vec<String>,
-        origin: String,
-        drained: &CancellationToken,
-    ) -> Self {
-        let inflight = server.inflight().clone();
-        let names = server.clone();
-        let service = sdk_service(server, limits, hosts, origin, drained);
+    /// Needs a Tokio runtime.
+    pub fn new(server: McpServer<S>, site: Site, bounds: &HttpLimits, limits: &Limits) -> Self {
         Self {
             listener: site.listener,
             metrics: site.metrics,
@@ -100,9 +85,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             memory: Budget::new(limits.request_memory),
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
-            inflight,
-            server: names,
-            service,
+            inflight: server.inflight().clone(),
+            server,
+            peer: streamable::Peer::start(),
         }
     }
 
@@ -129,6 +114,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 .headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static("POST"));
             return self.reject(Rejection::MethodNotAllowed, response);
+        }
+        if let Some(response) = streamable::media_types(&parts.headers) {
+            return self.reject(Rejection::Protocol, response);
         }
         let declared = parts
             .headers
@@ -161,7 +149,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 };
                 return self.reject(
                     why,
-                    json_response(StatusCode::BAD_REQUEST, &invalid.response()),
+                    streamable::json(StatusCode::BAD_REQUEST, &invalid.response()),
                 );
             }
         };
@@ -186,16 +174,38 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 unsupported_version(message.id.as_ref(), &requested),
             );
         }
-        if message.method.as_deref() == Some("notifications/cancelled") {
-            let matched = cancelled_request_id(&bytes)
-                .is_some_and(|id| self.inflight.cancel(&caller.caller, &id));
-            self.metrics.cancellation(if matched {
-                CancelOutcome::Matched
-            } else {
-                CancelOutcome::Unmatched
-            });
-            return server::empty(StatusCode::ACCEPTED);
-        }
+        let parsed = match serde_json::from_slice::<ClientJsonRpcMessage>(&bytes) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                let mut response = server::empty(StatusCode::UNSUPPORTED_MEDIA_TYPE);
+                *response.body_mut() =
+                    Full::new(Bytes::from(format!("fail to deserialize request body {e}"))).boxed();
+                return self.reject(Rejection::Protocol, response);
+            }
+        };
+        let checked = streamable::check(&parts.headers, parsed, &bytes, |name| {
+            self.server.get_tool(name).map(|tool| tool.input_schema)
+        });
+        let (request, negotiated, malformed) = match checked {
+            Err(response) => return self.reject(Rejection::Protocol, *response),
+            Ok(Checked::Notification) => {
+                if message.method.as_deref() == Some("notifications/cancelled") {
+                    let matched = cancelled_request_id(&bytes)
+                        .is_some_and(|id| self.inflight.cancel(&caller.caller, &id));
+                    self.metrics.cancellation(if matched {
+                        CancelOutcome::Matched
+                    } else {
+                        CancelOutcome::Unmatched
+                    });
+                }
+                return server::empty(StatusCode::ACCEPTED);
+            }
+            Ok(Checked::Request {
+                request,
+                negotiated,
+                malformed,
+            }) => (request, negotiated, malformed),
+        };
         if let Some(gate) = gate {
             let tool = match message.method.as_deref() {
                 Some("tools/call") => message
@@ -210,105 +220,21 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 return answer;
             }
         }
-        if let Some(answer) = self.direct(&parts.headers, &message, &bytes, &caller).await {
-            drop(held);
-            return answer;
-        }
         parts.extensions.insert(caller);
-        let passthrough = (message.method.as_deref() == Some("tools/call")).then(|| {
-            let slot = PassthroughSlot::default();
-            parts.extensions.insert(slot.clone());
-            slot
-        });
-        let response = self
-            .service
-            .handle(Request::from_parts(parts, Full::new(bytes)))
-            .await;
+        let response = streamable::answer(
+            &self.server,
+            &self.peer,
+            parts,
+            *request,
+            negotiated,
+            malformed,
+        )
+        .await;
         drop(held);
-        // An imported tool's result goes out whole, instead of rmcp's rendering of it: as
-        // the answer, or as the answer's event when progress made the answer a stream.
-        if let Some(slot) = passthrough {
-            let id = message.id.unwrap_or(Value::Null);
-            if let Some(answer) = slot.response(&id) {
-                return json_response(StatusCode::OK, &answer);
-            }
-            if is_event_stream(&response) {
-                return response.map(|body| {
-                    body.map_frame(move |frame| whole_event(frame, &slot, &id))
-                        .boxed()
-                });
-            }
-        }
         if response.status().is_client_error() {
             self.metrics.rejected(self.listener, Rejection::Protocol);
         }
-        response.map(|b| b.boxed())
-    }
-
-    /// The answer to a `ping`, a `tools/list` of the whole catalog or a `tools/call`,
-    /// given here rather than by the SDK's per-request service: the same handler code
-    /// runs (`tools/call` through [`McpServer::call_legacy`]) and the answer is shaped as
-    /// the SDK shapes it; the listing depends only on the catalog generation, so it is
-    /// serialized once per generation and only the request id is spliced in. Only for a
-    /// request the SDK would answer exactly so — plain (no cursor, `_meta` or `task`), on
-    /// revision 2025-11-25, with plain `Accept` and `Content-Type` values and no `Origin`;
-    /// anything else, and a listing broken by a collision, goes to the SDK.
-    async fn direct(
-        &self,
-        headers: &http::HeaderMap,
-        message: &jsonrpc::Inspected,
-        body: &Bytes,
-        caller: &Admitted,
-    ) -> Option<Response<Body>> {
-        let id = message.id.as_ref().filter(|_| message.plain)?;
-        let method = message.method.as_deref()?;
-        if !matches!(method, "ping" | "tools/list" | "tools/call") || !plain_2025_request(headers) {
-            return None;
-        }
-        let result = match method {
-            "ping" => Bytes::from_static(b"{}"),
-            "tools/list" => self.server.encoded_listing()?,
-            _ => {
-                #[derive(serde::Deserialize)]
-                struct Call {
-                    params: rmcp::model::CallToolRequestParams,
-                }
-                let call: Call = serde_json::from_slice(body).ok()?;
-                let request_id: RequestId = serde_json::from_value(id.clone()).ok()?;
-                let slot = PassthroughSlot::default();
-                let result = self
-                    .server
-                    .call_legacy(caller, request_id, call.params, Some(&slot))
-                    .await;
-                // The tool has run: whatever happens now, the SDK must not run it again.
-                let Some(result) = result else {
-                    let error = rmcp::model::ErrorData::internal_error(
-                        "the tool's result cannot be serialized",
-                        None,
-                    );
-                    let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
-                    return Some(json_response(StatusCode::OK, &body));
-                };
-                // An imported tool's result goes out whole, instead of the rendering.
-                if let Some(answer) = slot.response(id) {
-                    return Some(json_response(StatusCode::OK, &answer));
-                }
-                result
-            }
-        };
-        let id = serde_json::to_vec(id).ok()?;
-        let mut body = Vec::with_capacity(result.len() + id.len() + 36);
-        body.extend_from_slice(br#"{"jsonrpc":"2.0","id":"#);
-        body.extend_from_slice(&id);
-        body.extend_from_slice(br#","result":"#);
-        body.extend_from_slice(&result);
-        body.push(b'}');
-        let mut response = Response::new(Full::new(Bytes::from(body)).boxed());
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        Some(response)
+        response
     }
 
     /// Read the body, holding budget for twice what has arrived: for a declared length,
@@ -357,33 +283,6 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     }
 }
 
-/// rmcp's stateless Streamable HTTP service over `server`, as every HTTP carrier runs it
-/// behind its endpoint: JSON answers (a stream only when the handler sends a message
-/// before its response), no session, no keep-alive events, rmcp's own host and origin
-/// checks set to the carrier's names.
-pub(super) fn sdk_service<S: RuntimeTools + TurnSubmission>(
-    server: McpServer<S>,
-    limits: &Limits,
-    hosts: Vec<String>,
-    origin: String,
-    drained: &CancellationToken,
-) -> StreamableHttpService<McpServer<S>, NeverSessionManager> {
-    let config = StreamableHttpServerConfig::default()
-        .with_legacy_session_mode(false)
-        .with_json_response(true)
-        .with_sse_keep_alive(None)
-        .with_allowed_hosts(hosts)
-        .with_allowed_origins([origin])
-        .enforce_origin_validation()
-        .with_max_request_body_bytes(usize::try_from(limits.request_body).unwrap_or(usize::MAX))
-        .with_cancellation_token(drained.child_token());
-    StreamableHttpService::new(
-        move || Ok(server.clone()),
-        Arc::new(NeverSessionManager::default()),
-        config,
-    )
-}
-
 /// Why a body could not be read.
 enum ReadFailure {
     TooLarge,
@@ -417,33 +316,6 @@ fn busy() -> Response<Body> {
     response
 }
 
-fn is_event_stream<B>(response: &Response<B>) -> bool {
-    response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
-}
-
-/// One event of a call's stream (rmcp writes one `data: <message>` event per frame): the
-/// event answering the call, once the slot holds the whole result, becomes that result;
-/// every other event (progress) goes as it is.
-fn whole_event(
-    frame: hyper::body::Frame<Bytes>,
-    slot: &PassthroughSlot,
-    id: &Value,
-) -> hyper::body::Frame<Bytes> {
-    let answers = slot.is_filled()
-        && frame
-            .data_ref()
-            .and_then(|data| data.strip_prefix(b"data: "))
-            .and_then(|json| serde_json::from_slice::<Value>(json).ok())
-            .is_some_and(|message| message.get("result").is_some() && message.get("id").is_some());
-    match answers.then(|| slot.response(id)).flatten() {
-        Some(answer) => hyper::body::Frame::data(Bytes::from(format!("data: {answer}\n\n"))),
-        None => frame,
-    }
-}
-
 /// On HTTP/1, close after a response sent without reading the request body.
 pub fn closing(mut response: Response<Body>, version: http::Version) -> Response<Body> {
     if version <= http::Version::HTTP_11 {
@@ -470,45 +342,6 @@ fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
     }
 }
 
-/// Headers of a request that the SDK would serve without any question: exactly one
-/// `MCP-Protocol-Version: 2025-11-25` (later revisions negotiate per request), an
-/// `Accept` naming `application/json` and `text/event-stream` without parameters or
-/// quotes, exactly one `Content-Type` of `application/json` (parameters allowed), and no
-/// `Origin` (a browser's request takes the SDK's origin checks as well as ours).
-fn plain_2025_request(headers: &http::HeaderMap) -> bool {
-    let mut versions = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
-    let version_ok = matches!(
-        (versions.next(), versions.next()),
-        (Some(v), None) if v.as_bytes() == rmcp::model::ProtocolVersion::V_2025_11_25.as_str().as_bytes()
-    );
-    if !version_ok || headers.contains_key(header::ORIGIN) {
-        return false;
-    }
-    let (mut json, mut sse) = (false, false);
-    for value in headers.get_all(header::ACCEPT) {
-        let Ok(text) = value.to_str() else {
-            return false;
-        };
-        if text.contains('"') {
-            return false;
-        }
-        for entry in text.split(',').map(str::trim) {
-            json |= entry.eq_ignore_ascii_case("application/json");
-            sse |= entry.eq_ignore_ascii_case("text/event-stream");
-        }
-    }
-    let mut types = headers.get_all(header::CONTENT_TYPE).iter();
-    let type_ok = match (types.next(), types.next()) {
-        (Some(v), None) => v.to_str().is_ok_and(|t| {
-            t.split(';')
-                .next()
-                .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
-        }),
-        _ => false,
-    };
-    json && sse && type_ok
-}
-
 /// 400 with the JSON-RPC error rmcp uses for an unsupported protocol version (-32022),
 /// naming what was requested and what is supported, for the request's id.
 fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
@@ -518,17 +351,7 @@ fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
         Some(serde_json::json!({"requested": requested, "supported": SUPPORTED_VERSIONS})),
     );
     let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
-    json_response(StatusCode::BAD_REQUEST, &body)
-}
-
-fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
-    let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
+    streamable::json(StatusCode::BAD_REQUEST, &body)
 }
 
 /// The `requestId` of a `notifications/cancelled` message.
@@ -569,67 +392,6 @@ mod tests {
         assert!(protocol_version(&headers(&["2025-03-26"])).is_err());
         assert_eq!(protocol_version(&headers(&[""])), Err(String::new()));
         assert!(protocol_version(&headers(&["2025-11-25", "2025-11-25"])).is_err());
-    }
-
-    #[test]
-    fn only_plain_2025_requests_are_answered_without_the_sdk() {
-        let headers = |pairs: &[(&'static str, &'static str)]| {
-            let mut h = http::HeaderMap::new();
-            for (name, value) in pairs {
-                h.append(*name, HeaderValue::from_static(value));
-            }
-            h
-        };
-        const VERSION: (&str, &str) = (PROTOCOL_VERSION_HEADER, "2025-11-25");
-        const ACCEPT: (&str, &str) = ("accept", "application/json, text/event-stream");
-        const JSON: (&str, &str) = ("content-type", "application/json");
-        assert!(plain_2025_request(&headers(&[VERSION, ACCEPT, JSON])));
-        assert!(plain_2025_request(&headers(&[
-            VERSION,
-            ("accept", "text/event-stream"),
-            ("accept", "Application/JSON"),
-            ("content-type", "application/json; charset=utf-8"),
-        ])));
-        for (case, h) in [
-            ("no version", headers(&[ACCEPT, JSON])),
-            (
-                "2026-07-28",
-                headers(&[(PROTOCOL_VERSION_HEADER, "2026-07-28"), ACCEPT, JSON]),
-            ),
-            ("two versions", headers(&[VERSION, VERSION, ACCEPT, JSON])),
-            (
-                "an origin",
-                headers(&[VERSION, ACCEPT, JSON, ("origin", "http://127.0.0.1:1")]),
-            ),
-            (
-                "json only",
-                headers(&[VERSION, ("accept", "application/json"), JSON]),
-            ),
-            (
-                "a weight",
-                headers(&[
-                    VERSION,
-                    ("accept", "application/json;q=1, text/event-stream"),
-                    JSON,
-                ]),
-            ),
-            (
-                "quotes",
-                headers(&[
-                    VERSION,
-                    ("accept", "a/b;x=\"application/json\", text/event-stream"),
-                    JSON,
-                ]),
-            ),
-            ("no type", headers(&[VERSION, ACCEPT])),
-            ("two types", headers(&[VERSION, ACCEPT, JSON, JSON])),
-            (
-                "text",
-                headers(&[VERSION, ACCEPT, ("content-type", "text/plain")]),
-            ),
-        ] {
-            assert!(!plain_2025_request(&h), "{case}");
-        }
     }
 
     #[test]

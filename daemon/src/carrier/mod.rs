@@ -10,6 +10,7 @@ pub mod relay;
 pub mod remote;
 pub mod scrape;
 pub mod stdio;
+pub mod streamable;
 
 use std::net::SocketAddr;
 

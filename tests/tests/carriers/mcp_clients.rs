@@ -322,13 +322,11 @@ async fn loopback_rmcp_client_without_or_with_wrong_bearer_cannot_start() {
     d.assert_no_secrets();
 }
 
-/// `ping`, a `tools/list` of the whole catalog and a plain `tools/call` are answered by
-/// the carrier itself (the listing serialized once per catalog generation); every variant
-/// the SDK must judge — a cursor, `_meta`, another revision, an `Origin`, unusual `Accept`
-/// values — still goes to it. Both give the same answer, and a request the SDK refuses
-/// stays refused.
+/// One path answers every request shape: a `ping`, a `tools/list` and a `tools/call`
+/// answer alike bare and with an empty cursor, `_meta` or an `Origin`, ids are echoed as
+/// sent, and what the SDK refuses (media types, a request carrying a result) is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_carriers_own_answers_are_the_sdks() {
+async fn request_variants_answer_alike() {
     use robota_e2e::http::{Request, exchange};
     use serde_json::json;
 
@@ -347,8 +345,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
     };
     let addr = d.loopback_addr();
 
-    // The carrier's listing, asked twice (the second from the prepared bytes), and the
-    // SDK's, asked with an explicit `cursor: null` and with the 2026-07-28 revision.
+    // The listing, asked twice, with an explicit `cursor: null` and with an `Origin`.
     let direct = json!({"jsonrpc": "2.0", "id": "list-1", "method": "tools/list"});
     let first = answer(
         exchange(addr, &ask(direct.clone())).await,
@@ -361,7 +358,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
         exchange(addr, &ask(via_sdk)).await,
         "tools/list with a cursor",
     );
-    assert_eq!(first, sdk, "the carrier's listing is the SDK's");
+    assert_eq!(first, sdk, "a null cursor lists the same");
     assert!(
         first["result"]["tools"]
             .as_array()
@@ -376,7 +373,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
         answer(exchange(addr, &with_origin).await, "with Origin")
     );
 
-    // ping: `{}` for the request's own id, from either.
+    // ping: `{}` for the request's own id, with `_meta` or without.
     for (case, message) in [
         (
             "bare ping",
@@ -401,8 +398,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
     );
     assert_eq!(v["id"], "a\"b\\c\u{1}");
 
-    // tools/call: the carrier runs the handler itself for a plain call; `_meta` sends the
-    // same call through the SDK. Deterministic answers compared whole.
+    // tools/call with and without an empty `_meta`: deterministic answers compared whole.
     for (case, params) in [
         (
             "an unknown tool",
@@ -441,7 +437,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
         "{v}"
     );
 
-    // What the SDK refuses is refused the same way, fast path or not.
+    // What Streamable HTTP refuses is refused.
     let refused = [
         ("no event-stream", "Accept", "application/json", 406),
         (
@@ -457,7 +453,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
         let resp = exchange(addr, &req).await;
         assert_eq!(resp.status, status, "{case}: {}", resp.describe());
     }
-    // A request that also carries a `result` or an `error` is the SDK's to refuse, and
+    // A request that also carries a `result` or an `error` is refused, and
     // nothing runs: the write root would hold the file if the call had run.
     for extra in [json!({"result": {}}), json!({"error": null})] {
         for method in ["ping", "tools/list"] {
@@ -490,7 +486,7 @@ async fn the_carriers_own_answers_are_the_sdks() {
     assert_ne!(exchange(addr, &ask(hybrid)).await.status, 200);
     assert_eq!(calls(), before, "no call ran");
 
-    // A quoted parameter that only looks like a list entry is the SDK's to judge.
+    // A quoted parameter that only looks like a list entry is not one.
     let quoted = ask(json!({"jsonrpc": "2.0", "id": 1, "method": "ping"})).set_header(
         "Accept",
         "text/x;p=\"a, application/json, text/event-stream\"",

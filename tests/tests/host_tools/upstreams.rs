@@ -1478,7 +1478,8 @@ fn text_of(result: &Value) -> &str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn progress_from_upstreams_reaches_the_caller_paced() {
     let (node, script, modules) = robota_e2e::upstream::npm_server("server-everything");
-    let web = HttpServer::sdk();
+    let events = tempfile::NamedTempFile::new().expect("events file");
+    let web = HttpServer::sdk_with_events(events.path());
     let show = |p: &std::path::Path| p.display().to_string();
     let (authz, keys) = robota_e2e::authz::Authz::with_standard_keys();
     let d = robota_e2e::remote::RemoteConfig::new(&authz)
@@ -1607,6 +1608,59 @@ async fn progress_from_upstreams_reaches_the_caller_paced() {
     }
     assert_eq!(messages[2]["id"], 7);
     assert_eq!(text_of(&messages[2]["result"]), "counted to 2");
+    // A streamed call cancelled by its caller: the cancellation reaches the upstream (its
+    // tool sees it) and the stream ends then, not when the 10 s count would have.
+    let mut message =
+        robota_e2e::http::tools_call(9, "web.count", json!({"steps": 100, "ms": 100}));
+    message["params"]["_meta"] = json!({"progressToken": "cut"});
+    let mut conn = robota_e2e::http::Conn::connect(d.loopback_addr())
+        .await
+        .expect("connect");
+    conn.write(&robota_e2e::http::Request::mcp(port, Some(&bearer), &message).to_bytes())
+        .await
+        .expect("send the call");
+    let mut head = within(LIMIT, "the stream's head", conn.read_head())
+        .await
+        .expect("the stream's head");
+    assert!(head.is_sse(), "{}", head.describe());
+    let started = std::time::Instant::now();
+    let reading = tokio::spawn(async move {
+        let read = conn.read_body(&mut head).await;
+        (read, head)
+    });
+    let cancel =
+        robota_e2e::http::Request::mcp(port, Some(&bearer), &robota_e2e::http::cancelled(9));
+    let answer = robota_e2e::http::exchange(d.loopback_addr(), &cancel).await;
+    assert_eq!(answer.status, 202, "{}", answer.describe());
+    let (read, ended) = within(Duration::from_secs(5), "the stream's end", reading)
+        .await
+        .expect("the reader");
+    read.expect("the stream ends cleanly");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the stream ended {:?} after the cancellation",
+        started.elapsed()
+    );
+    for note in ended
+        .messages()
+        .iter()
+        .filter(|m| m.get("method").is_some())
+    {
+        assert_eq!(
+            note["params"]["progressToken"],
+            "cut",
+            "{}",
+            ended.describe()
+        );
+    }
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(50), || {
+            std::fs::read_to_string(events.path()).is_ok_and(|t| t.contains("cancelled count 100"))
+        })
+        .await,
+        "the cancellation did not reach the upstream's tool: {:?}",
+        std::fs::read_to_string(events.path())
+    );
     // 200 updates in about a second: paced to at most 20 a second.
     let started = std::time::Instant::now();
     let (notes, result) = python_call(

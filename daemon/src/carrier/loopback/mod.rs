@@ -15,7 +15,6 @@ use http::{HeaderValue, header};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use self::admission::{Expected, Refusal};
 use super::Sockets;
@@ -98,21 +97,11 @@ impl Carrier for LoopbackCarrier {
     ) {
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         let expected = Expected::new(&self.config.path, port);
-        // Fires after the drain, not with `drain` (see `Endpoint::new`).
-        let drained = CancellationToken::new();
         let site = Site {
             listener: Listener::Loopback,
             metrics: self.metrics.clone(),
         };
-        let endpoint = Endpoint::new(
-            server,
-            site,
-            &self.config.bounds,
-            &self.limits,
-            vec![expected.authority.clone()],
-            expected.origin.clone(),
-            &drained,
-        );
+        let endpoint = Endpoint::new(server, site, &self.config.bounds, &self.limits);
         let handler = Loopback {
             shared: Arc::new(Shared {
                 expected,
@@ -131,7 +120,6 @@ impl Carrier for LoopbackCarrier {
             metrics: self.metrics.clone(),
         };
         server::serve(listener, options, handler, drain).await;
-        drained.cancel();
     }
 }
 

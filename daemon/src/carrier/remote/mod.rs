@@ -28,7 +28,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use self::admission::{Challenges, Credentials, Failure, Refusal, Route};
 use self::throttle::Throttle;
@@ -150,21 +149,11 @@ impl Carrier for RemoteCarrier {
         drain: Drain,
     ) {
         let url = &self.config.public_url;
-        // Fires after the drain, not with `drain` (see `Endpoint::new`).
-        let drained = CancellationToken::new();
         let site = Site {
             listener: Listener::Remote,
             metrics: self.metrics.clone(),
         };
-        let endpoint = Endpoint::new(
-            server,
-            site,
-            &self.config.bounds,
-            &self.limits,
-            url.authorities(),
-            url.origin_with_port(),
-            &drained,
-        );
+        let endpoint = Endpoint::new(server, site, &self.config.bounds, &self.limits);
         let metadata =
             admission::metadata_document(url, &self.config.issuer, &self.config.scopes_supported)
                 .to_string();
@@ -188,7 +177,6 @@ impl Carrier for RemoteCarrier {
             metrics: self.metrics.clone(),
         };
         server::serve(bound.listener, options, handler, drain).await;
-        drained.cancel();
     }
 }
 

@@ -1,0 +1,711 @@
+//! Streamable HTTP for a stateless server, as the HTTP carriers serve every request: the
+//! transport's rules and the answer's shape, over rmcp's model types, with rmcp's own
+//! request dispatch ([`Service::handle_request`], what rmcp's serve loop runs) called in
+//! the request's task — no service, task or channel per request.
+//!
+//! The rules, in order: `Accept` must take JSON and event streams (406), the body must be
+//! JSON (415); an `initialize` whose `MCP-Protocol-Version` differs from its body is
+//! refused (400); from revision 2026-07-28 on, the `Mcp-Method`, `Mcp-Name` and annotated
+//! `Mcp-Param-*` headers must match the body (400, -32020); a request whose header names
+//! 2026-07-28 or later must carry the protocol version in `_meta`, and a version in
+//! `_meta` must match the header (400). A request that names its version in `_meta` (or a
+//! `server/discover`) is negotiated per request: its errors take the HTTP status the
+//! revision gives them (400 for version, capability and header errors and for malformed
+//! `_meta`, 404 for an unknown method); every other answer is 200. Notifications are
+//! answered 202, a client's response 400 (there is no request of ours to answer).
+//!
+//! The answer is one JSON message, or — when a call sends progress before its result — an
+//! event stream of the progress notifications then the result, driven by the response
+//! body: a client that goes away drops the call, which cancels it.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, StreamBody};
+use rmcp::RoleServer;
+use rmcp::model::{
+    ClientJsonRpcMessage, ClientRequest, ErrorCode, ErrorData, GetExtensions, GetMeta, JsonObject,
+    JsonRpcError, JsonRpcRequest, ProgressNotification, ProgressNotificationParam, ProtocolVersion,
+    RequestId, ServerJsonRpcMessage, ServerNotification,
+};
+use rmcp::service::{RequestContext, RunningService, RxJsonRpcMessage, Service, TxJsonRpcMessage};
+use rmcp::transport::Transport;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::http::Body;
+use crate::mcp::{McpServer, PassthroughSlot, ProgressSender};
+use crate::session::{RuntimeTools, TurnSubmission};
+
+const JSON: &str = "application/json";
+const EVENT_STREAM: &str = "text/event-stream";
+const PROTOCOL_VERSION: &str = "mcp-protocol-version";
+const MCP_METHOD: &str = "mcp-method";
+const MCP_NAME: &str = "mcp-name";
+const MCP_PARAM: &str = "mcp-param-";
+/// Progress notifications a call may have queued ahead of its reader.
+const PROGRESS_QUEUE: usize = 16;
+
+/// The refusal, if any: 406 unless `Accept` takes both JSON and event streams (a range
+/// weighted exactly zero does not count), 415 unless the (first) `Content-Type` is JSON.
+pub fn media_types(headers: &HeaderMap) -> Option<Response<Body>> {
+    let (mut json, mut sse) = (false, false);
+    for essence in accepted(headers) {
+        json |= essence.eq_ignore_ascii_case(JSON);
+        sse |= essence.eq_ignore_ascii_case(EVENT_STREAM);
+    }
+    if !json || !sse {
+        return Some(text(
+            StatusCode::NOT_ACCEPTABLE,
+            "Not Acceptable: Client must accept both application/json and text/event-stream",
+        ));
+    }
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split_once(';')
+                .map_or(v, |(essence, _)| essence)
+                .trim()
+                .eq_ignore_ascii_case(JSON)
+        });
+    (!is_json).then(|| {
+        text(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Unsupported Media Type: Content-Type must be application/json",
+        )
+    })
+}
+
+/// The media ranges of every `Accept` value, without those weighted `q=0`.
+fn accepted(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| unquoted(v, ','))
+        .filter_map(|entry| {
+            let mut parts = unquoted(entry, ';');
+            let essence = parts.next()?.trim();
+            parts
+                .all(|parameter| match parameter.split_once('=') {
+                    Some((name, value)) if name.trim().eq_ignore_ascii_case("q") => {
+                        weight_counts(value.trim())
+                    }
+                    _ => true,
+                })
+                .then_some(essence)
+        })
+}
+
+/// `value` split at `delimiter` outside quoted strings.
+fn unquoted(value: &str, delimiter: char) -> impl Iterator<Item = &str> {
+    let (mut quoted, mut escaped) = (false, false);
+    value.split(move |c| {
+        if escaped {
+            escaped = false;
+        } else if quoted && c == '\\' {
+            escaped = true;
+        } else if c == '"' {
+            quoted = !quoted;
+        } else if !quoted && c == delimiter {
+            return true;
+        }
+        false
+    })
+}
+
+/// Only an explicit zero weight excludes a range; a malformed one is ignored.
+fn weight_counts(weight: &str) -> bool {
+    let (whole, fraction) = weight.split_once('.').unwrap_or((weight, ""));
+    if fraction.len() > 3 || !fraction.bytes().all(|d| d.is_ascii_digit()) {
+        return true;
+    }
+    whole != "0" || fraction.bytes().any(|d| d != b'0')
+}
+
+/// A message checked against the transport's rules: what to do with it.
+pub enum Checked {
+    /// A request, and whether it negotiates its revision per request (`_meta`), with
+    /// `_meta` malformed for that.
+    Request {
+        request: Box<JsonRpcRequest<ClientRequest>>,
+        negotiated: bool,
+        malformed: bool,
+    },
+    Notification,
+}
+
+/// The transport's rules for a parsed `message` with `headers` (see the module's
+/// documentation); `body` is the message's JSON (SEP-2243's headers are compared with it)
+/// and `schema` gives a tool's input schema (for its `Mcp-Param-*` annotations).
+pub fn check(
+    headers: &HeaderMap,
+    message: ClientJsonRpcMessage,
+    body: &[u8],
+    schema: impl Fn(&str) -> Option<std::sync::Arc<JsonObject>>,
+) -> Result<Checked, Box<Response<Body>>> {
+    let request = match message {
+        ClientJsonRpcMessage::Request(request) => Some(request),
+        ClientJsonRpcMessage::Notification(_) => None,
+        ClientJsonRpcMessage::Response(_) | ClientJsonRpcMessage::Error(_) => {
+            return Err(refusal(
+                None,
+                ErrorData::invalid_request(
+                    "stateless server does not accept JSON-RPC responses",
+                    None,
+                ),
+            ));
+        }
+    };
+    let id = request.as_ref().map(|r| r.id.clone());
+    let header = headers.get(PROTOCOL_VERSION).and_then(|v| v.to_str().ok());
+    if let Some(request) = &request
+        && let ClientRequest::InitializeRequest(init) = &request.request
+    {
+        let body_version = init.params.protocol_version.as_str();
+        if let Some(value) = headers.get(PROTOCOL_VERSION) {
+            let Ok(text) = value.to_str() else {
+                return Err(refusal(
+                    id,
+                    ErrorData::invalid_request(
+                        "Invalid Request: MCP-Protocol-Version header is not valid UTF-8",
+                        None,
+                    ),
+                ));
+            };
+            if text != body_version {
+                return Err(refusal(
+                    id,
+                    ErrorData::invalid_request(
+                        format!(
+                            "Invalid Request: MCP-Protocol-Version header ({text}) does not match initialize params.protocolVersion ({body_version})"
+                        ),
+                        None,
+                    ),
+                ));
+            }
+        }
+    }
+    if header.is_some_and(|v| v >= ProtocolVersion::STANDARD_HEADERS.as_str()) {
+        let initialize = request
+            .as_ref()
+            .is_some_and(|r| matches!(r.request, ClientRequest::InitializeRequest(_)));
+        let checked = if initialize {
+            initialize_method_header(headers)
+        } else {
+            serde_json::from_slice::<Value>(body)
+                .map_err(|e| e.to_string())
+                .and_then(|message| standard_headers(headers, &message, &schema))
+        };
+        if let Err(reason) = checked {
+            return Err(refusal(id, ErrorData::header_mismatch(reason, None)));
+        }
+    }
+    let Some(request) = request else {
+        return Ok(Checked::Notification);
+    };
+    let initialize = matches!(request.request, ClientRequest::InitializeRequest(_));
+    let discover = matches!(request.request, ClientRequest::DiscoverRequest(_));
+    let meta = request.request.get_meta();
+    let missing = meta.missing_required_keys(&ProtocolVersion::V_2026_07_28);
+    if !initialize {
+        match (meta.protocol_version(), header) {
+            (None, header) => {
+                if discover || header.is_some_and(|v| v >= ProtocolVersion::V_2026_07_28.as_str()) {
+                    return Err(refusal(
+                        id,
+                        ErrorData::invalid_params(
+                            format!(
+                                "Invalid params: request _meta is missing or has malformed required fields: {}",
+                                missing.join(", ")
+                            ),
+                            None,
+                        ),
+                    ));
+                }
+            }
+            (Some(_), None) => {
+                return Err(refusal(
+                    id,
+                    ErrorData::header_mismatch(
+                        "request _meta protocolVersion requires MCP-Protocol-Version header",
+                        None,
+                    ),
+                ));
+            }
+            (Some(inner), Some(header)) if inner.as_str() != header => {
+                return Err(refusal(
+                    id,
+                    ErrorData::header_mismatch(
+                        format!(
+                            "MCP-Protocol-Version header ({header}) does not match request _meta protocolVersion ({inner})"
+                        ),
+                        None,
+                    ),
+                ));
+            }
+            (Some(_), Some(_)) => {}
+        }
+    }
+    let negotiated = !initialize && (discover || meta.protocol_version().is_some());
+    let malformed = !missing.is_empty();
+    Ok(Checked::Request {
+        request: Box::new(request),
+        negotiated,
+        malformed,
+    })
+}
+
+/// An `initialize` needs no SEP-2243 headers, but an `Mcp-Method` it carries must be
+/// exactly one `initialize`.
+fn initialize_method_header(headers: &HeaderMap) -> Result<(), String> {
+    let mut values = headers.get_all(MCP_METHOD).iter();
+    let Some(first) = values.next() else {
+        return Ok(());
+    };
+    if values.next().is_some() {
+        return Err(
+            "multiple Mcp-Method header values supplied; initialize requires exactly one".into(),
+        );
+    }
+    if first != "initialize" {
+        return Err(format!(
+            "Mcp-Method header `{}` does not match body method `initialize`",
+            String::from_utf8_lossy(first.as_bytes())
+        ));
+    }
+    Ok(())
+}
+
+/// SEP-2243: `Mcp-Method` is the body's method; `Mcp-Name` its name, URI or task id
+/// where it has one; for `tools/call`, each `Mcp-Param-<header>` the tool's input schema
+/// annotates (`x-mcp-header`) is the argument's value, and present exactly when it is.
+fn standard_headers(
+    headers: &HeaderMap,
+    message: &Value,
+    schema: impl Fn(&str) -> Option<std::sync::Arc<JsonObject>>,
+) -> Result<(), String> {
+    let Some(method) = message.get("method").and_then(Value::as_str) else {
+        return Ok(());
+    };
+    let params = message.get("params");
+    match single(headers, MCP_METHOD)? {
+        None => return Err("missing required Mcp-Method header".into()),
+        Some(value) if value != method => {
+            return Err(format!(
+                "Mcp-Method header `{value}` does not match body method `{method}`"
+            ));
+        }
+        Some(_) => {}
+    }
+    let key = match method {
+        "tools/call" | "prompts/get" => Some("name"),
+        "resources/read" | "resources/subscribe" | "resources/unsubscribe" => Some("uri"),
+        "tasks/get" | "tasks/update" | "tasks/cancel" => Some("taskId"),
+        _ => None,
+    };
+    if let Some(expected) = key.and_then(|k| params?.get(k)?.as_str()) {
+        match single(headers, MCP_NAME)? {
+            None => return Err(format!("missing required Mcp-Name header for `{method}`")),
+            Some(raw) => {
+                let decoded =
+                    decoded(raw).ok_or_else(|| "Mcp-Name header is not valid Base64".to_owned())?;
+                if decoded != expected {
+                    return Err(format!(
+                        "Mcp-Name header `{decoded}` does not match body value `{expected}`"
+                    ));
+                }
+            }
+        }
+    }
+    let tool = (method == "tools/call")
+        .then(|| params?.get("name")?.as_str())
+        .flatten();
+    let Some(schema) = tool.and_then(schema) else {
+        return Ok(());
+    };
+    let arguments = params.and_then(|p| p.get("arguments"));
+    let mut annotated = Vec::new();
+    annotations(schema.get("properties"), &mut Vec::new(), &mut annotated);
+    for (path, name) in annotated {
+        let property = path.join(".");
+        let full = format!("{MCP_PARAM}{name}");
+        let sent = single(headers, &full)?;
+        let value = arguments
+            .and_then(|a| path.iter().try_fold(a, |v, k| v.get(k)))
+            .filter(|v| !v.is_null())
+            .and_then(|v| match v {
+                Value::String(s) => Some(s.clone()),
+                Value::Bool(b) => Some(b.to_string()),
+                Value::Number(n) => Some(n.to_string()),
+                _ => None,
+            });
+        match (sent, value) {
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(format!(
+                    "unexpected {full} header for absent or null `{property}`"
+                ));
+            }
+            (None, Some(_)) => return Err(format!("missing {full} header for `{property}`")),
+            (Some(raw), Some(expected)) => {
+                let decoded =
+                    decoded(raw).ok_or_else(|| format!("{full} header is not valid Base64"))?;
+                if decoded != expected {
+                    return Err(format!(
+                        "{full} header `{decoded}` does not match body value `{expected}`"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The properties (by path, through nested `properties`) annotated with a non-empty
+/// `x-mcp-header` name.
+fn annotations<'a>(
+    properties: Option<&'a Value>,
+    path: &mut Vec<&'a str>,
+    out: &mut Vec<(Vec<&'a str>, &'a str)>,
+) {
+    let Some(Value::Object(properties)) = properties else {
+        return;
+    };
+    for (name, schema) in properties {
+        path.push(name);
+        if let Some(Value::String(header)) = schema.get("x-mcp-header")
+            && !header.is_empty()
+        {
+            out.push((path.clone(), header));
+        }
+        annotations(schema.get("properties"), path, out);
+        path.pop();
+    }
+}
+
+/// The one value of header `name`; an error when it is there twice or not text.
+fn single<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, String> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(format!("duplicate {name} header"));
+    }
+    value
+        .to_str()
+        .map(Some)
+        .map_err(|_| format!("{name} header contains invalid characters"))
+}
+
+/// A header value, decoded when it is `=?base64?…?=`.
+fn decoded(value: &str) -> Option<String> {
+    match value
+        .strip_prefix("=?base64?")
+        .and_then(|inner| inner.strip_suffix("?="))
+    {
+        Some(inner) => {
+            let bytes = base64::prelude::BASE64_STANDARD.decode(inner).ok()?;
+            String::from_utf8(bytes).ok()
+        }
+        None => Some(value.to_owned()),
+    }
+}
+
+/// The HTTP status of a negotiated request's answer.
+fn status(message: &ServerJsonRpcMessage, malformed: bool) -> StatusCode {
+    let ServerJsonRpcMessage::Error(error) = message else {
+        return StatusCode::OK;
+    };
+    match error.error.code {
+        ErrorCode::UNSUPPORTED_PROTOCOL_VERSION
+        | ErrorCode::MISSING_REQUIRED_CLIENT_CAPABILITY
+        | ErrorCode::HEADER_MISMATCH => StatusCode::BAD_REQUEST,
+        ErrorCode::INVALID_PARAMS if malformed => StatusCode::BAD_REQUEST,
+        ErrorCode::METHOD_NOT_FOUND => StatusCode::NOT_FOUND,
+        _ => StatusCode::OK,
+    }
+}
+
+/// The peer every request's context names. Handlers here never talk to it (a call's
+/// progress goes through [`ProgressSender`]); its fixed client information (revision
+/// 2025-03-26, no capabilities) is what a request without `_meta` falls back to, as rmcp's
+/// stateless service gives such a request, so no request can change what another sees.
+pub struct Peer {
+    peer: rmcp::service::Peer<RoleServer>,
+    _service: RunningService<RoleServer, Idle>,
+}
+
+impl Peer {
+    /// Needs a Tokio runtime (the peer's service idles on it until dropped).
+    pub fn start() -> Self {
+        let info = rmcp::model::InitializeRequestParams::new(
+            rmcp::model::ClientCapabilities::default(),
+            rmcp::model::Implementation::default(),
+        )
+        .with_protocol_version(ProtocolVersion::V_2025_03_26);
+        let service = rmcp::service::serve_directly(Idle, Nothing, Some(info));
+        Self {
+            peer: service.peer().clone(),
+            _service: service,
+        }
+    }
+}
+
+/// The service behind [`Peer`]: it is never sent anything.
+pub struct Idle;
+
+impl rmcp::ServerHandler for Idle {}
+
+/// A transport that never receives and drops what is sent.
+struct Nothing;
+
+impl Transport<RoleServer> for Nothing {
+    type Error = std::io::Error;
+
+    fn send(
+        &mut self,
+        _item: TxJsonRpcMessage<RoleServer>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
+        std::future::ready(Ok(()))
+    }
+
+    async fn receive(&mut self) -> Option<RxJsonRpcMessage<RoleServer>> {
+        std::future::pending().await
+    }
+
+    async fn close(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// Answers a checked request: rmcp's dispatch over `server`, as `parts`' caller (the
+/// request's HTTP parts go into the context's extensions as rmcp's service puts them).
+pub async fn answer<S: RuntimeTools + TurnSubmission>(
+    server: &McpServer<S>,
+    peer: &Peer,
+    mut parts: http::request::Parts,
+    request: JsonRpcRequest<ClientRequest>,
+    negotiated: bool,
+    malformed: bool,
+) -> Response<Body> {
+    let JsonRpcRequest {
+        id, mut request, ..
+    } = request;
+    let call = matches!(request, ClientRequest::CallToolRequest(_));
+    let slot = call.then(|| {
+        let slot = PassthroughSlot::default();
+        parts.extensions.insert(slot.clone());
+        slot
+    });
+    let notes = call.then(|| {
+        let (tx, rx) = mpsc::channel(PROGRESS_QUEUE);
+        parts.extensions.insert(ProgressSender(tx));
+        rx
+    });
+    let cancel = CancellationToken::new();
+    let mut context = RequestContext::new(id.clone(), peer.peer.clone());
+    context.ct = cancel.clone();
+    context.meta = std::mem::take(request.get_meta_mut());
+    context.extensions = std::mem::take(request.extensions_mut());
+    context.extensions.insert(parts);
+    let server = server.clone();
+    let id_for_call = id.clone();
+    let handled = async move {
+        let result = Service::<RoleServer>::handle_request(&server, request, context).await;
+        let message = match result {
+            Ok(result) => ServerJsonRpcMessage::response(result, id_for_call),
+            Err(error) => ServerJsonRpcMessage::error(error, Some(id_for_call)),
+        };
+        Finished(message)
+    };
+    // Dropping the call (the client went away) cancels it.
+    let guard = cancel.drop_guard();
+    let mut handled: Pin<Box<dyn Future<Output = Finished> + Send>> = Box::pin(handled);
+    let Some(mut notes) = notes else {
+        let Finished(message) = handled.await;
+        guard.disarm();
+        return single_answer(message, slot.as_ref(), &id, negotiated, malformed);
+    };
+    // The answer is a stream once progress comes before the result.
+    let first = tokio::select! {
+        biased;
+        Finished(message) = &mut handled => Err(message),
+        Some(note) = notes.recv() => Ok(note),
+    };
+    let first = match first {
+        Err(message) => match notes.try_recv() {
+            // Progress the call sent before it ended still goes first.
+            Ok(note) => {
+                let mut queued = VecDeque::from([note]);
+                while let Ok(more) = notes.try_recv() {
+                    queued.push_back(more);
+                }
+                guard.disarm();
+                let result = final_message(message, slot.as_ref(), &id);
+                let events = queued
+                    .into_iter()
+                    .map(progress_event)
+                    .chain(std::iter::once(event(&result)))
+                    .map(|bytes| Ok::<_, Infallible>(hyper::body::Frame::data(bytes)));
+                return event_stream(StreamBody::new(futures_util::stream::iter(events)).boxed());
+            }
+            Err(_) => {
+                guard.disarm();
+                return single_answer(message, slot.as_ref(), &id, negotiated, malformed);
+            }
+        },
+        Ok(note) => note,
+    };
+    let stream = Streamed {
+        first: Some(first),
+        notes: Some(notes),
+        handled: Some(std::sync::Mutex::new(handled)),
+        slot,
+        id,
+        guard: Some(guard),
+    };
+    event_stream(StreamBody::new(stream).boxed())
+}
+
+/// The handler's answer to a request.
+struct Finished(ServerJsonRpcMessage);
+
+/// The one message answering a request: the passthrough slot's result when it holds one.
+fn final_message(
+    message: ServerJsonRpcMessage,
+    slot: Option<&PassthroughSlot>,
+    id: &RequestId,
+) -> Value {
+    let passthrough = matches!(message, ServerJsonRpcMessage::Response(_))
+        .then(|| slot?.response(&serde_json::to_value(id).ok()?))
+        .flatten();
+    passthrough.unwrap_or_else(|| {
+        serde_json::to_value(&message).unwrap_or_else(|e| {
+            serde_json::to_value(JsonRpcError::new(
+                Some(id.clone()),
+                ErrorData::internal_error(format!("the answer cannot be serialized: {e}"), None),
+            ))
+            .unwrap_or(Value::Null)
+        })
+    })
+}
+
+fn single_answer(
+    message: ServerJsonRpcMessage,
+    slot: Option<&PassthroughSlot>,
+    id: &RequestId,
+    negotiated: bool,
+    malformed: bool,
+) -> Response<Body> {
+    let code = if negotiated {
+        status(&message, malformed)
+    } else {
+        StatusCode::OK
+    };
+    let body = final_message(message, slot, id);
+    json(code, &body)
+}
+
+/// A call's event stream: its progress as it comes, then its answer; the call runs as the
+/// stream is read.
+struct Streamed {
+    first: Option<ProgressNotificationParam>,
+    notes: Option<mpsc::Receiver<ProgressNotificationParam>>,
+    /// In a mutex only to be `Sync`, as a response body must: it is only ever reached
+    /// through `&mut` (`get_mut`), never locked.
+    handled: Option<std::sync::Mutex<Pin<Box<dyn Future<Output = Finished> + Send>>>>,
+    slot: Option<PassthroughSlot>,
+    id: RequestId,
+    guard: Option<tokio_util::sync::DropGuard>,
+}
+
+impl futures_util::Stream for Streamed {
+    type Item = Result<hyper::body::Frame<Bytes>, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if let Some(note) = this.first.take() {
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(progress_event(note)))));
+        }
+        if let Some(notes) = &mut this.notes
+            && let Poll::Ready(Some(note)) = notes.poll_recv(cx)
+        {
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(progress_event(note)))));
+        }
+        let Some(handled) = &mut this.handled else {
+            return Poll::Ready(None);
+        };
+        let handled = handled
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Poll::Ready(Finished(message)) = handled.as_mut().poll(cx) else {
+            return Poll::Pending;
+        };
+        this.handled = None;
+        if let Some(guard) = this.guard.take() {
+            guard.disarm();
+        }
+        // Progress sent just before the end goes before the answer.
+        let mut data = Vec::new();
+        if let Some(mut notes) = this.notes.take() {
+            while let Ok(note) = notes.try_recv() {
+                data.extend_from_slice(&progress_event(note));
+            }
+        }
+        let result = final_message(message, this.slot.as_ref(), &this.id);
+        data.extend_from_slice(&event(&result));
+        Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(data)))))
+    }
+}
+
+fn progress_event(note: ProgressNotificationParam) -> Bytes {
+    let message = ServerJsonRpcMessage::notification(ServerNotification::ProgressNotification(
+        ProgressNotification::new(note),
+    ));
+    event(&serde_json::to_value(&message).unwrap_or(Value::Null))
+}
+
+/// One event of a stream: `data: <message>`.
+fn event(message: &Value) -> Bytes {
+    Bytes::from(format!("data: {message}\n\n"))
+}
+
+fn event_stream(body: Body) -> Response<Body> {
+    let mut response = Response::new(body);
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+/// A JSON-RPC error answered 400 before dispatch.
+fn refusal(id: Option<RequestId>, error: ErrorData) -> Box<Response<Body>> {
+    let body = serde_json::to_value(JsonRpcError::new(id, error)).unwrap_or(Value::Null);
+    Box::new(json(StatusCode::BAD_REQUEST, &body))
+}
+
+pub fn json(status: StatusCode, body: &Value) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+    response
+}
+
+fn text(status: StatusCode, message: &'static str) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from_static(message.as_bytes())).boxed());
+    *response.status_mut() = status;
+    response
+}
