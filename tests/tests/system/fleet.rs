@@ -481,6 +481,28 @@ EOF
         ),
     )
     .expect("nginx.conf");
+    // The seed's edge, in the generated file: only the routes, no buffering either way,
+    // timeouts longer than a turn (behaviour is checked below: routes, 404, TLS only).
+    let generated = fs::read_to_string(dir.join("robota-mcpd-fleet.conf")).expect("generated");
+    for directive in [
+        "proxy_buffering off;",
+        "proxy_request_buffering off;",
+        "proxy_cache off;",
+        "proxy_read_timeout 15m;",
+        "proxy_send_timeout 15m;",
+        "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+        "proxy_http_version 1.1;",
+    ] {
+        assert!(
+            generated.contains(directive),
+            "the generated gateway lacks `{directive}`:\n{generated}"
+        );
+    }
+    assert_eq!(
+        generated.matches("location ").count(),
+        2 * HOSTS.len() + 1,
+        "the generated gateway exposes more than each host's route and metadata:\n{generated}"
+    );
     let nginx_command = || {
         let mut c = ops.command(&["nginx", "-e"]);
         c.arg(dir.join("nginx-error.log"))
@@ -689,10 +711,17 @@ EOF
     let raised = poll_until_blocking(Duration::from_secs(90), Duration::from_millis(500), || {
         alerts = prometheus(&ops, "/api/v1/alerts", &[]);
         spike(&alerts, "mcp-b")
+            && alerts["data"]["alerts"].as_array().is_some_and(|list| {
+                list.iter().any(|a| {
+                    a["labels"]["alertname"] == "RobotaMcpdThrottling"
+                        && a["labels"]["instance"] == "mcp-b"
+                        && a["state"] == "firing"
+                })
+            })
     });
     assert!(
         raised,
-        "RobotaMcpdRefusalSpike never came for mcp-b: {alerts}"
+        "RobotaMcpdRefusalSpike and RobotaMcpdThrottling never came for mcp-b: {alerts}"
     );
     let list = alerts["data"]["alerts"].as_array().expect("alerts");
     for a in list {
