@@ -105,7 +105,7 @@ part_debian() {
 			policy=1
 		fi
 		# shellcheck disable=SC2046 # one word per package
-		apt_install $(printf '%s\n' "${missing[@]}" | sort -u) || status=$?
+		(apt_install $(printf '%s\n' "${missing[@]}" | sort -u)) || status=$?
 		[[ -z $policy ]] || rm -f /usr/sbin/policy-rc.d
 		((status == 0)) || exit "$status"
 	fi

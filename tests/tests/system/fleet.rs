@@ -8,8 +8,8 @@
 //!
 //! The network is the test's own: an "ops" network namespace holding a bridge (the back
 //! network: the hosts, and the gateway's, the provider's, Prometheus's and the collector's
-//! address 10.77.0.1) and a link to an "agents" namespace (10.78.0.0/24: the agents, and
-//! the gateway's public address 10.78.0.1). The ops namespace does not forward, so the
+//! address 10.77.0.1) and a link to an "agents" namespace (198.51.100.0/24: the agents,
+//! and the gateway's public address 198.51.100.1). The ops namespace does not forward, so the
 //! agents reach the daemons only through the gateway. Nothing listens on this machine's
 //! own interfaces; every wait is bounded; every machine, process and namespace goes when
 //! the test ends, passed or failed.
@@ -39,9 +39,11 @@ const HOSTS: [(&str, &str); 3] = [
 /// The ops namespace's address on the back network: the gateway as the daemons see it,
 /// the provider, Prometheus and the journal collector.
 const OPS: &str = "10.77.0.1";
-/// The gateway's public address, the name agents use (`https://10.78.0.1/hosts/…`).
-const GATEWAY: &str = "10.78.0.1";
-const AGENT: &str = "10.78.0.2";
+/// The gateway's public address, the name agents use (`https://198.51.100.1/hosts/…`).
+/// A public address (TEST-NET-2), as agents on the internet have: the audit's address
+/// class tells them from the gateway (private), so it shows whose address the daemons saw.
+const GATEWAY: &str = "198.51.100.1";
+const AGENT: &str = "198.51.100.2";
 const AGENT_CLIENT: Client = Client {
     id: "fleet-agent",
     secret: "fleet-agent-secret-31c7a9",
@@ -641,9 +643,10 @@ EOF
             assert!(records.is_empty(), "mcp-a refused its own token: {audit}");
         } else {
             assert!(
+                // The agent's public address, from the gateway's X-Forwarded-For.
                 records.iter().any(|r| r["carrier"] == "remote"
                     && r["reason"] == "wrong-audience"
-                    && r["address_class"] == "private"),
+                    && r["address_class"] == "public"),
                 "no wrong-audience record on {name}: {audit}"
             );
         }
