@@ -631,6 +631,23 @@ EOF
             "{other}'s challenge: {headers}"
         );
     }
+    // An agent that writes its own X-Forwarded-For does not choose its address: the
+    // gateway appends the real one, and the daemon believes only the hop it appended.
+    let spoofed = dir.join("token-a-spoofed.header");
+    fs::write(
+        &spoofed,
+        format!(
+            "{}X-Forwarded-For: 10.9.9.9\n",
+            fs::read_to_string(&token_a).expect("header file")
+        ),
+    )
+    .expect("header file");
+    fs::set_permissions(&spoofed, fs::Permissions::from_mode(0o600)).expect("mode");
+    let (code, _) = agent_curl(&agents, dir, &route("mcp-c"), Some(spoofed.as_path()));
+    assert_eq!(
+        code, "401",
+        "mcp-a's token at mcp-c, with a forged X-Forwarded-For"
+    );
     let (code, _) = agent_curl(&agents, dir, &route("mcp-a"), Some(token_a.as_path()));
     assert_eq!(code, "200", "mcp-a's token at mcp-a");
     for (name, _) in HOSTS {
@@ -642,12 +659,15 @@ EOF
         if name == "mcp-a" {
             assert!(records.is_empty(), "mcp-a refused its own token: {audit}");
         } else {
+            // The agent's public address, from the gateway's X-Forwarded-For (never the
+            // gateway's private one, nor the private one the agent forged).
+            let want = if name == "mcp-c" { 2 } else { 1 };
             assert!(
-                // The agent's public address, from the gateway's X-Forwarded-For.
-                records.iter().any(|r| r["carrier"] == "remote"
-                    && r["reason"] == "wrong-audience"
-                    && r["address_class"] == "public"),
-                "no wrong-audience record on {name}: {audit}"
+                records.len() == want
+                    && records.iter().all(|r| r["carrier"] == "remote"
+                        && r["reason"] == "wrong-audience"
+                        && r["address_class"] == "public"),
+                "{name}'s wrong-audience records, {want} from the agent's public address: {audit}"
             );
         }
     }
