@@ -87,6 +87,8 @@ expect -rw-r--r-- usr/lib/tmpfiles.d/robota-mcpd.conf
 expect -rw-r--r-- usr/share/doc/robota-mcpd/copyright
 expect -rw-r--r-- usr/share/doc/robota-mcpd/README.md
 expect -rw-r--r-- usr/share/doc/robota-mcpd/packaging/README.md
+expect -rwxr-xr-x usr/share/robota-mcpd/fleet/robota-mcpd-fleet
+expect -rw-r--r-- usr/share/robota-mcpd/fleet/hosts.example
 for doc in docs/*.md; do
 	expect -rw-r--r-- "usr/share/doc/robota-mcpd/$doc"
 done
@@ -101,13 +103,14 @@ while read -r perms owner _ _ _ path _; do
 	[[ $owner == root/root || $owner == 0/0 ]] || fail "$path is owned by $owner"
 	case $perms in
 	d*) [[ $perms == drwxr-xr-x ]] || fail "directory $path is $perms" ;;
-	-*) [[ $path == ./usr/bin/* || $perms == -rw-r--r-- ]] || fail "$path is $perms" ;;
+	-*) [[ $path == ./usr/bin/* || $path == ./usr/share/robota-mcpd/fleet/robota-mcpd-fleet ||
+		$perms == -rw-r--r-- ]] || fail "$path is $perms" ;;
 	*) fail "$path is neither a file nor a directory ($perms)" ;;
 	esac
 	case $path in
 	./ | ./usr/ | ./usr/bin/* | ./usr/lib/ | ./usr/lib/systemd/ | ./usr/lib/systemd/system/* | \
 		./usr/lib/sysusers.d/* | ./usr/lib/tmpfiles.d/* | ./usr/share/ | ./usr/share/man/* | \
-		./usr/share/doc/ | ./usr/share/doc/robota-mcpd/* | ./usr/share/bash-completion/* | \
+		./usr/share/doc/ | ./usr/share/doc/robota-mcpd/* | ./usr/share/robota-mcpd/* | ./usr/share/bash-completion/* | \
 		./usr/share/zsh/* | ./usr/share/fish/* | ./etc/ | ./etc/robota-mcpd/*) ;;
 	*) fail "unexpected path $path" ;;
 	esac
@@ -125,6 +128,26 @@ mcpctl=$tree/usr/bin/robota-mcpctl
 	fail "the packaged binary embeds a different default configuration"
 "$mcpd" check-config --config "$tree/etc/robota-mcpd/config.toml" 2>/dev/null ||
 	fail "the packaged binary rejects the packaged configuration"
+
+echo "-- the fleet generator (docs/fleet.md)"
+fleet=$tree/usr/share/robota-mcpd/fleet
+"$fleet/robota-mcpd-fleet" targets --hosts "$fleet/hosts.example" >"$scratch/targets.yml" &&
+	grep -q 'instance: "mcp-b"' "$scratch/targets.yml" ||
+	fail "the fleet generator makes no Prometheus target per host of hosts.example"
+"$fleet/robota-mcpd-fleet" nginx --hosts "$fleet/hosts.example" --gateway gw.example.com \
+	--cert /c.pem --key /k.pem >"$scratch/fleet.conf" &&
+	grep -q 'location = /hosts/mcp-c/mcp' "$scratch/fleet.conf" ||
+	fail "the fleet generator makes no gateway route per host of hosts.example"
+"$fleet/robota-mcpd-fleet" host --hosts "$fleet/hosts.example" --gateway gw.example.com \
+	--name mcp-a --proxy 10.77.0.1 --issuer https://auth.example.com \
+	--config "$tree/etc/robota-mcpd/config.toml" >"$scratch/host.toml" &&
+	printf 'scopes = ["mcp"]\nallowed_clients = ["ops-agent"]\n' >>"$scratch/host.toml" &&
+	"$tree/usr/bin/robota-mcpd" check-config --config "$scratch/host.toml" 2>/dev/null ||
+	fail "the fleet generator's host configuration (for mcp-a of hosts.example) fails check-config"
+if "$fleet/robota-mcpd-fleet" nginx --hosts /dev/null --gateway g --cert c --key k 2>"$scratch/err"; then
+	fail "the fleet generator accepts an empty host list"
+fi
+grep -q 'names no host' "$scratch/err" || fail "the fleet generator does not say why it refuses: $(cat "$scratch/err")"
 
 echo "-- binaries"
 for bin in "$mcpd" "$mcpctl"; do

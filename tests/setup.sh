@@ -10,7 +10,9 @@
 #   debian     Debian packages the tests and the packaging scripts call (Debian's registry):
 #              nodejs/npm when node or npm is absent, prometheus (promtool, the server),
 #              systemd-container and debootstrap, curl, jq, dbus, dpkg-dev, binutils,
-#              groff-base, man-db, systemd; the user nobody (uid 65534)
+#              groff-base, man-db, systemd; for the fleet test nginx (the gateway),
+#              systemd-journal-remote (the log collector) and graphviz (docs/fleet.svg);
+#              the user nobody (uid 65534)
 #   oidc       the authorization server's node_modules (tests/oidc, npm registry, pinned
 #              by its lock file)
 #   npm        MCP servers from npm the tests run behind the daemon (tests/npm-mcp,
@@ -35,7 +37,7 @@ CARGO_DEB_VERSION='^3.8'
 # Debian 12 with systemd as PID 1, and what the tests run inside it. A change here is a
 # new image (the directory name carries a digest of these lines).
 IMAGE_SUITE=bookworm
-IMAGE_PACKAGES=systemd,systemd-sysv,dbus,ca-certificates,curl,jq,procps,python3,python3-venv,iproute2,prometheus,polkitd,libpam-systemd
+IMAGE_PACKAGES=systemd,systemd-sysv,dbus,ca-certificates,curl,jq,procps,python3,python3-venv,iproute2,prometheus,polkitd,libpam-systemd,systemd-journal-remote
 
 say() { echo "setup: $*" >&2; }
 die() {
@@ -80,18 +82,32 @@ apt_install() {
 
 part_debian() {
 	local -a missing=()
+	local status=0
 	command -v node >/dev/null || missing+=(nodejs)
 	command -v npm >/dev/null || missing+=(npm)
 	local tool
 	for tool in promtool:prometheus prometheus:prometheus systemd-nspawn:systemd-container \
 		debootstrap:debootstrap curl:curl jq:jq dbus-daemon:dbus dpkg-shlibdeps:dpkg-dev \
 		readelf:binutils strip:binutils groff:groff-base man:man-db \
-		systemd-analyze:systemd setpriv:util-linux nsenter:util-linux; do
+		systemd-analyze:systemd setpriv:util-linux nsenter:util-linux ip:iproute2 \
+		nginx:nginx /lib/systemd/systemd-journal-remote:systemd-journal-remote \
+		dot:graphviz; do
 		command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 	done
 	if ((${#missing[@]})); then
+		# Packaged services (nginx on port 80) are not started by the install: the tests
+		# run their own instances in network namespaces of their own.
+		local policy=
+		if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+			need_root "installing Debian packages"
+			printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+			chmod 0755 /usr/sbin/policy-rc.d
+			policy=1
+		fi
 		# shellcheck disable=SC2046 # one word per package
-		apt_install $(printf '%s\n' "${missing[@]}" | sort -u)
+		(apt_install $(printf '%s\n' "${missing[@]}" | sort -u)) || status=$?
+		[[ -z $policy ]] || rm -f /usr/sbin/policy-rc.d
+		((status == 0)) || exit "$status"
 	fi
 	# Some end-to-end tests drop a child to uid 65534.
 	if ! getent passwd 65534 >/dev/null; then

@@ -5,15 +5,16 @@
 //
 // CONFIG holds: `cert`, `key` (PEM files of the HTTPS listener), `port` (0: any), `keys`
 // (a JWK file of the signing key: read if it exists, else made and written, so a restart
-// signs with the same key), `resource` (the daemon's public URL), `scopes` (the
+// signs with the same key), `resource` (the daemon's public URL; or `resources`, a list
+// of public URLs — one per daemon of a fleet — each its own audience), `scopes` (the
 // resource's scopes), `ttl` (access-token lifetime, seconds), `clients` (client_id,
 // client_secret, `format`: "jwt" or "opaque"), `introspector` (client_id,
 // client_secret: the daemon's own client), `introspection_delay` (a file holding the
 // milliseconds every introspection answer waits before it is computed, read per request:
 // a test makes the issuer slow, or stalled, while it runs).
 //
-// It listens on 127.0.0.1 only, prints one line `{"issuer": …, "port": …}` once it
-// serves, and exits when its standard input closes (the test that started it is gone).
+// It listens on `listen` (an address; 127.0.0.1 when absent) only, prints one line
+// `{"issuer": …, "port": …}` once it serves, and exits when its standard input closes (the test that started it is gone).
 
 import crypto from 'node:crypto';
 import fs from 'node:fs';
@@ -33,6 +34,8 @@ function signingKey() {
   return jwk;
 }
 
+const resources = config.resources ?? [config.resource];
+const listen = config.listen ?? '127.0.0.1';
 const formats = new Map(config.clients.map((c) => [c.client_id, c.format]));
 
 const server = https.createServer({
@@ -40,9 +43,9 @@ const server = https.createServer({
   key: fs.readFileSync(config.key),
 });
 
-server.listen(config.port, '127.0.0.1', () => {
+server.listen(config.port, listen, () => {
   const { port } = server.address();
-  const issuer = `https://127.0.0.1:${port}`;
+  const issuer = `https://${listen}:${port}`;
   const provider = new Provider(issuer, {
     clients: [
       ...config.clients.map((c) => ({
@@ -75,12 +78,12 @@ server.listen(config.port, '127.0.0.1', () => {
       revocation: { enabled: true },
       resourceIndicators: {
         enabled: true,
-        defaultResource: () => config.resource,
+        defaultResource: () => resources[0],
         useGrantedResource: () => true,
-        // RFC 8707: tokens for the daemon's public URL; JWT (RFC 9068) access tokens for
+        // RFC 8707: tokens for one daemon's public URL, its audience alone; JWT (RFC 9068) access tokens for
         // some clients, opaque ones (checked by introspection) for others.
         getResourceServerInfo: (_ctx, resource, client) => {
-          if (resource !== config.resource) {
+          if (!resources.includes(resource)) {
             throw new errors.InvalidTarget();
           }
           return {

@@ -67,6 +67,7 @@ pub struct Oidc {
     port: u16,
     child: Option<(Child, ChildStdin)>,
     http: reqwest::Client,
+    netns: Option<PathBuf>,
 }
 
 /// `application/x-www-form-urlencoded` text of `pairs`.
@@ -100,33 +101,70 @@ fn server_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("oidc")
 }
 
+/// Where a provider runs and for what: [`Oidc::start_with`].
+pub struct Options {
+    /// Access-token lifetime.
+    pub ttl_secs: u64,
+    /// The address it listens on (its issuer is `https://<listen>:<port>`).
+    pub listen: String,
+    /// The resources (RFC 8707) it issues tokens for, each token for one of them alone.
+    pub resources: Vec<String>,
+    /// Clients that get JWT access tokens (besides the usual ones).
+    pub jwt_clients: Vec<Client>,
+    /// A network namespace to run in (`nsenter --net=`), instead of the test's own.
+    pub netns: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            ttl_secs: 300,
+            listen: "127.0.0.1".to_owned(),
+            resources: vec![PUBLIC_URL.to_owned()],
+            jwt_clients: Vec::new(),
+            netns: None,
+        }
+    }
+}
+
 impl Oidc {
     /// Start oidc-provider; tokens live `ttl_secs`.
     pub fn start(ttl_secs: u64) -> Oidc {
+        Oidc::start_with(Options {
+            ttl_secs,
+            ..Options::default()
+        })
+    }
+
+    /// Start oidc-provider as `options` say.
+    pub fn start_with(options: Options) -> Oidc {
         // oidc-provider from npm, pinned by tests/oidc/package-lock.json.
         crate::setup::ensure("oidc");
         let dir = tempfile::tempdir().expect("tempdir");
         let ca = TestCa::new();
-        let (cert, key) = ca.leaf(&["127.0.0.1"]);
+        let (cert, key) = ca.leaf(&[options.listen.as_str()]);
         let cert_path = dir.path().join("cert.pem");
         let key_path = dir.path().join("key.pem");
         std::fs::write(&cert_path, cert).expect("cert");
         std::fs::write(&key_path, key).expect("key");
         std::fs::write(dir.path().join("ca.pem"), ca.pem()).expect("ca");
         let client = |c: Client, format: &str| json!({"client_id": c.id, "client_secret": c.secret, "format": format});
+        let mut clients = vec![
+            client(JWT_CLIENT, "jwt"),
+            client(OPAQUE_CLIENT, "opaque"),
+            client(STRANGER, "jwt"),
+        ];
+        clients.extend(options.jwt_clients.iter().map(|c| client(*c, "jwt")));
         let config = json!({
             "cert": cert_path,
             "key": key_path,
             "port": 0,
+            "listen": options.listen,
             "keys": dir.path().join("signing-key.json"),
-            "resource": PUBLIC_URL,
+            "resources": options.resources,
             "scopes": SCOPES,
-            "ttl": ttl_secs,
-            "clients": [
-                client(JWT_CLIENT, "jwt"),
-                client(OPAQUE_CLIENT, "opaque"),
-                client(STRANGER, "jwt"),
-            ],
+            "ttl": options.ttl_secs,
+            "clients": clients,
             "introspector": {"client_id": INTROSPECTOR.id, "client_secret": INTROSPECTOR.secret},
             "introspection_delay": dir.path().join("introspection-delay"),
         });
@@ -147,6 +185,7 @@ impl Oidc {
             port: 0,
             child: None,
             http,
+            netns: options.netns,
         };
         oidc.spawn();
         oidc
@@ -162,7 +201,16 @@ impl Oidc {
             std::fs::write(&self.config, config.to_string()).expect("config");
         }
         let stderr = std::fs::File::create(self.dir.path().join("oidc.stderr")).expect("stderr");
-        let mut child = Command::new("node")
+        let mut command = match &self.netns {
+            Some(netns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", netns.display()))
+                    .args(["--", "node"]);
+                c
+            }
+            None => Command::new("node"),
+        };
+        let mut child = command
             .arg(server_dir().join("server.mjs"))
             .arg(&self.config)
             .current_dir(server_dir())

@@ -254,6 +254,50 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
     (
         "systemctl reload prometheus",
         "needs systemd and Prometheus",
+    ), // docs/fleet.md: commands of the fleet's hosts, gateway and monitoring host
+    (
+        "/usr/share/robota-mcpd/fleet/robota-mcpd-fleet host --hosts /etc/robota-mcpd/fleet-hosts --gateway gw.example.com --name mcp-a --proxy 10.77.0.1 --issuer https://auth.example.com > /root/config.toml",
+        "runs the installed package's generator on a fleet host; system::fleet runs it in each booted host",
+    ),
+    (
+        "robota-mcpd check-config --config /root/config.toml",
+        "checks the file the generator wrote on a fleet host; system::fleet runs it in each booted host",
+    ),
+    (
+        "install -m 0644 /root/config.toml /etc/robota-mcpd/config.toml",
+        "replaces a fleet host's configuration; system::fleet does it in each booted host",
+    ),
+    (
+        "apt install systemd-journal-remote",
+        "installs a package system-wide (Debian's registry)",
+    ),
+    (
+        "systemctl enable --now systemd-journal-upload",
+        "needs systemd as PID 1; system::fleet runs it in each booted host",
+    ),
+    (
+        "apt install nginx",
+        "installs a package system-wide (Debian's registry)",
+    ),
+    (
+        "./robota-mcpd-fleet nginx --hosts /etc/robota-mcpd/fleet-hosts --gateway gw.example.com --cert /etc/letsencrypt/live/gw.example.com/fullchain.pem --key /etc/letsencrypt/live/gw.example.com/privkey.pem > /etc/nginx/conf.d/robota-mcpd-fleet.conf",
+        "writes the gateway's /etc/nginx with the package's generator; system::fleet runs it from the package with the test's certificate",
+    ),
+    (
+        "apt install prometheus",
+        "installs a package system-wide (Debian's registry)",
+    ),
+    (
+        "./robota-mcpd-fleet targets --hosts /etc/robota-mcpd/fleet-hosts > /etc/prometheus/robota-mcpd-targets.yml",
+        "runs the package's generator on the monitoring host; system::fleet runs it from the package",
+    ),
+    (
+        "systemctl enable --now systemd-journal-remote.socket",
+        "needs systemd as PID 1 and the collector's certificate",
+    ),
+    (
+        "journalctl -D /var/log/journal/remote _HOSTNAME=mcp-c F_REASON=wrong-audience",
+        "reads a collector's journal; system::fleet runs the same query on its collector",
     ),
 ];
 
@@ -944,10 +988,11 @@ fn yaml_blocks_and_alert_rules_are_well_formed() {
             Err(e) => failures.push(format!("{}:{}: {e}", file.display(), block.line)),
         }
     }
-    assert_eq!(
-        scrape_jobs,
-        ["robota-mcpd"],
-        "docs/prometheus.md shows one scrape job, named as the alerts and dashboard expect"
+    // prometheus.md's job for one host, fleet.md's for many: one name, the one the alerts
+    // and the dashboard expect.
+    assert!(
+        !scrape_jobs.is_empty() && scrape_jobs.iter().all(|j| j == "robota-mcpd"),
+        "the docs' scrape jobs are all named robota-mcpd, as the alerts and dashboard expect: {scrape_jobs:?}"
     );
 
     let rules = alert_rules();
@@ -1507,5 +1552,30 @@ fn client_config_snippets_start_working_servers() {
     assert!(
         launched >= 3,
         "only {launched} stdio client entries launched"
+    );
+}
+
+/// docs/fleet.svg is what Debian's graphviz makes of docs/fleet.dot: the picture is never
+/// edited by hand, and a change of the source without the picture fails here.
+#[test]
+fn the_fleet_picture_is_made_from_its_source() {
+    let has_dot = Command::new("sh")
+        .args(["-c", "command -v dot"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_dot {
+        // graphviz, from Debian's registry (tests/setup.sh debian).
+        robota_e2e::setup::ensure("debian");
+    }
+    let root = repo_root();
+    let mut dot = Command::new("dot");
+    dot.arg("-Tsvg").arg(root.join("docs/fleet.dot"));
+    let out = run_bounded(dot, COMMAND_LIMIT);
+    out.expect_code(0, "dot -Tsvg docs/fleet.dot");
+    let committed = read(Path::new("docs/fleet.svg"));
+    assert!(
+        out.stdout == committed,
+        "docs/fleet.svg is not what `dot -Tsvg docs/fleet.dot -o docs/fleet.svg` makes: run it and commit both"
     );
 }

@@ -9,6 +9,8 @@
 
 use std::time::Duration;
 
+mod fleet;
+
 use robota_e2e::machine::{Machine, package};
 use robota_e2e::{assert_no_secrets, poll_until_blocking};
 use serde_json::Value;
