@@ -15,9 +15,10 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock,
-    CreateTaskResult, ErrorData, GetTaskParams, GetTaskResult, Implementation, ListToolsResult,
-    PaginatedRequestParams, ProgressNotificationParam, ProgressToken, ProtocolVersion, RequestId,
-    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
+    CreateTaskResult, ErrorData, GetTaskParams, GetTaskResult, Implementation,
+    InitializeRequestParams, InitializeResult, ListToolsResult, PaginatedRequestParams,
+    ProgressNotificationParam, ProgressToken, ProtocolVersion, RequestId, ServerCapabilities,
+    ServerConfig, Tool, ToolAnnotations,
 };
 use rmcp::service::{Peer, RequestContext};
 use rmcp::{RoleServer, ServerHandler};
@@ -512,6 +513,16 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             .shared
             .inflight
             .register(caller.caller.clone(), id, cancel.clone());
+        // A call whose caller went away (the request dropped before its answer) still
+        // counts, as cancelled.
+        let mut abandoned = Abandoned {
+            metrics: &self.shared.wire.metrics,
+            tool: self
+                .canonical_name(&request.name)
+                .unwrap_or_else(|| UNKNOWN_TOOL_LABEL.to_owned()),
+            started,
+            armed: true,
+        };
         let limit = self.shared.wire.result_limit;
         let (tool, result) = match shape.progress {
             None => {
@@ -547,6 +558,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                 done
             }
         };
+        abandoned.armed = false;
         let tool = tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL);
         let metrics = &self.shared.wire.metrics;
         if let Ok(ToolOutput::Job(job)) = &result
@@ -650,6 +662,26 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
             format!("the result is {size} bytes on the wire, over the {limit} byte limit"),
         );
         (render(Err(too_large)), Some(ToolErrorCode::ResultTooLarge))
+    }
+}
+
+/// A call in progress, counted as cancelled if it is dropped while armed.
+struct Abandoned<'a> {
+    metrics: &'a Metrics,
+    tool: String,
+    started: Instant,
+    armed: bool,
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.metrics.tool_call(
+                &self.tool,
+                Some(ToolErrorCode::Cancelled),
+                self.started.elapsed(),
+            );
+        }
     }
 }
 
@@ -795,6 +827,18 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
 
     fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
         Cow::Borrowed(&SUPPORTED_VERSIONS)
+    }
+
+    /// The negotiation alone: the default also records the request as the peer's client
+    /// information, which on the HTTP carriers (one peer for every request) would let one
+    /// caller's `initialize` decide how everyone else is answered. A line carrier's session
+    /// records it in its handshake.
+    async fn initialize(
+        &self,
+        request: InitializeRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<InitializeResult, ErrorData> {
+        self.negotiate_initialize(&request)
     }
 
     async fn list_tools(

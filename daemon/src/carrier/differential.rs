@@ -540,4 +540,38 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
         negotiated >= 100,
         "{negotiated} answers to requests negotiated per request"
     );
+
+    // No request changes how another is answered: an `initialize` naming 2026-07-28 and
+    // the tasks extension, then another caller's plain call, still answered in the
+    // 2025-11-25 shape (no `resultType`).
+    let post = |body: Value| Case {
+        body: body.to_string().into_bytes(),
+        headers: vec![
+            ("host", HOST),
+            ("accept", "application/json, text/event-stream"),
+            ("content-type", "application/json"),
+        ],
+    };
+    let initialize = post(
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2026-07-28",
+        "capabilities": {"extensions": {"io.modelcontextprotocol/tasks": {}}},
+        "clientInfo": {"name": "t", "version": "1"}}}),
+    );
+    let call = post(json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "system.info", "arguments": {}}}));
+    let other: Admitted = Caller::Bearer("other".into()).into();
+    runtime.block_on(async {
+        let answered = said(
+            endpoint
+                .serve(request(&initialize), caller.clone(), None)
+                .await,
+        )
+        .await;
+        assert_eq!(answered.status, 200, "{answered:?}");
+        let after = said(endpoint.serve(request(&call), other.clone(), None).await).await;
+        let result = &after.messages[0]["result"];
+        assert!(result.get("resultType").is_none(), "{after:?}");
+        assert_eq!(result["isError"], false, "{after:?}");
+    });
 }

@@ -59,7 +59,7 @@ const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
 pub struct Endpoint<S> {
     listener: Listener,
     metrics: Metrics,
-    slots: Semaphore,
+    slots: Arc<Semaphore>,
     memory: Budget,
     body_limit: u64,
     body_timeout: Duration,
@@ -81,7 +81,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         Self {
             listener: site.listener,
             metrics: site.metrics,
-            slots: Semaphore::new(bounds.max_in_flight),
+            slots: Arc::new(Semaphore::new(bounds.max_in_flight)),
             memory: Budget::new(limits.request_memory),
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
@@ -127,7 +127,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
-        let Ok(_slot) = self.slots.try_acquire() else {
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
             return self.reject(Rejection::Busy, busy());
         };
         // A client that never finishes its body gives up its slot at the deadline.
@@ -221,16 +221,17 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             }
         }
         parts.extensions.insert(caller);
+        // The in-flight slot and the memory share are held until the answer is whole: a
+        // call's event stream keeps them.
         let response = streamable::answer(
             &self.server,
             &self.peer,
             parts,
             *request,
-            negotiated,
-            malformed,
+            (negotiated, malformed),
+            (slot, held),
         )
         .await;
-        drop(held);
         if response.status().is_client_error() {
             self.metrics.rejected(self.listener, Rejection::Protocol);
         }

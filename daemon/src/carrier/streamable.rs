@@ -489,14 +489,16 @@ impl Transport<RoleServer> for Nothing {
 }
 
 /// Answers a checked request: rmcp's dispatch over `server`, as `parts`' caller (the
-/// request's HTTP parts go into the context's extensions as rmcp's service puts them).
-pub async fn answer<S: RuntimeTools + TurnSubmission>(
+/// request's HTTP parts go into the context's extensions as rmcp's service puts them);
+/// `(negotiated, malformed)` as [`Checked::Request`] says; `held` is kept until the
+/// answer is whole (the last event of a stream sent, or the stream dropped).
+pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + 'static>(
     server: &McpServer<S>,
     peer: &Peer,
     mut parts: http::request::Parts,
     request: JsonRpcRequest<ClientRequest>,
-    negotiated: bool,
-    malformed: bool,
+    (negotiated, malformed): (bool, bool),
+    held: H,
 ) -> Response<Body> {
     let JsonRpcRequest {
         id, mut request, ..
@@ -551,6 +553,7 @@ pub async fn answer<S: RuntimeTools + TurnSubmission>(
                     queued.push_back(more);
                 }
                 guard.disarm();
+                drop(held);
                 let result = final_message(message, slot.as_ref(), &id);
                 let events = queued
                     .into_iter()
@@ -567,6 +570,7 @@ pub async fn answer<S: RuntimeTools + TurnSubmission>(
         Ok(note) => note,
     };
     let stream = Streamed {
+        held: Some(held),
         first: Some(first),
         notes: Some(notes),
         handled: Some(std::sync::Mutex::new(handled)),
@@ -618,7 +622,9 @@ fn single_answer(
 
 /// A call's event stream: its progress as it comes, then its answer; the call runs as the
 /// stream is read.
-struct Streamed {
+struct Streamed<H> {
+    /// What the request holds until it is answered (its in-flight slot, its memory).
+    held: Option<H>,
     first: Option<ProgressNotificationParam>,
     notes: Option<mpsc::Receiver<ProgressNotificationParam>>,
     /// In a mutex only to be `Sync`, as a response body must: it is only ever reached
@@ -629,7 +635,7 @@ struct Streamed {
     guard: Option<tokio_util::sync::DropGuard>,
 }
 
-impl futures_util::Stream for Streamed {
+impl<H: Unpin> futures_util::Stream for Streamed<H> {
     type Item = Result<hyper::body::Frame<Bytes>, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -652,6 +658,7 @@ impl futures_util::Stream for Streamed {
             return Poll::Pending;
         };
         this.handled = None;
+        this.held = None;
         if let Some(guard) = this.guard.take() {
             guard.disarm();
         }

@@ -75,6 +75,10 @@ pub struct HttpLink {
     /// Fired when the backend could not be reached: the supervisor takes it down.
     broken: CancellationToken,
     list_changed: Arc<Notify>,
+    /// Per tool of the backend's listing, the arguments its input schema asks to see as
+    /// `Mcp-Param-<header>` headers (`x-mcp-header`, by path): sent with each call on
+    /// revision 2026-07-28, as that revision's servers check.
+    param_headers: Mutex<std::collections::HashMap<String, Vec<ParamHeader>>>,
 }
 
 impl std::fmt::Debug for HttpLink {
@@ -84,6 +88,10 @@ impl std::fmt::Debug for HttpLink {
             .finish_non_exhaustive()
     }
 }
+
+/// An argument sent as a header: its path in the arguments, and the header's name after
+/// `Mcp-Param-`.
+type ParamHeader = (Vec<String>, String);
 
 /// One exchange's answer before its body is read.
 enum Answer {
@@ -128,6 +136,7 @@ impl HttpLink {
             bounds,
             broken: CancellationToken::new(),
             list_changed,
+            param_headers: Mutex::new(std::collections::HashMap::new()),
         }))
     }
 
@@ -212,6 +221,21 @@ impl HttpLink {
                 && method == "tools/call"
             {
                 request = request.header("Mcp-Name", header_text(name));
+                let arguments = body["params"].get("arguments");
+                for (path, header) in self.param_headers.lock().get(name).into_iter().flatten() {
+                    let value = arguments
+                        .and_then(|a| path.iter().try_fold(a, |v, k| v.get(k)))
+                        .and_then(|v| match v {
+                            Value::String(s) => Some(s.clone()),
+                            Value::Bool(b) => Some(b.to_string()),
+                            Value::Number(n) => Some(n.to_string()),
+                            _ => None,
+                        });
+                    if let Some(value) = value {
+                        request =
+                            request.header(format!("Mcp-Param-{header}"), header_text(&value));
+                    }
+                }
             }
         }
         if with_session && let Some(session) = self.session.lock().clone() {
@@ -381,7 +405,54 @@ impl HttpLink {
                     result
                 }
             };
+            if method == "tools/list"
+                && let Ok(answer) = &result
+            {
+                self.learn_param_headers(&answer.result);
+            }
             return result;
+        }
+    }
+
+    /// Notes, for each tool of a `tools/list` page, the arguments its input schema
+    /// annotates with `x-mcp-header` (through nested `properties`; a name that is not a
+    /// header token is left out).
+    fn learn_param_headers(&self, page: &Map<String, Value>) {
+        fn walk(properties: Option<&Value>, path: &mut Vec<String>, out: &mut Vec<ParamHeader>) {
+            let Some(Value::Object(properties)) = properties else {
+                return;
+            };
+            for (name, schema) in properties {
+                path.push(name.clone());
+                if let Some(Value::String(header)) = schema.get("x-mcp-header")
+                    && http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes())
+                        .is_ok()
+                {
+                    out.push((path.clone(), header.clone()));
+                }
+                walk(schema.get("properties"), path, out);
+                path.pop();
+            }
+        }
+        let Some(Value::Array(tools)) = page.get("tools") else {
+            return;
+        };
+        let mut known = self.param_headers.lock();
+        for tool in tools {
+            let Some(name) = tool.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            let mut found = Vec::new();
+            walk(
+                tool.get("inputSchema").and_then(|s| s.get("properties")),
+                &mut Vec::new(),
+                &mut found,
+            );
+            if found.is_empty() {
+                known.remove(name);
+            } else {
+                known.insert(name.to_owned(), found);
+            }
         }
     }
 

@@ -189,7 +189,7 @@ async fn python_sdk_over_stdio_is_imported_called_and_denied_by_default() {
     assert_eq!(u.kind, "stdio");
     assert_eq!(
         u.tools,
-        ["py.add", "py.count", "py.echo", "py.escape", "py.nap"],
+        ["py.add", "py.count", "py.echo", "py.escape", "py.nap", "py.tagged"],
         "{u:?}"
     );
     let client = McpClient::connect(&d, &d.bearer()).await;
@@ -921,6 +921,90 @@ async fn remote_carrier_with_compat_names_calls_an_imported_tool() {
     let client = McpClient::connect(&d, &d.bearer()).await;
     assert!(listed(&client).await.contains_key("rm.add"));
     client.close().await;
+}
+
+/// A call's event stream holds its in-flight slot until its last event: with one slot, a
+/// request sent while a stream runs is answered 503, and served once it ended. A call
+/// whose client went away is counted, as cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_call_holds_its_in_flight_slot_and_an_abandoned_one_is_counted() {
+    use robota_e2e::http::{Conn, Request, exchange, tools_call};
+    let web = HttpServer::sdk();
+    let d = Daemon::builder()
+        .loopback("max_in_flight = 1")
+        .extra(format!(
+            "[upstreams.web]\nurl = \"{}\"\n\n{}",
+            web.url(),
+            allow(&["web"])
+        ))
+        .start();
+    wait_state(&d, "web", "up");
+    let bearer = d.bearer();
+    let port = d.loopback_port();
+    let ping = Request::mcp(
+        port,
+        Some(&bearer),
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "ping"}),
+    );
+    let streamed = |steps: u32| {
+        let mut message = tools_call(2, "web.count", json!({"steps": steps, "ms": 100}));
+        message["params"]["_meta"] = json!({"progressToken": 1});
+        Request::mcp(port, Some(&bearer), &message).to_bytes()
+    };
+    let mut conn = Conn::connect(d.loopback_addr()).await.expect("connect");
+    conn.write(&streamed(20)).await.expect("send the call");
+    let mut head = within(LIMIT, "the stream's head", conn.read_head())
+        .await
+        .expect("the stream's head");
+    assert!(head.is_sse(), "{}", head.describe());
+    let busy = exchange(d.loopback_addr(), &ping).await;
+    assert_eq!(
+        busy.status,
+        503,
+        "while the stream runs: {}",
+        busy.describe()
+    );
+    within(LIMIT, "the stream's end", conn.read_body(&mut head))
+        .await
+        .expect("the stream ends");
+    assert_eq!(
+        text_of(&head.messages().last().expect("the result")["result"]),
+        "counted to 20"
+    );
+    let free = exchange(d.loopback_addr(), &ping).await;
+    assert_eq!(free.status, 200, "after the stream: {}", free.describe());
+    // A tool whose schema asks for an argument as a header (`x-mcp-header`): the daemon
+    // sends it as `Mcp-Param-Tag` (Base64 when it is not plain ASCII), which the SDK's
+    // server on 2026-07-28 requires.
+    for tag in ["plain", "héllo wörld"] {
+        let call = Request::mcp(
+            port,
+            Some(&bearer),
+            &tools_call(3, "web.tagged", json!({"tag": tag})),
+        );
+        let answer = exchange(d.loopback_addr(), &call).await.expect_rpc(3);
+        assert_eq!(text_of(&answer["result"]), format!("tag {tag}"), "{answer}");
+    }
+    // A client that goes away mid-stream: the call is cancelled and counted.
+    let cancelled = || {
+        metric_sum(
+            &d.metrics_text().unwrap_or_default(),
+            &["robota_mcpd_tool_calls_total", "web.count", "cancelled"],
+        )
+    };
+    let before = cancelled();
+    let mut conn = Conn::connect(d.loopback_addr()).await.expect("connect");
+    conn.write(&streamed(100)).await.expect("send the call");
+    let head = within(LIMIT, "the stream's head", conn.read_head())
+        .await
+        .expect("the stream's head");
+    assert!(head.is_sse(), "{}", head.describe());
+    drop(conn);
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(50), || cancelled() > before).await,
+        "the abandoned call was not counted: {:?}",
+        d.metrics_text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
