@@ -516,10 +516,8 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         // A call whose caller went away (the request dropped before its answer) still
         // counts, as cancelled.
         let mut abandoned = Abandoned {
-            metrics: &self.shared.wire.metrics,
-            tool: self
-                .canonical_name(&request.name)
-                .unwrap_or_else(|| UNKNOWN_TOOL_LABEL.to_owned()),
+            server: self,
+            wire: request.name.to_string(),
             started,
             armed: true,
         };
@@ -665,19 +663,21 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     }
 }
 
-/// A call in progress, counted as cancelled if it is dropped while armed.
-struct Abandoned<'a> {
-    metrics: &'a Metrics,
-    tool: String,
+/// A call in progress (by its wire name), counted as cancelled if it is dropped while
+/// armed.
+struct Abandoned<'a, S: RuntimeTools + TurnSubmission> {
+    server: &'a McpServer<S>,
+    wire: String,
     started: Instant,
     armed: bool,
 }
 
-impl Drop for Abandoned<'_> {
+impl<S: RuntimeTools + TurnSubmission> Drop for Abandoned<'_, S> {
     fn drop(&mut self) {
         if self.armed {
-            self.metrics.tool_call(
-                &self.tool,
+            let tool = self.server.canonical_name(&self.wire);
+            self.server.shared.wire.metrics.tool_call(
+                tool.as_deref().unwrap_or(UNKNOWN_TOOL_LABEL),
                 Some(ToolErrorCode::Cancelled),
                 self.started.elapsed(),
             );

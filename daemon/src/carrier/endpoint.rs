@@ -149,7 +149,10 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 };
                 return self.reject(
                     why,
-                    streamable::json(StatusCode::BAD_REQUEST, &invalid.response()),
+                    streamable::json(
+                        StatusCode::BAD_REQUEST,
+                        invalid.response().to_string().into(),
+                    ),
                 );
             }
         };
@@ -352,7 +355,7 @@ fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
         Some(serde_json::json!({"requested": requested, "supported": SUPPORTED_VERSIONS})),
     );
     let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
-    streamable::json(StatusCode::BAD_REQUEST, &body)
+    streamable::json(StatusCode::BAD_REQUEST, body.to_string().into())
 }
 
 /// The `requestId` of a `notifications/cancelled` message.

@@ -504,12 +504,24 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
         id, mut request, ..
     } = request;
     let call = matches!(request, ClientRequest::CallToolRequest(_));
+    // Progress can come only for a call that carries a token (where the handler looks).
+    let progress = match &request {
+        ClientRequest::CallToolRequest(call) => {
+            request.get_meta().get_progress_token().is_some()
+                || call
+                    .params
+                    .meta
+                    .as_ref()
+                    .is_some_and(|m| m.get_progress_token().is_some())
+        }
+        _ => false,
+    };
     let slot = call.then(|| {
         let slot = PassthroughSlot::default();
         parts.extensions.insert(slot.clone());
         slot
     });
-    let notes = call.then(|| {
+    let notes = progress.then(|| {
         let (tx, rx) = mpsc::channel(PROGRESS_QUEUE);
         parts.extensions.insert(ProgressSender(tx));
         rx
@@ -584,24 +596,31 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
 /// The handler's answer to a request.
 struct Finished(ServerJsonRpcMessage);
 
-/// The one message answering a request: the passthrough slot's result when it holds one.
+/// The one message answering a request, serialized: the passthrough slot's result when
+/// it holds one.
 fn final_message(
     message: ServerJsonRpcMessage,
     slot: Option<&PassthroughSlot>,
     id: &RequestId,
-) -> Value {
+) -> Bytes {
     let passthrough = matches!(message, ServerJsonRpcMessage::Response(_))
         .then(|| slot?.response(&serde_json::to_value(id).ok()?))
         .flatten();
-    passthrough.unwrap_or_else(|| {
-        serde_json::to_value(&message).unwrap_or_else(|e| {
-            serde_json::to_value(JsonRpcError::new(
-                Some(id.clone()),
-                ErrorData::internal_error(format!("the answer cannot be serialized: {e}"), None),
-            ))
-            .unwrap_or(Value::Null)
-        })
+    let encoded = match passthrough {
+        Some(answer) => serde_json::to_vec(&answer),
+        None => serde_json::to_vec(&message),
+    };
+    encoded.map(Bytes::from).unwrap_or_else(|e| {
+        encode(&JsonRpcError::new(
+            Some(id.clone()),
+            ErrorData::internal_error(format!("the answer cannot be serialized: {e}"), None),
+        ))
     })
+}
+
+/// `message` as JSON (`null` if it cannot be: never for the daemon's own messages).
+fn encode(message: &impl serde::Serialize) -> Bytes {
+    serde_json::to_vec(message).map_or(Bytes::from_static(b"null"), Bytes::from)
 }
 
 fn single_answer(
@@ -616,8 +635,7 @@ fn single_answer(
     } else {
         StatusCode::OK
     };
-    let body = final_message(message, slot, id);
-    json(code, &body)
+    json(code, final_message(message, slot, id))
 }
 
 /// A call's event stream: its progress as it comes, then its answer; the call runs as the
@@ -679,12 +697,16 @@ fn progress_event(note: ProgressNotificationParam) -> Bytes {
     let message = ServerJsonRpcMessage::notification(ServerNotification::ProgressNotification(
         ProgressNotification::new(note),
     ));
-    event(&serde_json::to_value(&message).unwrap_or(Value::Null))
+    event(&encode(&message))
 }
 
 /// One event of a stream: `data: <message>`.
-fn event(message: &Value) -> Bytes {
-    Bytes::from(format!("data: {message}\n\n"))
+fn event(message: &[u8]) -> Bytes {
+    let mut event = Vec::with_capacity(message.len() + 8);
+    event.extend_from_slice(b"data: ");
+    event.extend_from_slice(message);
+    event.extend_from_slice(b"\n\n");
+    Bytes::from(event)
 }
 
 fn event_stream(body: Body) -> Response<Body> {
@@ -698,12 +720,14 @@ fn event_stream(body: Body) -> Response<Body> {
 
 /// A JSON-RPC error answered 400 before dispatch.
 fn refusal(id: Option<RequestId>, error: ErrorData) -> Box<Response<Body>> {
-    let body = serde_json::to_value(JsonRpcError::new(id, error)).unwrap_or(Value::Null);
-    Box::new(json(StatusCode::BAD_REQUEST, &body))
+    Box::new(json(
+        StatusCode::BAD_REQUEST,
+        encode(&JsonRpcError::new(id, error)),
+    ))
 }
 
-pub fn json(status: StatusCode, body: &Value) -> Response<Body> {
-    let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
+pub fn json(status: StatusCode, body: Bytes) -> Response<Body> {
+    let mut response = Response::new(Full::new(body).boxed());
     *response.status_mut() = status;
     response
         .headers_mut()

@@ -189,7 +189,14 @@ async fn python_sdk_over_stdio_is_imported_called_and_denied_by_default() {
     assert_eq!(u.kind, "stdio");
     assert_eq!(
         u.tools,
-        ["py.add", "py.count", "py.echo", "py.escape", "py.nap", "py.tagged"],
+        [
+            "py.add",
+            "py.count",
+            "py.echo",
+            "py.escape",
+            "py.nap",
+            "py.tagged"
+        ],
         "{u:?}"
     );
     let client = McpClient::connect(&d, &d.bearer()).await;
