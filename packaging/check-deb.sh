@@ -148,6 +148,17 @@ if "$fleet/robota-mcpd-fleet" nginx --hosts /dev/null --gateway g --cert c --key
 	fail "the fleet generator accepts an empty host list"
 fi
 grep -q 'names no host' "$scratch/err" || fail "the fleet generator does not say why it refuses: $(cat "$scratch/err")"
+# A value that would add a directive is refused, and --output leaves the file as it was.
+cp "$scratch/targets.yml" "$scratch/kept.yml"
+printf 'mcp_b 10.1.1.1\n' >"$scratch/bad-hosts"
+if "$fleet/robota-mcpd-fleet" targets --hosts "$scratch/bad-hosts" --output "$scratch/kept.yml" 2>/dev/null; then
+	fail "the fleet generator accepts a host name that is not a DNS label"
+fi
+cmp -s "$scratch/targets.yml" "$scratch/kept.yml" || fail "a refused --output run changed the file"
+if "$fleet/robota-mcpd-fleet" nginx --hosts "$fleet/hosts.example" --gateway g --key k \
+	--cert '/c; include /etc/shadow; #' >/dev/null 2>&1; then
+	fail "the fleet generator writes a certificate path that adds nginx directives"
+fi
 
 echo "-- binaries"
 for bin in "$mcpd" "$mcpctl"; do

@@ -280,7 +280,7 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "installs a package system-wide (Debian's registry)",
     ),
     (
-        "./robota-mcpd-fleet nginx --hosts /etc/robota-mcpd/fleet-hosts --gateway gw.example.com --cert /etc/letsencrypt/live/gw.example.com/fullchain.pem --key /etc/letsencrypt/live/gw.example.com/privkey.pem > /etc/nginx/conf.d/robota-mcpd-fleet.conf",
+        "./robota-mcpd-fleet nginx --hosts /etc/robota-mcpd/fleet-hosts --gateway gw.example.com --cert /etc/letsencrypt/live/gw.example.com/fullchain.pem --key /etc/letsencrypt/live/gw.example.com/privkey.pem --output /etc/nginx/conf.d/robota-mcpd-fleet.conf",
         "writes the gateway's /etc/nginx with the package's generator; system::fleet runs it from the package with the test's certificate",
     ),
     (
@@ -288,7 +288,7 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "installs a package system-wide (Debian's registry)",
     ),
     (
-        "./robota-mcpd-fleet targets --hosts /etc/robota-mcpd/fleet-hosts > /etc/prometheus/robota-mcpd-targets.yml",
+        "./robota-mcpd-fleet targets --hosts /etc/robota-mcpd/fleet-hosts --output /etc/prometheus/robota-mcpd-targets.yml",
         "runs the package's generator on the monitoring host; system::fleet runs it from the package",
     ),
     (

@@ -467,7 +467,7 @@ EOF
     fs::create_dir(dir.join("nginx-tmp")).expect("mkdir");
     sh_ok(&format!(
         "{gen} nginx --hosts {hosts} --gateway {GATEWAY} --listen {GATEWAY}:443 \
-           --cert {d}/gateway.pem --key {d}/gateway.key > {d}/robota-mcpd-fleet.conf",
+           --cert {d}/gateway.pem --key {d}/gateway.key --output {d}/robota-mcpd-fleet.conf",
         gen = generator.display(),
         hosts = hosts_file.display(),
         d = dir.display()
