@@ -53,8 +53,6 @@ use crate::vocab::{CancelOutcome, Listener, Rejection};
 /// `tasks/cancel`) and the caller, `None` lets it go on, `Some` is the answer instead.
 pub type Gate<'a> = &'a (dyn Fn(&str, &Admitted) -> Option<Response<Body>> + Sync);
 
-const PROTOCOL_VERSION_HEADER: &str = "mcp-protocol-version";
-
 /// The MCP endpoint behind admission.
 pub struct Endpoint<S> {
     listener: Listener,
@@ -333,7 +331,7 @@ pub fn closing(mut response: Response<Body>, version: http::Version) -> Response
 /// At most one `MCP-Protocol-Version`, and a supported one; the offending text if not.
 /// Absent is allowed (a 2025-11-25 `initialize` carries its version in the body).
 fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
-    let mut values = headers.get_all(PROTOCOL_VERSION_HEADER).iter();
+    let mut values = headers.get_all(streamable::PROTOCOL_VERSION).iter();
     let requested = |v: &HeaderValue| {
         let text = String::from_utf8_lossy(v.as_bytes());
         text.chars().take(64).collect::<String>()
@@ -382,7 +380,7 @@ mod tests {
         let headers = |values: &[&'static str]| {
             let mut h = http::HeaderMap::new();
             for v in values {
-                h.append(PROTOCOL_VERSION_HEADER, HeaderValue::from_static(v));
+                h.append(streamable::PROTOCOL_VERSION, HeaderValue::from_static(v));
             }
             h
         };

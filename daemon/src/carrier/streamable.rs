@@ -46,7 +46,7 @@ use crate::session::{RuntimeTools, TurnSubmission};
 
 const JSON: &str = "application/json";
 const EVENT_STREAM: &str = "text/event-stream";
-const PROTOCOL_VERSION: &str = "mcp-protocol-version";
+pub const PROTOCOL_VERSION: &str = "mcp-protocol-version";
 const MCP_METHOD: &str = "mcp-method";
 const MCP_NAME: &str = "mcp-name";
 const MCP_PARAM: &str = "mcp-param-";
