@@ -63,6 +63,8 @@ pub struct WireNames {
     generation: u64,
     targets: HashMap<String, Target>,
     tools: Vec<Tool>,
+    /// `tools` as JSON, made by the first `tools/list` of this generation.
+    listing: std::sync::OnceLock<Option<bytes::Bytes>>,
     /// Problems the configuration alone decides (an alias, a first-party name, the
     /// submission tool): any of them refuses the carrier at start-up, and as the
     /// configuration does not change within a session, no later generation has one.
@@ -174,9 +176,18 @@ impl WireNames {
             generation: snapshot.generation(),
             targets,
             tools,
+            listing: std::sync::OnceLock::new(),
             problems,
             refusals,
         }
+    }
+
+    /// The listing's `tools` array as JSON, serialized once per generation (`None` if it
+    /// cannot be: never for tools rmcp's types hold).
+    fn listing(&self) -> Option<bytes::Bytes> {
+        self.listing
+            .get_or_init(|| serde_json::to_vec(&self.tools).ok().map(bytes::Bytes::from))
+            .clone()
     }
 
     /// Log the names an upstream's listing made collide (refused; the rest is served).
@@ -346,28 +357,123 @@ impl<S> Clone for McpServer<S> {
     }
 }
 
-/// Where `tools/call` leaves an imported tool's result — already checked against the
-/// result limit and shaped for the caller's revision — for the carrier to send as it is,
-/// in place of the placeholder the handler returns. rmcp's result type has no room for
-/// fields it does not know, and an upstream's result keeps them (docs/design.md §13.4).
-/// A carrier puts one in the request's HTTP parts for every `tools/call`.
+/// Where the handler leaves what rmcp's result types cannot carry, or would only copy and
+/// serialize again, for the carrier to put on the wire in place of the placeholder the
+/// handler returns: an imported tool's result — already checked against the result limit
+/// and shaped for the caller's revision; rmcp's result type has no room for fields it does
+/// not know, and an upstream's result keeps them (docs/design.md §13.4) — or the listing's
+/// `tools`, serialized once per catalog generation. Every carrier puts one in the request's
+/// HTTP parts for each `tools/call` and `tools/list`, and writes the answer with
+/// [`AnswerSlot::encode`]; without one (rmcp driving the handler alone) the typed result
+/// carries everything.
 #[derive(Clone, Default)]
-pub struct PassthroughSlot(Arc<Mutex<Option<Map<String, Value>>>>);
+pub struct AnswerSlot(Arc<Mutex<Option<Prepared>>>);
 
-impl PassthroughSlot {
-    pub fn take(&self) -> Option<Map<String, Value>> {
-        self.0.lock().take()
+enum Prepared {
+    /// A whole `tools/call` result.
+    Result(Map<String, Value>),
+    /// The `tools` array of a `tools/list` result.
+    Tools(bytes::Bytes),
+}
+
+/// How a placeholder listing's answer ends, rmcp serializing `tools` last: the array is
+/// put where its `[]` is.
+const EMPTY_TOOLS_END: &[u8] = br#""tools":[]}}"#;
+
+impl AnswerSlot {
+    fn fill(&self, prepared: Prepared) {
+        *self.0.lock() = Some(prepared);
     }
 
-    pub fn is_filled(&self) -> bool {
-        self.0.lock().is_some()
+    /// The handler's answer `message` as it goes on the wire: with what the slot holds in
+    /// place of the placeholder.
+    pub fn encode(
+        slot: Option<&Self>,
+        message: &rmcp::model::ServerJsonRpcMessage,
+    ) -> serde_json::Result<Vec<u8>> {
+        let rmcp::model::ServerJsonRpcMessage::Response(response) = message else {
+            return serde_json::to_vec(message);
+        };
+        match slot.and_then(|slot| slot.0.lock().take()) {
+            None => serde_json::to_vec(message),
+            Some(Prepared::Result(result)) => {
+                #[derive(serde::Serialize)]
+                struct Whole<'a> {
+                    jsonrpc: &'static str,
+                    id: &'a RequestId,
+                    result: &'a Map<String, Value>,
+                }
+                serde_json::to_vec(&Whole {
+                    jsonrpc: "2.0",
+                    id: &response.id,
+                    result: &result,
+                })
+            }
+            Some(Prepared::Tools(tools)) => {
+                let mut out = serde_json::to_vec(message)?;
+                if !out.ends_with(EMPTY_TOOLS_END) {
+                    return Err(serde::ser::Error::custom(
+                        "the listing's placeholder answer does not end with its tools",
+                    ));
+                }
+                out.truncate(out.len() - 4);
+                out.reserve(tools.len() + 2);
+                out.extend_from_slice(&tools);
+                out.extend_from_slice(b"}}");
+                Ok(out)
+            }
+        }
     }
 
-    /// The JSON-RPC response carrying the slot's result for request `id`, if it holds one.
-    pub fn response(&self, id: &Value) -> Option<Value> {
-        self.take()
-            .map(|result| json!({"jsonrpc": "2.0", "id": id, "result": result}))
+    /// The slot in a handler's request context, if its carrier put one there.
+    fn of(context: &RequestContext<RoleServer>) -> Option<&Self> {
+        context
+            .extensions
+            .get::<http::request::Parts>()?
+            .extensions
+            .get::<Self>()
     }
+}
+
+/// A client's message as rmcp reads it, given the `method` and `id` the strict look
+/// ([`crate::jsonrpc::inspect`]) found. rmcp's `ClientRequest` is an untagged union that
+/// tries each kind of request in turn, building and dropping an error for every kind before
+/// the right one (`tools/list` is the fifteenth); a request of a method the daemon serves
+/// is read as its own kind at once. Whatever that refuses, and every other message, is read
+/// by rmcp's own union, so the outcome and the reason are rmcp's (the property test in
+/// `carrier/differential.rs` holds the two to it).
+pub fn read_message(
+    method: Option<&str>,
+    id: bool,
+    bytes: &[u8],
+) -> serde_json::Result<rmcp::model::ClientJsonRpcMessage> {
+    use rmcp::model::{
+        CallToolRequest, CallToolRequestMethod, CancelTaskMethod, CancelTaskRequest,
+        ClientJsonRpcMessage, ClientRequest, ConstString, GetTaskMethod, GetTaskRequest,
+        JsonRpcRequest, ListToolsRequest, ListToolsRequestMethod, PingRequest, PingRequestMethod,
+    };
+    type Reader = fn(&[u8]) -> Option<ClientJsonRpcMessage>;
+    fn kind<R: serde::de::DeserializeOwned + Into<ClientRequest>>(
+        bytes: &[u8],
+    ) -> Option<ClientJsonRpcMessage> {
+        let read = serde_json::from_slice::<JsonRpcRequest<R>>(bytes).ok()?;
+        Some(ClientJsonRpcMessage::Request(JsonRpcRequest::new(
+            read.id,
+            read.request.into(),
+        )))
+    }
+    const KINDS: [(&str, Reader); 5] = [
+        (PingRequestMethod::VALUE, kind::<PingRequest>),
+        (ListToolsRequestMethod::VALUE, kind::<ListToolsRequest>),
+        (CallToolRequestMethod::VALUE, kind::<CallToolRequest>),
+        (GetTaskMethod::VALUE, kind::<GetTaskRequest>),
+        (CancelTaskMethod::VALUE, kind::<CancelTaskRequest>),
+    ];
+    let direct = method
+        .filter(|_| id)
+        .and_then(|method| KINDS.iter().find(|(name, _)| *name == method))
+        .and_then(|(_, read)| read(bytes));
+    direct.map_or_else(|| serde_json::from_slice(bytes), Ok)
 }
 
 /// A passthrough result shaped for the caller's revision, as rmcp shapes its own results:
@@ -505,7 +611,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         id: RequestId,
         request: CallToolRequestParams,
         cancel: CancellationToken,
-        slot: Option<&PassthroughSlot>,
+        slot: Option<&AnswerSlot>,
         shape: Shape,
     ) -> CallToolResponse {
         let started = Instant::now();
@@ -629,7 +735,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
     fn bounded(
         &self,
         result: Result<ToolOutput, ToolError>,
-        passthrough: Option<(&PassthroughSlot, bool)>,
+        passthrough: Option<(&AnswerSlot, bool)>,
         limit: u64,
     ) -> (CallToolResult, Option<ToolErrorCode>) {
         let result = match (result, passthrough) {
@@ -638,7 +744,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
                 let size = json_size(&raw);
                 if size <= limit {
                     // The slot's result is sent instead of this placeholder.
-                    *slot.0.lock() = Some(raw);
+                    slot.fill(Prepared::Result(raw));
                     return (CallToolResult::success(Vec::new()), None);
                 }
                 Err(ToolError::new(
@@ -844,11 +950,18 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         // Names in a collision are left out (and refused when called), never one of two
         // picked: a server is built only over names the configuration does not collide.
-        Ok(ListToolsResult::with_all_items(self.names().tools.clone()))
+        let names = self.names();
+        if let Some(slot) = AnswerSlot::of(&context)
+            && let Some(tools) = names.listing()
+        {
+            slot.fill(Prepared::Tools(tools));
+            return Ok(ListToolsResult::with_all_items(Vec::new()));
+        }
+        Ok(ListToolsResult::with_all_items(names.tools.clone()))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
@@ -866,9 +979,7 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             return Err(ErrorData::internal_error("no admitted caller", None));
         };
         let parts = context.extensions.get::<http::request::Parts>();
-        let slot = parts
-            .and_then(|parts| parts.extensions.get::<PassthroughSlot>())
-            .cloned();
+        let slot = AnswerSlot::of(&context).cloned();
         let sink = match parts.and_then(|parts| parts.extensions.get::<ProgressSender>()) {
             Some(sender) => ProgressSink::Carrier(sender.clone()),
             None => ProgressSink::Peer(context.peer.clone()),
@@ -1031,6 +1142,49 @@ mod tests {
 
     fn wire_list(n: &WireNames) -> Vec<String> {
         n.tools.iter().map(|t| t.name.to_string()).collect()
+    }
+
+    /// The cached listing spliced into rmcp's shaped placeholder is byte for byte what rmcp
+    /// would send for the whole listing, for both revisions' shapes (2026-07-28 adds
+    /// `resultType` and cache hints before `tools`).
+    #[test]
+    fn a_listing_answer_is_the_whole_listing_serialized() {
+        use rmcp::model::{ServerJsonRpcMessage, ServerResult};
+        let names = names(WireNameProfile::Canonical, &[], "agent_submit").unwrap();
+        let listing = names.listing().unwrap();
+        assert_eq!(
+            names.listing().unwrap().as_ptr(),
+            listing.as_ptr(),
+            "made once"
+        );
+        for modern in [false, true] {
+            let shaped = |tools: Vec<Tool>| {
+                let mut result =
+                    ServerResult::ListToolsResult(ListToolsResult::with_all_items(tools));
+                if modern {
+                    result.fill_missing_cache_hints();
+                } else {
+                    result.strip_result_type_for_legacy_peer();
+                }
+                ServerJsonRpcMessage::response(result, RequestId::String("q\"1".into()))
+            };
+            let whole = serde_json::to_vec(&shaped(names.tools.clone())).unwrap();
+            let slot = AnswerSlot::default();
+            slot.fill(Prepared::Tools(listing.clone()));
+            let spliced = AnswerSlot::encode(Some(&slot), &shaped(Vec::new())).unwrap();
+            assert_eq!(
+                String::from_utf8(spliced).unwrap(),
+                String::from_utf8(whole).unwrap()
+            );
+            // The slot is emptied by its answer; an empty slot changes nothing.
+            let plain = AnswerSlot::encode(Some(&slot), &shaped(Vec::new())).unwrap();
+            assert!(plain.ends_with(EMPTY_TOOLS_END));
+        }
+        // An answer that is not a placeholder listing is refused, never sent half-made.
+        let slot = AnswerSlot::default();
+        slot.fill(Prepared::Tools(listing));
+        let other = ServerJsonRpcMessage::response(ServerResult::empty(()), RequestId::Number(1));
+        assert!(AnswerSlot::encode(Some(&slot), &other).is_err());
     }
 
     #[test]

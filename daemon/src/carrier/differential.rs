@@ -502,6 +502,7 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
     });
     let seen = std::cell::RefCell::new(std::collections::HashMap::<u16, usize>::new());
     let negotiated = std::cell::RefCell::new(0usize);
+    let listings = std::cell::RefCell::new(0usize);
     let result = runner.run(&case(), |case| {
         let (ours, theirs) = runtime.block_on(async {
             let ours = said(endpoint.serve(request(&case), caller.clone(), None).await).await;
@@ -519,6 +520,13 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
         {
             *negotiated.borrow_mut() += 1;
         }
+        if ours.messages.iter().any(|m| {
+            m.pointer("/result/tools")
+                .and_then(Value::as_array)
+                .is_some_and(|tools| !tools.is_empty())
+        }) {
+            *listings.borrow_mut() += 1;
+        }
         prop_assert!(
             ours == theirs || documented(&case, &ours, &theirs),
             "{}\n{:?}\nours: {ours:?}\nthe SDK's: {theirs:?}",
@@ -535,6 +543,9 @@ fn the_endpoint_answers_as_the_sdks_service_but_where_documented() {
     for status in [200, 202, 400, 404, 406, 415] {
         assert!(seen.get(&status).is_some_and(|n| *n >= 10), "{seen:?}");
     }
+    // Listings answered whole (the cached `tools` spliced into rmcp's shaped answer).
+    let listings = listings.into_inner();
+    assert!(listings >= 50, "{listings} whole tools/list answers");
     let negotiated = negotiated.into_inner();
     assert!(
         negotiated >= 100,

@@ -32,7 +32,7 @@ use http::{HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use rmcp::ServerHandler;
-use rmcp::model::{ClientJsonRpcMessage, RequestId};
+use rmcp::model::RequestId;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -175,7 +175,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 unsupported_version(message.id.as_ref(), &requested),
             );
         }
-        let parsed = match serde_json::from_slice::<ClientJsonRpcMessage>(&bytes) {
+        let parsed =
+            crate::mcp::read_message(message.method.as_deref(), message.id.is_some(), &bytes);
+        let parsed = match parsed {
             Ok(parsed) => parsed,
             Err(e) => {
                 let mut response = server::empty(StatusCode::UNSUPPORTED_MEDIA_TYPE);

@@ -23,7 +23,7 @@ use tokio_util::codec::{AnyDelimiterCodec, AnyDelimiterCodecError, Decoder};
 use tokio_util::sync::CancellationToken;
 
 use crate::jsonrpc;
-use crate::mcp::PassthroughSlot;
+use crate::mcp::AnswerSlot;
 use crate::vocab::Caller;
 
 /// Lines waiting to be written.
@@ -38,7 +38,7 @@ where
     W: AsyncWrite + Send + Unpin + 'static,
 {
     let (out, mut outbound) = mpsc::channel::<Vec<u8>>(QUEUE);
-    let passthrough = Passthrough::default();
+    let slots = AnswerSlots::default();
     let (to_server, inbound) = mpsc::channel::<RxJsonRpcMessage<RoleServer>>(QUEUE);
     // Fired when the SDK drops the transport: the reader stops, the writer sends what is
     // queued and closes its side, so the peer sees the end.
@@ -63,7 +63,7 @@ where
     });
     let answers = out.clone();
     let stop = closed.clone();
-    let reader_passthrough = passthrough.clone();
+    let reader_slots = slots.clone();
     tokio::spawn(async move {
         let mut read = read;
         // A line over the limit is answered, then dropped to its end by the codec
@@ -86,7 +86,7 @@ where
                 Ok(Some(line)) if line.iter().all(u8::is_ascii_whitespace) => continue,
                 Ok(Some(line)) => match accept(&line) {
                     Ok(mut message) => {
-                        admit(&mut message, &caller, &reader_passthrough);
+                        admit(&mut message, &caller, &reader_slots);
                         if to_server.send(message).await.is_err() {
                             break;
                         }
@@ -116,14 +116,15 @@ where
     LinesTransport {
         out,
         inbound,
-        passthrough,
+        slots,
         _closed: closed.drop_guard(),
     }
 }
 
-/// The passthrough slots of the `tools/call` requests being answered, by request id.
+/// The answer slots of the `tools/call` and `tools/list` requests being answered, by
+/// request id.
 #[derive(Clone, Default)]
-struct Passthrough(Arc<Mutex<Slots>>);
+struct AnswerSlots(Arc<Mutex<Slots>>);
 
 /// Slots of cancelled calls kept, newest last: the SDK usually sends no answer to a
 /// cancelled request, but one that finished as the cancellation came may still go out.
@@ -131,12 +132,12 @@ const CANCELLED_KEPT: usize = 64;
 
 #[derive(Default)]
 struct Slots {
-    live: HashMap<RequestId, PassthroughSlot>,
-    cancelled: std::collections::VecDeque<(RequestId, PassthroughSlot)>,
+    live: HashMap<RequestId, AnswerSlot>,
+    cancelled: std::collections::VecDeque<(RequestId, AnswerSlot)>,
 }
 
 impl Slots {
-    fn insert(&mut self, id: RequestId, slot: PassthroughSlot) {
+    fn insert(&mut self, id: RequestId, slot: AnswerSlot) {
         self.live.insert(id, slot);
     }
 
@@ -151,7 +152,7 @@ impl Slots {
         }
     }
 
-    fn remove(&mut self, id: &RequestId) -> Option<PassthroughSlot> {
+    fn remove(&mut self, id: &RequestId) -> Option<AnswerSlot> {
         self.live.remove(id).or_else(|| {
             let at = self.cancelled.iter().position(|(c, _)| c == id)?;
             self.cancelled.remove(at).map(|(_, slot)| slot)
@@ -165,17 +166,20 @@ impl Slots {
 }
 
 /// Hands the admitted caller to the handler, the way the HTTP carriers do; a `tools/call`
-/// also gets a passthrough slot.
-fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthrough: &Passthrough) {
+/// or `tools/list` also gets an answer slot.
+fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, slots: &AnswerSlots) {
     use rmcp::model::{ClientNotification, ClientRequest, GetExtensions, JsonRpcMessage};
     // A line carrier's caller holds no token.
     let mut parts = crate::mcp::admitted(caller.clone().into());
     match message {
         JsonRpcMessage::Request(req) => {
-            if matches!(req.request, ClientRequest::CallToolRequest(_)) {
-                let slot = PassthroughSlot::default();
+            if matches!(
+                req.request,
+                ClientRequest::CallToolRequest(_) | ClientRequest::ListToolsRequest(_)
+            ) {
+                let slot = AnswerSlot::default();
                 parts.extensions.insert(slot.clone());
-                passthrough.0.lock().insert(req.id.clone(), slot);
+                slots.0.lock().insert(req.id.clone(), slot);
             }
             req.request.extensions_mut().insert(parts);
         }
@@ -183,7 +187,7 @@ fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthroug
             if let ClientNotification::CancelledNotification(cancelled) = &not.notification
                 && let Some(id) = &cancelled.params.request_id
             {
-                passthrough.0.lock().cancel(id);
+                slots.0.lock().cancel(id);
             }
             not.notification.extensions_mut().insert(parts);
         }
@@ -195,20 +199,22 @@ fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, passthroug
 fn accept(line: &[u8]) -> Result<RxJsonRpcMessage<RoleServer>, serde_json::Value> {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let inspected = jsonrpc::inspect(line).map_err(|invalid| invalid.response())?;
-    serde_json::from_slice(line).map_err(|_| {
-        jsonrpc::Invalid::Request {
-            id: inspected.id,
-            why: "not a message this server understands",
-        }
-        .response()
-    })
+    crate::mcp::read_message(inspected.method.as_deref(), inspected.id.is_some(), line).map_err(
+        |_| {
+            jsonrpc::Invalid::Request {
+                id: inspected.id,
+                why: "not a message this server understands",
+            }
+            .response()
+        },
+    )
 }
 
 /// The transport half the SDK drives.
 pub struct LinesTransport {
     out: mpsc::Sender<Vec<u8>>,
     inbound: mpsc::Receiver<RxJsonRpcMessage<RoleServer>>,
-    passthrough: Passthrough,
+    slots: AnswerSlots,
     _closed: tokio_util::sync::DropGuard,
 }
 
@@ -231,15 +237,10 @@ impl Transport<RoleServer> for LinesTransport {
             JsonRpcMessage::Error(e) => e.id.as_ref(),
             _ => None,
         };
-        let whole = answered
-            .and_then(|id| self.passthrough.0.lock().remove(id).map(|slot| (id, slot)))
-            .and_then(|(id, slot)| slot.response(&serde_json::to_value(id).unwrap_or_default()));
+        let slot = answered.and_then(|id| self.slots.0.lock().remove(id));
+        let line = AnswerSlot::encode(slot.as_ref(), &item);
         async move {
-            let line = match whole {
-                Some(answer) => serde_json::to_vec(&answer),
-                None => serde_json::to_vec(&item),
-            }
-            .map_err(std::io::Error::other)?;
+            let line = line.map_err(std::io::Error::other)?;
             out.send(line)
                 .await
                 .map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))
@@ -311,7 +312,7 @@ mod tests {
 
     #[test]
     fn cancelled_calls_keep_a_bounded_number_of_slots() {
-        let passthrough = Passthrough::default();
+        let slots = AnswerSlots::default();
         let caller = Caller::Local(0);
         let call = |id: usize| {
             let mut m = accept(
@@ -319,7 +320,7 @@ mod tests {
                     .as_bytes(),
             )
             .expect("a tools/call");
-            admit(&mut m, &caller, &passthrough);
+            admit(&mut m, &caller, &slots);
         };
         let cancel = |id: usize| {
             let mut m = accept(
@@ -327,22 +328,22 @@ mod tests {
                     .as_bytes(),
             )
             .expect("a cancellation");
-            admit(&mut m, &caller, &passthrough);
+            admit(&mut m, &caller, &slots);
         };
         call(7);
         cancel(8);
         assert_eq!(
-            passthrough.0.lock().live.len(),
+            slots.0.lock().live.len(),
             1,
             "another request's cancellation"
         );
         cancel(7);
         // A call that finished as it was cancelled still finds its slot.
-        assert!(passthrough.0.lock().remove(&RequestId::Number(7)).is_some());
+        assert!(slots.0.lock().remove(&RequestId::Number(7)).is_some());
         for id in 100..100 + 3 * CANCELLED_KEPT {
             call(id);
             cancel(id);
         }
-        assert_eq!(passthrough.0.lock().len(), CANCELLED_KEPT);
+        assert_eq!(slots.0.lock().len(), CANCELLED_KEPT);
     }
 }

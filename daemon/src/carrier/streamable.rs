@@ -41,7 +41,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::http::Body;
-use crate::mcp::{McpServer, PassthroughSlot, ProgressSender};
+use crate::mcp::{AnswerSlot, McpServer, ProgressSender};
 use crate::session::{RuntimeTools, TurnSubmission};
 
 const JSON: &str = "application/json";
@@ -516,8 +516,9 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
         }
         _ => false,
     };
-    let slot = call.then(|| {
-        let slot = PassthroughSlot::default();
+    let prepared = call || matches!(request, ClientRequest::ListToolsRequest(_));
+    let slot = prepared.then(|| {
+        let slot = AnswerSlot::default();
         parts.extensions.insert(slot.clone());
         slot
     });
@@ -596,26 +597,20 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
 /// The handler's answer to a request.
 struct Finished(ServerJsonRpcMessage);
 
-/// The one message answering a request, serialized: the passthrough slot's result when
-/// it holds one.
+/// The one message answering a request, serialized with what the handler left in `slot`.
 fn final_message(
     message: ServerJsonRpcMessage,
-    slot: Option<&PassthroughSlot>,
+    slot: Option<&AnswerSlot>,
     id: &RequestId,
 ) -> Bytes {
-    let passthrough = matches!(message, ServerJsonRpcMessage::Response(_))
-        .then(|| slot?.response(&serde_json::to_value(id).ok()?))
-        .flatten();
-    let encoded = match passthrough {
-        Some(answer) => serde_json::to_vec(&answer),
-        None => serde_json::to_vec(&message),
-    };
-    encoded.map(Bytes::from).unwrap_or_else(|e| {
-        encode(&JsonRpcError::new(
-            Some(id.clone()),
-            ErrorData::internal_error(format!("the answer cannot be serialized: {e}"), None),
-        ))
-    })
+    AnswerSlot::encode(slot, &message)
+        .map(Bytes::from)
+        .unwrap_or_else(|e| {
+            encode(&JsonRpcError::new(
+                Some(id.clone()),
+                ErrorData::internal_error(format!("the answer cannot be serialized: {e}"), None),
+            ))
+        })
 }
 
 /// `message` as JSON (`null` if it cannot be: never for the daemon's own messages).
@@ -625,7 +620,7 @@ fn encode(message: &impl serde::Serialize) -> Bytes {
 
 fn single_answer(
     message: ServerJsonRpcMessage,
-    slot: Option<&PassthroughSlot>,
+    slot: Option<&AnswerSlot>,
     id: &RequestId,
     negotiated: bool,
     malformed: bool,
@@ -648,7 +643,7 @@ struct Streamed<H> {
     /// In a mutex only to be `Sync`, as a response body must: it is only ever reached
     /// through `&mut` (`get_mut`), never locked.
     handled: Option<std::sync::Mutex<Pin<Box<dyn Future<Output = Finished> + Send>>>>,
-    slot: Option<PassthroughSlot>,
+    slot: Option<AnswerSlot>,
     id: RequestId,
     guard: Option<tokio_util::sync::DropGuard>,
 }
