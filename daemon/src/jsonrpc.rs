@@ -353,12 +353,12 @@ impl<'de> Visitor<'de> for Probe<'_> {
 
     fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Kind, A::Error> {
         *self.values += 1;
-        let mut seen: HashSet<Cow<'de, str>> = HashSet::new();
+        let mut seen = Seen::default();
         let mut fields = (self.depth == 0 || self.params).then(Box::<Fields>::default);
         let top = self.depth == 0;
         while let Some(key) = map.next_key_seed(Key)? {
             *self.values += 1;
-            if seen.contains(&key) {
+            if seen.has(&key) {
                 return Err(de::Error::custom(format_args!(
                     "duplicate object key {:?}",
                     Shorten(&key)
@@ -384,9 +384,35 @@ impl<'de> Visitor<'de> for Probe<'_> {
                     _ => {}
                 }
             }
-            seen.insert(key);
+            seen.add(key);
         }
         Ok(Kind::Object(fields))
+    }
+}
+
+/// The keys of one object so far: looked through in order while they are few (most
+/// objects; no hasher to seed), hashed once they are many (no quadratic walk for an
+/// object built with thousands of keys).
+#[derive(Default)]
+struct Seen<'de> {
+    few: Vec<Cow<'de, str>>,
+    many: HashSet<Cow<'de, str>>,
+}
+
+/// Keys looked through in order before they are hashed.
+const FEW_KEYS: usize = 16;
+
+impl<'de> Seen<'de> {
+    fn has(&self, key: &str) -> bool {
+        self.few.iter().any(|k| k == key) || self.many.contains(key)
+    }
+
+    fn add(&mut self, key: Cow<'de, str>) {
+        if self.few.len() < FEW_KEYS {
+            self.few.push(key);
+        } else {
+            self.many.insert(key);
+        }
     }
 }
 
@@ -454,6 +480,28 @@ mod tests {
         let r =
             ok(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a\u002eb"}}"#);
         assert_eq!(r.tool.as_deref(), Some("a.b"), "the name is read unescaped");
+    }
+
+    /// A duplicate is found among few keys, among many, and across the two.
+    #[test]
+    fn duplicate_keys_are_refused_however_many_keys_an_object_has() {
+        let object = |keys: &[usize]| {
+            let members: Vec<String> = keys.iter().map(|k| format!("\"k{k}\":{k}")).collect();
+            format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"x","arguments":{{{}}}}}}}"#,
+                members.join(",")
+            )
+        };
+        let distinct: Vec<usize> = (0..3 * FEW_KEYS).collect();
+        ok(&object(&distinct));
+        for (first, again) in [(1, 2), (2, FEW_KEYS + 3), (FEW_KEYS + 1, 2 * FEW_KEYS + 5)] {
+            let mut keys = distinct.clone();
+            keys[again] = keys[first];
+            assert!(
+                matches!(err(&object(&keys)), Invalid::Parse(why) if why.contains("duplicate object key")),
+                "key {first} again at {again}"
+            );
+        }
     }
 
     #[test]

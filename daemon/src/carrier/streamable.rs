@@ -90,9 +90,9 @@ fn accepted(headers: &HeaderMap) -> impl Iterator<Item = &str> {
         .get_all(header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| unquoted(v, ','))
+        .flat_map(|v| unquoted(v, b','))
         .filter_map(|entry| {
-            let mut parts = unquoted(entry, ';');
+            let mut parts = unquoted(entry, b';');
             let essence = parts.next()?.trim();
             parts
                 .all(|parameter| match parameter.split_once('=') {
@@ -105,20 +105,32 @@ fn accepted(headers: &HeaderMap) -> impl Iterator<Item = &str> {
         })
 }
 
-/// `value` split at `delimiter` outside quoted strings.
-fn unquoted(value: &str, delimiter: char) -> impl Iterator<Item = &str> {
-    let (mut quoted, mut escaped) = (false, false);
-    value.split(move |c| {
-        if escaped {
-            escaped = false;
-        } else if quoted && c == '\\' {
-            escaped = true;
-        } else if c == '"' {
-            quoted = !quoted;
-        } else if !quoted && c == delimiter {
-            return true;
+/// `value` split at `delimiter` outside quoted strings (a byte walk: the delimiters,
+/// quotes and escapes are ASCII, so every cut is at a character boundary).
+fn unquoted(value: &str, delimiter: u8) -> impl Iterator<Item = &str> {
+    let bytes = value.as_bytes();
+    let (mut start, mut at) = (0, 0);
+    let (mut quoted, mut escaped, mut done) = (false, false, false);
+    std::iter::from_fn(move || {
+        if done {
+            return None;
         }
-        false
+        while let Some(&c) = bytes.get(at) {
+            at += 1;
+            if escaped {
+                escaped = false;
+            } else if quoted && c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                quoted = !quoted;
+            } else if !quoted && c == delimiter {
+                let part = &value[start..at - 1];
+                start = at;
+                return Some(part);
+            }
+        }
+        done = true;
+        Some(&value[start..])
     })
 }
 
@@ -734,4 +746,75 @@ fn text(status: StatusCode, message: &'static str) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from_static(message.as_bytes())).boxed());
     *response.status_mut() = status;
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(values: &[&'static str]) -> Vec<String> {
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append(header::ACCEPT, HeaderValue::from_static(v));
+        }
+        accepted(&headers).map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn accept_ranges_are_split_outside_quotes_and_zero_weights_dropped() {
+        assert_eq!(
+            ranges(&["application/json, text/event-stream"]),
+            ["application/json", "text/event-stream"]
+        );
+        assert_eq!(
+            ranges(&["application/json", "TEXT/EVENT-STREAM;q=0.5"]),
+            ["application/json", "TEXT/EVENT-STREAM"]
+        );
+        // A comma or semicolon inside a quoted parameter (escaped quotes too) cuts nothing.
+        assert_eq!(
+            ranges(&[r#"application/json;x="a,b;\"c,d", text/event-stream"#]),
+            ["application/json", "text/event-stream"]
+        );
+        assert_eq!(
+            ranges(&["application/json;q=0, text/event-stream;Q=0.000, */*;q=0.001"]),
+            ["*/*"]
+        );
+        // A malformed weight is ignored; empty members stay empty.
+        assert_eq!(
+            ranges(&["text/event-stream;q=zero,,"]),
+            ["text/event-stream", "", ""]
+        );
+        assert!(ranges(&[]).is_empty());
+    }
+
+    #[test]
+    fn both_media_types_are_needed_and_the_body_must_be_json() {
+        let headers = |accept: &'static str, kind: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT, HeaderValue::from_static(accept));
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+            h
+        };
+        let status = |h: &HeaderMap| media_types(h).map(|r| r.status());
+        let both = "application/json, text/event-stream";
+        assert_eq!(
+            status(&headers(both, "application/json; charset=utf-8")),
+            None
+        );
+        assert_eq!(
+            status(&headers("application/json", "application/json")),
+            Some(StatusCode::NOT_ACCEPTABLE)
+        );
+        assert_eq!(
+            status(&headers(
+                "application/json;q=0, text/event-stream",
+                "application/json"
+            )),
+            Some(StatusCode::NOT_ACCEPTABLE)
+        );
+        assert_eq!(
+            status(&headers(both, "text/plain")),
+            Some(StatusCode::UNSUPPORTED_MEDIA_TYPE)
+        );
+    }
 }
