@@ -345,9 +345,7 @@ fn standard_headers(
         return Ok(());
     };
     let arguments = params.and_then(|p| p.get("arguments"));
-    let mut annotated = Vec::new();
-    annotations(schema.get("properties"), &mut Vec::new(), &mut annotated);
-    for (path, name) in annotated {
+    for (path, name) in param_annotations(&schema) {
         let property = path.join(".");
         let full = format!("{MCP_PARAM}{name}");
         let sent = single(headers, &full)?;
@@ -382,26 +380,33 @@ fn standard_headers(
     Ok(())
 }
 
-/// The properties (by path, through nested `properties`) annotated with a non-empty
-/// `x-mcp-header` name.
-fn annotations<'a>(
-    properties: Option<&'a Value>,
-    path: &mut Vec<&'a str>,
-    out: &mut Vec<(Vec<&'a str>, &'a str)>,
-) {
-    let Some(Value::Object(properties)) = properties else {
-        return;
-    };
-    for (name, schema) in properties {
-        path.push(name);
-        if let Some(Value::String(header)) = schema.get("x-mcp-header")
-            && !header.is_empty()
-        {
-            out.push((path.clone(), header));
+/// The properties of a tool's input `schema` (by path, through nested `properties`)
+/// annotated with a non-empty `x-mcp-header` name, and that name: what SEP-2243 puts in an
+/// `Mcp-Param-<name>` header. The one reading of the annotation, for what a client sends
+/// here and what the daemon sends an upstream.
+pub fn param_annotations(schema: &JsonObject) -> Vec<(Vec<&str>, &str)> {
+    fn walk<'a>(
+        properties: Option<&'a Value>,
+        path: &mut Vec<&'a str>,
+        out: &mut Vec<(Vec<&'a str>, &'a str)>,
+    ) {
+        let Some(Value::Object(properties)) = properties else {
+            return;
+        };
+        for (name, schema) in properties {
+            path.push(name);
+            if let Some(Value::String(header)) = schema.get("x-mcp-header")
+                && !header.is_empty()
+            {
+                out.push((path.clone(), header));
+            }
+            walk(schema.get("properties"), path, out);
+            path.pop();
         }
-        annotations(schema.get("properties"), path, out);
-        path.pop();
     }
+    let mut out = Vec::new();
+    walk(schema.get("properties"), &mut Vec::new(), &mut out);
+    out
 }
 
 /// The one value of header `name`; an error when it is there twice or not text.
@@ -419,11 +424,15 @@ fn single<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, Str
         .map_err(|_| format!("{name} header contains invalid characters"))
 }
 
-/// A header value, decoded when it is `=?base64?…?=`.
+/// How SEP-2243 wraps a header value that cannot travel as it is: `=?base64?…?=`.
+const BASE64_OPEN: &str = "=?base64?";
+const BASE64_CLOSE: &str = "?=";
+
+/// A header value, decoded when it is wrapped in Base64.
 fn decoded(value: &str) -> Option<String> {
     match value
-        .strip_prefix("=?base64?")
-        .and_then(|inner| inner.strip_suffix("?="))
+        .strip_prefix(BASE64_OPEN)
+        .and_then(|inner| inner.strip_suffix(BASE64_CLOSE))
     {
         Some(inner) => {
             let bytes = base64::prelude::BASE64_STANDARD.decode(inner).ok()?;
@@ -431,6 +440,26 @@ fn decoded(value: &str) -> Option<String> {
         }
         None => Some(value.to_owned()),
     }
+}
+
+/// Header text for `value` (what the daemon sends an upstream): as it is when it can
+/// travel bare, else wrapped in Base64 — empty, spaces at either end, anything but
+/// printable ASCII, or text that would read as wrapped.
+pub fn header_text(value: &str) -> HeaderValue {
+    let needs_encoding = value.is_empty()
+        || value.starts_with([' ', '\t'])
+        || value.ends_with([' ', '\t'])
+        || value.chars().any(|c| !(' '..='~').contains(&c))
+        || (value.starts_with(BASE64_OPEN) && value.ends_with(BASE64_CLOSE));
+    let text = if needs_encoding {
+        format!(
+            "{BASE64_OPEN}{}{BASE64_CLOSE}",
+            base64::prelude::BASE64_STANDARD.encode(value)
+        )
+    } else {
+        value.to_owned()
+    };
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
 /// The HTTP status of a negotiated request's answer.
@@ -785,6 +814,34 @@ mod tests {
             ["text/event-stream", "", ""]
         );
         assert!(ranges(&[]).is_empty());
+    }
+
+    /// What the daemon sends an upstream reads back as what it meant, bare when it can be.
+    #[test]
+    fn header_text_round_trips_through_the_decoder() {
+        for value in [
+            "plain",
+            "",
+            " lead",
+            "trail\t",
+            "naïve",
+            "=?base64?abc?=",
+            "a?=",
+            "~!",
+        ] {
+            let text = header_text(value);
+            let text = text.to_str().expect("visible ASCII");
+            assert_eq!(
+                decoded(text).as_deref(),
+                Some(value),
+                "{value:?} as {text:?}"
+            );
+        }
+        assert_eq!(header_text("plain").to_str().unwrap(), "plain");
+        assert_eq!(
+            header_text("naïve").to_str().unwrap(),
+            "=?base64?bmHDr3Zl?="
+        );
     }
 
     #[test]

@@ -220,7 +220,7 @@ impl HttpLink {
             if let Some(name) = body["params"].get("name").and_then(Value::as_str)
                 && method == "tools/call"
             {
-                request = request.header("Mcp-Name", header_text(name));
+                request = request.header("Mcp-Name", crate::carrier::streamable::header_text(name));
                 let arguments = body["params"].get("arguments");
                 for (path, header) in self.param_headers.lock().get(name).into_iter().flatten() {
                     let value = arguments
@@ -232,8 +232,10 @@ impl HttpLink {
                             _ => None,
                         });
                     if let Some(value) = value {
-                        request =
-                            request.header(format!("Mcp-Param-{header}"), header_text(&value));
+                        request = request.header(
+                            format!("Mcp-Param-{header}"),
+                            crate::carrier::streamable::header_text(&value),
+                        );
                     }
                 }
             }
@@ -418,22 +420,6 @@ impl HttpLink {
     /// annotates with `x-mcp-header` (through nested `properties`; a name that is not a
     /// header token is left out).
     fn learn_param_headers(&self, page: &Map<String, Value>) {
-        fn walk(properties: Option<&Value>, path: &mut Vec<String>, out: &mut Vec<ParamHeader>) {
-            let Some(Value::Object(properties)) = properties else {
-                return;
-            };
-            for (name, schema) in properties {
-                path.push(name.clone());
-                if let Some(Value::String(header)) = schema.get("x-mcp-header")
-                    && http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes())
-                        .is_ok()
-                {
-                    out.push((path.clone(), header.clone()));
-                }
-                walk(schema.get("properties"), path, out);
-                path.pop();
-            }
-        }
         let Some(Value::Array(tools)) = page.get("tools") else {
             return;
         };
@@ -442,12 +428,23 @@ impl HttpLink {
             let Some(name) = tool.get("name").and_then(Value::as_str) else {
                 continue;
             };
-            let mut found = Vec::new();
-            walk(
-                tool.get("inputSchema").and_then(|s| s.get("properties")),
-                &mut Vec::new(),
-                &mut found,
-            );
+            // Only names that make a header are sent.
+            let found: Vec<ParamHeader> = tool
+                .get("inputSchema")
+                .and_then(Value::as_object)
+                .map(crate::carrier::streamable::param_annotations)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|(_, header)| {
+                    http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes()).is_ok()
+                })
+                .map(|(path, header)| {
+                    (
+                        path.into_iter().map(str::to_owned).collect(),
+                        header.to_owned(),
+                    )
+                })
+                .collect();
             if found.is_empty() {
                 known.remove(name);
             } else {
@@ -728,26 +725,6 @@ impl Events {
         }
         Ok(None)
     }
-}
-
-/// Header text: as is when it can travel bare, else `=?base64?…?=`.
-fn header_text(value: &str) -> HeaderValue {
-    use base64::Engine;
-    let needs_encoding = value.is_empty()
-        || value.starts_with([' ', '\t'])
-        || value.ends_with([' ', '\t'])
-        || value.chars().any(|c| !(' '..='~').contains(&c))
-        || (value.starts_with("=?base64?") && value.ends_with("?="));
-    let bare = !needs_encoding;
-    let text = if bare {
-        value.to_owned()
-    } else {
-        format!(
-            "=?base64?{}?=",
-            base64::engine::general_purpose::STANDARD.encode(value)
-        )
-    };
-    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
 async fn handshake<I>(io: I) -> Result<Conn, CallError>
