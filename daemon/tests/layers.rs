@@ -18,6 +18,7 @@ const LEVELS: &[&[&str]] = &[
         "bearer",
         "canonical",
         "jsonrpc",
+        "params",
         "budget",
         "notify",
         "logging",

@@ -24,7 +24,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -54,7 +53,8 @@ const MCP_PARAM: &str = "mcp-param-";
 const PROGRESS_QUEUE: usize = 16;
 
 /// The refusal, if any: 406 unless `Accept` takes both JSON and event streams (a range
-/// weighted exactly zero does not count), 415 unless the (first) `Content-Type` is JSON.
+/// weighted exactly zero does not count), 415 unless the (first) `Content-Type` is JSON,
+/// 415 for a `Content-Encoding` other than `identity`.
 pub fn media_types(headers: &HeaderMap) -> Option<Response<Body>> {
     let (mut json, mut sse) = (false, false);
     for essence in accepted(headers) {
@@ -76,10 +76,24 @@ pub fn media_types(headers: &HeaderMap) -> Option<Response<Body>> {
                 .trim()
                 .eq_ignore_ascii_case(JSON)
         });
-    (!is_json).then(|| {
-        text(
+    if !is_json {
+        return Some(text(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "Unsupported Media Type: Content-Type must be application/json",
+        ));
+    }
+    // A body in a content coding would be read as if it were plain JSON (RFC 9110
+    // §8.4.1: refuse what is not understood).
+    let coded = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"));
+    coded.then(|| {
+        text(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Unsupported Media Type: a request body is not content-coded (Content-Encoding must be absent or identity)",
         )
     })
 }
@@ -328,8 +342,8 @@ fn standard_headers(
         match single(headers, MCP_NAME)? {
             None => return Err(format!("missing required Mcp-Name header for `{method}`")),
             Some(raw) => {
-                let decoded =
-                    decoded(raw).ok_or_else(|| "Mcp-Name header is not valid Base64".to_owned())?;
+                let decoded = crate::params::decoded(raw)
+                    .ok_or_else(|| "Mcp-Name header is not valid Base64".to_owned())?;
                 if decoded != expected {
                     return Err(format!(
                         "Mcp-Name header `{decoded}` does not match body value `{expected}`"
@@ -345,7 +359,7 @@ fn standard_headers(
         return Ok(());
     };
     let arguments = params.and_then(|p| p.get("arguments"));
-    for (path, name) in param_annotations(&schema) {
+    for (path, name) in crate::params::annotations(&schema) {
         let property = path.join(".");
         let full = format!("{MCP_PARAM}{name}");
         let sent = single(headers, &full)?;
@@ -367,8 +381,8 @@ fn standard_headers(
             }
             (None, Some(_)) => return Err(format!("missing {full} header for `{property}`")),
             (Some(raw), Some(expected)) => {
-                let decoded =
-                    decoded(raw).ok_or_else(|| format!("{full} header is not valid Base64"))?;
+                let decoded = crate::params::decoded(raw)
+                    .ok_or_else(|| format!("{full} header is not valid Base64"))?;
                 if decoded != expected {
                     return Err(format!(
                         "{full} header `{decoded}` does not match body value `{expected}`"
@@ -378,35 +392,6 @@ fn standard_headers(
         }
     }
     Ok(())
-}
-
-/// The properties of a tool's input `schema` (by path, through nested `properties`)
-/// annotated with a non-empty `x-mcp-header` name, and that name: what SEP-2243 puts in an
-/// `Mcp-Param-<name>` header. The one reading of the annotation, for what a client sends
-/// here and what the daemon sends an upstream.
-pub fn param_annotations(schema: &JsonObject) -> Vec<(Vec<&str>, &str)> {
-    fn walk<'a>(
-        properties: Option<&'a Value>,
-        path: &mut Vec<&'a str>,
-        out: &mut Vec<(Vec<&'a str>, &'a str)>,
-    ) {
-        let Some(Value::Object(properties)) = properties else {
-            return;
-        };
-        for (name, schema) in properties {
-            path.push(name);
-            if let Some(Value::String(header)) = schema.get("x-mcp-header")
-                && !header.is_empty()
-            {
-                out.push((path.clone(), header));
-            }
-            walk(schema.get("properties"), path, out);
-            path.pop();
-        }
-    }
-    let mut out = Vec::new();
-    walk(schema.get("properties"), &mut Vec::new(), &mut out);
-    out
 }
 
 /// The one value of header `name`; an error when it is there twice or not text.
@@ -422,44 +407,6 @@ fn single<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, Str
         .to_str()
         .map(Some)
         .map_err(|_| format!("{name} header contains invalid characters"))
-}
-
-/// How SEP-2243 wraps a header value that cannot travel as it is: `=?base64?…?=`.
-const BASE64_OPEN: &str = "=?base64?";
-const BASE64_CLOSE: &str = "?=";
-
-/// A header value, decoded when it is wrapped in Base64.
-fn decoded(value: &str) -> Option<String> {
-    match value
-        .strip_prefix(BASE64_OPEN)
-        .and_then(|inner| inner.strip_suffix(BASE64_CLOSE))
-    {
-        Some(inner) => {
-            let bytes = base64::prelude::BASE64_STANDARD.decode(inner).ok()?;
-            String::from_utf8(bytes).ok()
-        }
-        None => Some(value.to_owned()),
-    }
-}
-
-/// Header text for `value` (what the daemon sends an upstream): as it is when it can
-/// travel bare, else wrapped in Base64 — empty, spaces at either end, anything but
-/// printable ASCII, or text that would read as wrapped.
-pub fn header_text(value: &str) -> HeaderValue {
-    let needs_encoding = value.is_empty()
-        || value.starts_with([' ', '\t'])
-        || value.ends_with([' ', '\t'])
-        || value.chars().any(|c| !(' '..='~').contains(&c))
-        || (value.starts_with(BASE64_OPEN) && value.ends_with(BASE64_CLOSE));
-    let text = if needs_encoding {
-        format!(
-            "{BASE64_OPEN}{}{BASE64_CLOSE}",
-            base64::prelude::BASE64_STANDARD.encode(value)
-        )
-    } else {
-        value.to_owned()
-    };
-    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
 /// The HTTP status of a negotiated request's answer.
@@ -816,34 +763,6 @@ mod tests {
         assert!(ranges(&[]).is_empty());
     }
 
-    /// What the daemon sends an upstream reads back as what it meant, bare when it can be.
-    #[test]
-    fn header_text_round_trips_through_the_decoder() {
-        for value in [
-            "plain",
-            "",
-            " lead",
-            "trail\t",
-            "naïve",
-            "=?base64?abc?=",
-            "a?=",
-            "~!",
-        ] {
-            let text = header_text(value);
-            let text = text.to_str().expect("visible ASCII");
-            assert_eq!(
-                decoded(text).as_deref(),
-                Some(value),
-                "{value:?} as {text:?}"
-            );
-        }
-        assert_eq!(header_text("plain").to_str().unwrap(), "plain");
-        assert_eq!(
-            header_text("naïve").to_str().unwrap(),
-            "=?base64?bmHDr3Zl?="
-        );
-    }
-
     #[test]
     fn both_media_types_are_needed_and_the_body_must_be_json() {
         let headers = |accept: &'static str, kind: &'static str| {
@@ -871,6 +790,18 @@ mod tests {
         );
         assert_eq!(
             status(&headers(both, "text/plain")),
+            Some(StatusCode::UNSUPPORTED_MEDIA_TYPE)
+        );
+        let coded = |coding: &'static str| {
+            let mut h = headers(both, "application/json");
+            h.append(header::CONTENT_ENCODING, HeaderValue::from_static(coding));
+            status(&h)
+        };
+        assert_eq!(coded("identity"), None);
+        assert_eq!(coded(" Identity ,"), None);
+        assert_eq!(coded("gzip"), Some(StatusCode::UNSUPPORTED_MEDIA_TYPE));
+        assert_eq!(
+            coded("identity, br"),
             Some(StatusCode::UNSUPPORTED_MEDIA_TYPE)
         );
     }

@@ -220,7 +220,7 @@ impl HttpLink {
             if let Some(name) = body["params"].get("name").and_then(Value::as_str)
                 && method == "tools/call"
             {
-                request = request.header("Mcp-Name", crate::carrier::streamable::header_text(name));
+                request = request.header("Mcp-Name", crate::params::header_text(name));
                 let arguments = body["params"].get("arguments");
                 for (path, header) in self.param_headers.lock().get(name).into_iter().flatten() {
                     let value = arguments
@@ -234,7 +234,7 @@ impl HttpLink {
                     if let Some(value) = value {
                         request = request.header(
                             format!("Mcp-Param-{header}"),
-                            crate::carrier::streamable::header_text(&value),
+                            crate::params::header_text(&value),
                         );
                     }
                 }
@@ -432,7 +432,7 @@ impl HttpLink {
             let found: Vec<ParamHeader> = tool
                 .get("inputSchema")
                 .and_then(Value::as_object)
-                .map(crate::carrier::streamable::param_annotations)
+                .map(crate::params::annotations)
                 .unwrap_or_default()
                 .into_iter()
                 .filter(|(_, header)| {
