@@ -376,9 +376,11 @@ enum Prepared {
     Tools(bytes::Bytes),
 }
 
-/// How a placeholder listing's answer ends, rmcp serializing `tools` last: the array is
-/// put where its `[]` is.
+/// How a placeholder listing's answer ends, rmcp serializing `tools` last (then the
+/// result's and the message's closing braces): the array is put where its `[]` is.
 const EMPTY_TOOLS_END: &[u8] = br#""tools":[]}}"#;
+const TOOLS_KEY: &[u8] = br#""tools":"#;
+const ANSWER_END: &[u8] = b"}}";
 
 impl AnswerSlot {
     fn fill(&self, prepared: Prepared) {
@@ -396,30 +398,24 @@ impl AnswerSlot {
         };
         match slot.and_then(|slot| slot.0.lock().take()) {
             None => serde_json::to_vec(message),
-            Some(Prepared::Result(result)) => {
-                #[derive(serde::Serialize)]
-                struct Whole<'a> {
-                    jsonrpc: &'static str,
-                    id: &'a RequestId,
-                    result: &'a Map<String, Value>,
-                }
-                serde_json::to_vec(&Whole {
-                    jsonrpc: "2.0",
-                    id: &response.id,
-                    result: &result,
-                })
-            }
+            Some(Prepared::Result(result)) => serde_json::to_vec(&rmcp::model::JsonRpcResponse {
+                jsonrpc: rmcp::model::JsonRpcVersion2_0,
+                id: response.id.clone(),
+                result,
+            }),
             Some(Prepared::Tools(tools)) => {
                 let mut out = serde_json::to_vec(message)?;
-                if !out.ends_with(EMPTY_TOOLS_END) {
+                let Some(kept) = out
+                    .strip_suffix(EMPTY_TOOLS_END)
+                    .map(|head| head.len() + TOOLS_KEY.len())
+                else {
                     return Err(serde::ser::Error::custom(
                         "the listing's placeholder answer does not end with its tools",
                     ));
-                }
-                out.truncate(out.len() - 4);
-                out.reserve(tools.len() + 2);
+                };
+                out.truncate(kept);
                 out.extend_from_slice(&tools);
-                out.extend_from_slice(b"}}");
+                out.extend_from_slice(ANSWER_END);
                 Ok(out)
             }
         }
