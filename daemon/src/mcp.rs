@@ -421,6 +421,13 @@ impl AnswerSlot {
         }
     }
 
+    /// Whether a carrier puts a slot in for `request`: the requests whose answer the
+    /// handler prepares (`tools/call`, `tools/list`).
+    pub fn wanted(request: &rmcp::model::ClientRequest) -> bool {
+        use rmcp::model::ClientRequest::{CallToolRequest, ListToolsRequest};
+        matches!(request, CallToolRequest(_) | ListToolsRequest(_))
+    }
+
     /// The slot in a handler's request context, if its carrier put one there.
     fn of(context: &RequestContext<RoleServer>) -> Option<&Self> {
         context
@@ -429,6 +436,16 @@ impl AnswerSlot {
             .extensions
             .get::<Self>()
     }
+}
+
+/// Where a `tools/call`'s progress goes, if its caller asked for progress: the token in
+/// the request's `_meta` (`meta`), else in its params' own.
+pub fn progress_token(
+    meta: &rmcp::model::RequestMetaObject,
+    params: &CallToolRequestParams,
+) -> Option<ProgressToken> {
+    meta.get_progress_token()
+        .or_else(|| params.meta.as_ref()?.get_progress_token())
 }
 
 /// A client's message as rmcp reads it, given the `method` and `id` the strict look
@@ -987,11 +1004,7 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             tasks: context
                 .client_capabilities()
                 .is_some_and(|c| c.supports_tasks()),
-            progress: context
-                .meta
-                .get_progress_token()
-                .or_else(|| request.meta.as_ref()?.get_progress_token())
-                .map(|token| (sink, token)),
+            progress: progress_token(&context.meta, &request).map(|token| (sink, token)),
         };
         let call = self.run_call(
             &caller,

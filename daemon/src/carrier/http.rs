@@ -53,7 +53,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -410,7 +410,7 @@ fn head_too_large(req: &Request<Incoming>, max_header_bytes: usize) -> bool {
 }
 
 /// Whether a connection is serving a request, or idle since when.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Busy,
     Idle { since: Instant, admitted: u64 },
@@ -440,7 +440,10 @@ struct Slot {
     /// Our last read found nothing more to read: we are waiting on the peer.
     waiting: Arc<AtomicBool>,
     kill: CancellationToken,
-    phase: watch::Sender<Phase>,
+    phase: Phase,
+    /// Told when `phase` changes (to whoever waits on it: the drain waiting for a
+    /// request, the deadline waiting for a busy connection to go idle).
+    changed: Arc<Notify>,
 }
 
 impl Slot {
@@ -633,7 +636,8 @@ impl Inner {
     fn start_request(&mut self, id: u64) {
         if let Some(slot) = self.slots.get_mut(&id) {
             if slot.active == 0 {
-                slot.phase.send_replace(Phase::Busy);
+                slot.phase = Phase::Busy;
+                slot.changed.notify_waiters();
             }
             slot.active += 1;
         }
@@ -664,10 +668,11 @@ impl Inner {
             }
             if slot.active == 0 {
                 slot.idle_since = now;
-                slot.phase.send_replace(Phase::Idle {
+                slot.phase = Phase::Idle {
                     since: now,
                     admitted: slot.admitted,
-                });
+                };
+                slot.changed.notify_waiters();
             }
         });
     }
@@ -723,10 +728,7 @@ impl Table {
         inner.next += 1;
         let kill = CancellationToken::new();
         let waiting = Arc::new(AtomicBool::new(false));
-        let (phase, _) = watch::channel(Phase::Idle {
-            since: now,
-            admitted: 0,
-        });
+        let changed = Arc::new(Notify::new());
         let slot = Slot {
             group,
             active: 0,
@@ -737,7 +739,11 @@ impl Table {
             idle_since: now,
             waiting: waiting.clone(),
             kill: kill.clone(),
-            phase,
+            phase: Phase::Idle {
+                since: now,
+                admitted: 0,
+            },
+            changed: changed.clone(),
         };
         let key = slot.key(id);
         inner.slots.insert(id, slot);
@@ -750,6 +756,7 @@ impl Table {
             id,
             kill,
             waiting,
+            changed,
         }));
         (Some(ticket), evicted)
     }
@@ -770,6 +777,7 @@ struct TicketInner {
     id: u64,
     kill: CancellationToken,
     waiting: Arc<AtomicBool>,
+    changed: Arc<Notify>,
 }
 
 impl std::ops::Deref for Ticket {
@@ -806,23 +814,22 @@ impl Ticket {
             .is_some_and(|s| s.active > 0)
     }
 
-    /// The connection's phase as it changes (`None`: evicted already).
-    fn phase(&self) -> Option<watch::Receiver<Phase>> {
-        self.table
-            .inner
-            .lock()
-            .slots
-            .get(&self.id)
-            .map(|s| s.phase.subscribe())
+    /// The connection's phase now (`None`: evicted already).
+    fn phase(&self) -> Option<Phase> {
+        phase_of(&self.table, self.id)
     }
 
     /// Resolves once a request is in flight on this connection.
     async fn until_busy(&self) {
-        let Some(mut rx) = self.phase() else {
-            return std::future::pending().await;
-        };
-        if rx.wait_for(|p| matches!(p, Phase::Busy)).await.is_err() {
-            std::future::pending::<()>().await;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match self.phase() {
+                None => return std::future::pending().await,
+                Some(Phase::Busy) => return,
+                Some(Phase::Idle { .. }) => changed.await,
+            }
         }
     }
 
@@ -838,39 +845,46 @@ impl Ticket {
 
     /// Resolves when the connection has been idle too long: before its first request,
     /// `header_timeout` from accept; after one, `idle_timeout` from the last answer.
+    ///
+    /// Requests coming and going do not wake it: it sleeps until the deadline of the
+    /// idle phase it last saw and then looks again, so a connection kept busy costs one
+    /// timer per idle deadline, not one per request.
     fn deadline(&self, bounds: &HttpLimits) -> impl Future<Output = Expired> + Send + 'static {
-        let rx = self.phase();
+        let (table, id, changed) = (self.table.clone(), self.id, self.changed.clone());
         let (head, idle) = (bounds.header_timeout, bounds.idle_timeout);
         async move {
-            // Evicted before we looked: the kill token ends the connection.
-            let Some(mut rx) = rx else {
-                return std::future::pending().await;
-            };
             loop {
-                let phase = *rx.borrow_and_update();
-                match phase {
-                    Phase::Busy => {
-                        if rx.changed().await.is_err() {
-                            return std::future::pending().await;
+                match phase_of(&table, id) {
+                    // Evicted: the kill token ends the connection.
+                    None => return std::future::pending().await,
+                    Some(Phase::Busy) => {
+                        let idle_again = changed.notified();
+                        tokio::pin!(idle_again);
+                        idle_again.as_mut().enable();
+                        if phase_of(&table, id) == Some(Phase::Busy) {
+                            idle_again.await;
                         }
                     }
-                    Phase::Idle { since, admitted } => {
+                    Some(seen @ Phase::Idle { since, admitted }) => {
                         let (limit, expired) = if admitted == 0 {
                             (head, Expired::Head)
                         } else {
                             (idle, Expired::Idle)
                         };
-                        tokio::select! {
-                            () = tokio::time::sleep_until(since + limit) => return expired,
-                            changed = rx.changed() => if changed.is_err() {
-                                return std::future::pending().await;
-                            },
+                        tokio::time::sleep_until(since + limit).await;
+                        if phase_of(&table, id) == Some(seen) {
+                            return expired;
                         }
                     }
                 }
             }
         }
     }
+}
+
+/// The phase of connection `id` of `table` (`None`: gone).
+fn phase_of(table: &Table, id: u64) -> Option<Phase> {
+    table.inner.lock().slots.get(&id).map(|s| s.phase)
 }
 
 /// A connection's stream, noting whether our last read found nothing more to read.
@@ -1471,6 +1485,24 @@ mod tests {
         assert!(!waiting.is_finished(), "a busy connection has no deadline");
         let answered = tokio::time::Instant::now();
         drop(busy);
+        assert_eq!(waiting.await.unwrap(), Expired::Idle);
+        assert_eq!(answered.elapsed(), Duration::from_secs(60));
+        // A deadline already asleep in an idle phase: a request that comes and goes
+        // meanwhile moves it to the new answer, without waking it.
+        let first = tokio::time::Instant::now();
+        drop(serving(&ticket));
+        let waiting = tokio::spawn(ticket.deadline(&bounds));
+        tokio::time::sleep(Duration::from_secs(40)).await;
+        let again = serving(&ticket);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let answered = tokio::time::Instant::now();
+        drop(again);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert!(
+            !waiting.is_finished(),
+            "expired {:?} after the first answer, though another came since",
+            first.elapsed()
+        );
         assert_eq!(waiting.await.unwrap(), Expired::Idle);
         assert_eq!(answered.elapsed(), Duration::from_secs(60));
     }

@@ -168,15 +168,12 @@ impl Slots {
 /// Hands the admitted caller to the handler, the way the HTTP carriers do; a `tools/call`
 /// or `tools/list` also gets an answer slot.
 fn admit(message: &mut RxJsonRpcMessage<RoleServer>, caller: &Caller, slots: &AnswerSlots) {
-    use rmcp::model::{ClientNotification, ClientRequest, GetExtensions, JsonRpcMessage};
+    use rmcp::model::{ClientNotification, GetExtensions, JsonRpcMessage};
     // A line carrier's caller holds no token.
     let mut parts = crate::mcp::admitted(caller.clone().into());
     match message {
         JsonRpcMessage::Request(req) => {
-            if matches!(
-                req.request,
-                ClientRequest::CallToolRequest(_) | ClientRequest::ListToolsRequest(_)
-            ) {
+            if AnswerSlot::wanted(&req.request) {
                 let slot = AnswerSlot::default();
                 parts.extensions.insert(slot.clone());
                 slots.0.lock().insert(req.id.clone(), slot);

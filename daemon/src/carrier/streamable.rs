@@ -491,21 +491,14 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
     let JsonRpcRequest {
         id, mut request, ..
     } = request;
-    let call = matches!(request, ClientRequest::CallToolRequest(_));
     // Progress can come only for a call that carries a token (where the handler looks).
     let progress = match &request {
         ClientRequest::CallToolRequest(call) => {
-            request.get_meta().get_progress_token().is_some()
-                || call
-                    .params
-                    .meta
-                    .as_ref()
-                    .is_some_and(|m| m.get_progress_token().is_some())
+            crate::mcp::progress_token(request.get_meta(), &call.params).is_some()
         }
         _ => false,
     };
-    let prepared = call || matches!(request, ClientRequest::ListToolsRequest(_));
-    let slot = prepared.then(|| {
+    let slot = AnswerSlot::wanted(&request).then(|| {
         let slot = AnswerSlot::default();
         parts.extensions.insert(slot.clone());
         slot
