@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_TYPE, HOST};
-use http::{HeaderName, HeaderValue, Method, Request, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -20,6 +20,7 @@ use tokio::net::TcpStream;
 use crate::procfs::{CpuMark, CpuShare};
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const MCP_SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 
 /// The MCP revision every request declares.
 pub const PROTOCOL_VERSION: &str = "2025-11-25";
@@ -39,6 +40,19 @@ pub fn tools_call_body() -> Bytes {
 /// A JSON-RPC `ping` (answered with an empty result, `{}`).
 pub fn ping_body() -> Bytes {
     Bytes::from_static(br#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#)
+}
+
+/// The `initialize` request that opens a session, at [`PROTOCOL_VERSION`].
+fn initialize_body() -> Bytes {
+    Bytes::from(format!(
+        r#"{{"jsonrpc":"2.0","id":0,"method":"initialize","params":{{"protocolVersion":"{PROTOCOL_VERSION}","capabilities":{{}},"clientInfo":{{"name":"robota-bench","version":"{}"}}}}}}"#,
+        env!("CARGO_PKG_VERSION")
+    ))
+}
+
+/// The `notifications/initialized` notification that completes a session's opening.
+fn initialized_body() -> Bytes {
+    Bytes::from_static(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#)
 }
 
 /// Where the credential of each request comes from.
@@ -100,7 +114,8 @@ pub fn bearer(token: &str) -> HeaderValue {
 }
 
 /// The request every client of a cell sends: `POST <path>` with the MCP headers, the same
-/// bytes to every server but for `Host` and the credential.
+/// bytes to every server but for `Host` and the credential (and, with sessions, the
+/// client's `Mcp-Session-Id`).
 #[derive(Debug)]
 pub struct Template {
     pub addr: SocketAddr,
@@ -108,6 +123,9 @@ pub struct Template {
     pub path: &'static str,
     pub body: Bytes,
     pub auth: Auth,
+    /// Whether each client opens an MCP session before its first request (see
+    /// [`Template::with_sessions`]); else every request stands alone (stateless).
+    pub sessions: bool,
 }
 
 impl Template {
@@ -118,6 +136,7 @@ impl Template {
             path: "/mcp",
             body,
             auth,
+            sessions: false,
         }
     }
 
@@ -126,9 +145,44 @@ impl Template {
         Template::new(addr, &addr.to_string(), body, auth)
     }
 
+    /// The MCP endpoint at `path` instead of `/mcp`.
+    pub fn at_path(mut self, path: &'static str) -> Template {
+        self.path = path;
+        self
+    }
+
+    /// Each client opens a session of its own first, for a server that keeps one per
+    /// client: `initialize` (at [`PROTOCOL_VERSION`]), whose answer's `Mcp-Session-Id` it
+    /// keeps, then `notifications/initialized` and every request with that header. The
+    /// opening is not timed; a failed answer ends the session (the client opens a new one
+    /// before its next request). [`closed_loop`] and [`one`] speak it; the other drivers
+    /// send every request without a session.
+    pub fn with_sessions(mut self) -> Template {
+        self.sessions = true;
+        self
+    }
+
+    /// This template's request, outside any session.
     fn request(&self, client: usize) -> Request<Full<Bytes>> {
+        self.request_in(client, None)
+    }
+
+    /// This template's request in `session`, if any.
+    fn request_in(&self, client: usize, session: Option<&HeaderValue>) -> Request<Full<Bytes>> {
+        self.build(client, Method::POST, session, self.body.clone())
+    }
+
+    /// Every request a client sends: `method <path>` with the MCP headers, the client's
+    /// credential and `session` (as `Mcp-Session-Id`), and `body`.
+    fn build(
+        &self,
+        client: usize,
+        method: Method,
+        session: Option<&HeaderValue>,
+        body: Bytes,
+    ) -> Request<Full<Bytes>> {
         let mut builder = Request::builder()
-            .method(Method::POST)
+            .method(method)
             .uri(self.path)
             .header(HOST, self.host.clone())
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
@@ -143,8 +197,11 @@ impl Template {
         if let Some(v) = self.auth.value(client) {
             builder = builder.header(AUTHORIZATION, v);
         }
+        if let Some(id) = session {
+            builder = builder.header(MCP_SESSION_ID, id.clone());
+        }
         builder
-            .body(Full::new(self.body.clone()))
+            .body(Full::new(body))
             .unwrap_or_else(|e| panic!("request from the template: {e}"))
     }
 }
@@ -152,15 +209,70 @@ impl Template {
 /// Longest one request may take, connecting included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One client connection, re-established when the server closes it.
+/// One client connection, re-established when the server closes it, and the client's MCP
+/// session when its template has sessions.
 struct Client {
     addr: SocketAddr,
     sender: Option<SendRequest<Full<Bytes>>>,
+    session: Option<HeaderValue>,
+}
+
+/// A whole answer.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
 }
 
 impl Client {
     fn new(addr: SocketAddr) -> Client {
-        Client { addr, sender: None }
+        Client {
+            addr,
+            sender: None,
+            session: None,
+        }
+    }
+
+    /// The template's request, in this client's session if it has one.
+    fn request(&self, template: &Template, client: usize) -> Request<Full<Bytes>> {
+        template.request_in(client, self.session.as_ref())
+    }
+
+    /// Opens this client's session if its template has sessions and it has none (or the
+    /// last failed answer ended it): `initialize`, then `notifications/initialized` with
+    /// the answer's `Mcp-Session-Id`.
+    async fn ensure_session(&mut self, template: &Template, client: usize) -> Result<(), String> {
+        if !template.sessions || self.session.is_some() {
+            return Ok(());
+        }
+        let init = template.build(client, Method::POST, None, initialize_body());
+        let answer = self.send_answer(init).await?;
+        check(answer.status, &answer.body, true).map_err(|e| format!("initialize: {e}"))?;
+        let id = answer
+            .headers
+            .get(MCP_SESSION_ID)
+            .cloned()
+            .ok_or("initialize: no Mcp-Session-Id in the answer")?;
+        let initialized = template.build(client, Method::POST, Some(&id), initialized_body());
+        let answer = self.send_answer(initialized).await?;
+        if !answer.status.is_success() {
+            return Err(format!(
+                "notifications/initialized: status {}: {}",
+                answer.status,
+                snippet(&answer.body)
+            ));
+        }
+        self.session = Some(id);
+        Ok(())
+    }
+
+    /// Ends this client's session, if it has one (`DELETE` with its `Mcp-Session-Id`; the
+    /// answer is not checked: a server may refuse to end sessions on request).
+    async fn close_session(&mut self, template: &Template, client: usize) {
+        if let Some(id) = self.session.take() {
+            let req = template.build(client, Method::DELETE, Some(&id), Bytes::new());
+            let _ = self.send_answer(req).await;
+        }
     }
 
     async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>, String> {
@@ -191,6 +303,11 @@ impl Client {
     /// included; a request without an answer by then is a failure and drops the
     /// connection, so that one stuck request cannot stall a cell).
     async fn send(&mut self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), String> {
+        self.send_answer(req).await.map(|a| (a.status, a.body))
+    }
+
+    /// [`Client::send`], with the answer's headers.
+    async fn send_answer(&mut self, req: Request<Full<Bytes>>) -> Result<Answer, String> {
         match tokio::time::timeout(REQUEST_TIMEOUT, self.send_unbounded(req)).await {
             Ok(result) => result,
             Err(_) => {
@@ -200,10 +317,7 @@ impl Client {
         }
     }
 
-    async fn send_unbounded(
-        &mut self,
-        req: Request<Full<Bytes>>,
-    ) -> Result<(StatusCode, Bytes), String> {
+    async fn send_unbounded(&mut self, req: Request<Full<Bytes>>) -> Result<Answer, String> {
         self.open().await?;
         let Some(sender) = self.sender.as_mut() else {
             return Err("no connection".into());
@@ -219,7 +333,7 @@ impl Client {
         result
     }
 
-    async fn exchange(&mut self, req: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), String> {
+    async fn exchange(&mut self, req: Request<Full<Bytes>>) -> Result<Answer, String> {
         let Some(sender) = self.sender.as_mut() else {
             return Err("no connection".into());
         };
@@ -240,7 +354,11 @@ impl Client {
         {
             self.sender = None;
         }
-        Ok((parts.status, body))
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
     }
 }
 
@@ -289,10 +407,15 @@ fn snippet(body: &[u8]) -> String {
     }
 }
 
-/// One request on a new connection; the answer's JSON-RPC message once it passed [`check`].
+/// One request on a new connection (in a session of its own, opened first and ended
+/// after, if the template has sessions); the answer's JSON-RPC message once it passed
+/// [`check`].
 pub async fn one(template: Arc<Template>) -> Result<serde_json::Value, String> {
     let mut conn = Client::new(template.addr);
-    let (status, body) = conn.send(template.request(0)).await?;
+    conn.ensure_session(&template, 0).await?;
+    let answer = conn.send(conn.request(&template, 0)).await;
+    conn.close_session(&template, 0).await;
+    let (status, body) = answer?;
     check(status, &body, true)?;
     json_message(&body).ok_or_else(|| format!("not JSON: {}", snippet(&body)))
 }
@@ -407,14 +530,22 @@ pub async fn closed_loop(template: Arc<Template>, plan: Plan) -> CellResult {
             let mut conn = Client::new(template.addr);
             let mut n: u64 = 0;
             while Instant::now() < end {
-                let req = template.request(client);
-                let t0 = Instant::now();
-                let answer = conn.send(req).await;
-                let t1 = Instant::now();
+                // With sessions: opened (again) here, outside the timed request.
+                let answer = match conn.ensure_session(&template, client).await {
+                    Ok(()) => {
+                        let req = conn.request(&template, client);
+                        let t0 = Instant::now();
+                        let answer = conn.send(req).await;
+                        answer.map(|a| (a, t0, Instant::now()))
+                    }
+                    Err(e) => Err(e),
+                };
                 let full = n.is_multiple_of(FULL_CHECK_EVERY);
                 n += 1;
-                match answer.and_then(|(status, body)| check(status, &body, full)) {
-                    Ok(()) => {
+                match answer.and_then(|((status, body), t0, t1)| {
+                    check(status, &body, full).map(|()| (t0, t1))
+                }) {
+                    Ok((t0, t1)) => {
                         if t1 >= measure_from && t1 < end {
                             tally.completed += 1;
                             tally.samples.push(nanos(t1 - t0));
@@ -423,11 +554,15 @@ pub async fn closed_loop(template: Arc<Template>, plan: Plan) -> CellResult {
                     Err(e) => {
                         tally.errors += 1;
                         tally.first_error.get_or_insert(e);
+                        // A failed answer ends the session (a server that forgot it
+                        // answers every later request with an error).
+                        conn.session = None;
                         // Do not spin on a dead server.
                         tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                 }
             }
+            conn.close_session(&template, client).await;
             tally
         }));
     }
@@ -583,8 +718,8 @@ impl IdleConnections {
                 .ready()
                 .await
                 .map_err(|e| format!("connection {i} was closed while idle: {e}"))?;
-            let (status, body) = c.exchange(self.template.request(i)).await?;
-            check(status, &body, true)?;
+            let answer = c.exchange(self.template.request(i)).await?;
+            check(answer.status, &answer.body, true)?;
         }
         Ok(())
     }
@@ -751,6 +886,136 @@ mod tests {
         assert!(check(StatusCode::OK, pong, true).is_ok());
         let null = br#"{"jsonrpc":"2.0","id":1,"result":null}"#;
         assert!(check(StatusCode::OK, null, true).is_err());
+    }
+
+    #[test]
+    fn requests_in_a_session_carry_its_id() {
+        let addr = SocketAddr::from(([127, 0, 0, 1], 9));
+        let template = Template::local(addr, ping_body(), Auth::None)
+            .at_path("/")
+            .with_sessions();
+        let outside = template.request(0);
+        assert_eq!(outside.uri(), "/");
+        assert!(outside.headers().get(MCP_SESSION_ID).is_none());
+        let id = HeaderValue::from_static("abc");
+        let inside = template.request_in(0, Some(&id));
+        assert_eq!(inside.headers().get(MCP_SESSION_ID), Some(&id));
+        assert_eq!(
+            inside.headers().get("mcp-protocol-version"),
+            Some(&HeaderValue::from_static(PROTOCOL_VERSION))
+        );
+        let init: serde_json::Value =
+            serde_json::from_slice(&initialize_body()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(init["params"]["protocolVersion"], PROTOCOL_VERSION);
+    }
+
+    /// A server that keeps sessions: `initialize` opens one (its id in the answer's
+    /// header), `notifications/initialized` with it is answered 202, and any other request
+    /// is answered only in an initialized session; `DELETE` ends one.
+    async fn session_server() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+        use hyper::body::Incoming;
+        use hyper::service::service_fn;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sessions = Arc::new(std::sync::Mutex::new(BTreeMap::<String, bool>::new()));
+        let (log2, next) = (log.clone(), Arc::new(AtomicUsize::new(0)));
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (log, sessions, next) = (log2.clone(), sessions.clone(), next.clone());
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let (log, sessions, next) = (log.clone(), sessions.clone(), next.clone());
+                    async move {
+                        let method = req.method().clone();
+                        let id = req
+                            .headers()
+                            .get(MCP_SESSION_ID)
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_owned);
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                        let body = body.unwrap_or_default();
+                        let text = String::from_utf8_lossy(&body).into_owned();
+                        let mut sessions = sessions.lock().unwrap_or_else(|e| e.into_inner());
+                        let answer = |status: u16, body: &'static str| {
+                            http::Response::builder()
+                                .status(status)
+                                .body(Full::new(Bytes::from_static(body.as_bytes())))
+                        };
+                        let ok = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#;
+                        if method == Method::DELETE {
+                            let gone = id.and_then(|id| sessions.remove(&id));
+                            log.lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push("delete".into());
+                            answer(if gone.is_some() { 200 } else { 404 }, "")
+                        } else if text.contains("\"initialize\"") {
+                            let id = format!("s{}", next.fetch_add(1, Ordering::Relaxed));
+                            sessions.insert(id.clone(), false);
+                            log.lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push("initialize".into());
+                            answer(200, ok).map(|mut r| {
+                                r.headers_mut().insert(
+                                    MCP_SESSION_ID,
+                                    HeaderValue::from_str(&id).unwrap_or_else(|e| panic!("{e}")),
+                                );
+                                r
+                            })
+                        } else if text.contains("notifications/initialized") {
+                            match id.and_then(|id| sessions.get_mut(&id)) {
+                                Some(ready) => {
+                                    *ready = true;
+                                    answer(202, "")
+                                }
+                                None => answer(404, ""),
+                            }
+                        } else {
+                            match id.and_then(|id| sessions.get(&id).copied()) {
+                                Some(true) => answer(200, ok),
+                                _ => answer(404, r#"{"jsonrpc":"2.0","id":1,"error":{}}"#),
+                            }
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        (addr, log)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_client_opens_a_session_and_ends_it() {
+        let (addr, log) = session_server().await;
+        let stateless = Arc::new(Template::local(addr, ping_body(), Auth::None));
+        assert!(one(stateless).await.is_err(), "no session, no answer");
+        let template = Arc::new(Template::local(addr, ping_body(), Auth::None).with_sessions());
+        one(template.clone())
+            .await
+            .unwrap_or_else(|e| panic!("one in a session: {e}"));
+        let plan = Plan {
+            clients: 3,
+            warmup: Duration::from_millis(50),
+            duration: Duration::from_millis(200),
+            server_pid: None,
+            helper_pid: None,
+        };
+        let result = closed_loop(template, plan).await;
+        assert_eq!(result.errors, 0, "{:?}", result.first_error);
+        assert!(result.completed > 0);
+        let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let count = |what: &str| log.iter().filter(|l| *l == what).count();
+        assert_eq!(count("initialize"), 4, "{log:?}");
+        assert_eq!(count("delete"), 4, "{log:?}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod figures;
 mod flood;
 mod load;
 mod matrix;
+mod mcp_proxy;
 mod mcpd;
 mod procfs;
 mod report;
@@ -91,7 +92,10 @@ enum Part {
     Matrix,
     Flood,
     Figures,
-    /// A trivial tool of an rmcp server, directly and through the daemon.
+    /// A trivial tool of an rmcp server, directly, through the daemon and through
+    /// mcp-proxy 0.6.0 (binary: $ROBOTA_BENCH_MCP_PROXY, else target/bench-tools/bin/mcp-proxy,
+    /// installed there by `cargo install --locked` when missing; the row is skipped if that
+    /// fails).
     Upstream,
 }
 
@@ -497,7 +501,7 @@ fn child_exit(result: std::io::Result<()>) -> ExitCode {
 }
 
 /// The workspace root (the parent of `bench/`).
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)

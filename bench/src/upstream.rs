@@ -1,8 +1,9 @@
 //! Downstream MCP servers: a trivial tool (`ping`) of our rmcp server (the e2e fixture
 //! `robota-e2e-upstream`, rmcp's stateless Streamable HTTP server answering JSON) called
-//! directly, and the same tool through robota-mcpd's loopback carrier with that server as
-//! an HTTP backend (`rh.ping`) and as a shared stdio child (`rs.ping`), in the same run,
-//! by the same load generator.
+//! directly, the same tool through robota-mcpd's loopback carrier with that server as
+//! an HTTP backend (`rh.ping`) and as a shared stdio child (`rs.ping`), and through
+//! mcp-proxy 0.6.0 with that same server as its HTTP backend (`rh/ping`, one session per
+//! client), in the same run, by the same load generator.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -14,14 +15,17 @@ use robota_e2e::upstream::{HttpServer, fixture_bin, fixture_command};
 
 use crate::load::{self, Auth, CellResult, Plan, Template};
 use crate::matrix::{Timing, ms};
+use crate::mcp_proxy::{self, McpProxy};
 use crate::report::Verdict;
 
-/// The three ways the tool is reached, in the order they are measured and printed.
+/// The ways the tool is reached, in the order they are measured and printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Route {
     Direct,
     HttpBackend,
     StdioChild,
+    /// mcp-proxy 0.6.0 with the same server as its HTTP backend.
+    McpProxy,
 }
 
 impl Route {
@@ -30,6 +34,7 @@ impl Route {
             Route::Direct => "rmcp server, direct",
             Route::HttpBackend => "robota-mcpd → HTTP backend",
             Route::StdioChild => "robota-mcpd → shared stdio child",
+            Route::McpProxy => "mcp-proxy 0.6.0 → HTTP backend",
         }
     }
 
@@ -38,6 +43,17 @@ impl Route {
             Route::Direct => "ping",
             Route::HttpBackend => "rh.ping",
             Route::StdioChild => "rs.ping",
+            Route::McpProxy => "rh/ping",
+        }
+    }
+
+    /// The request of this route's cells: `POST /mcp` without a session, but for
+    /// mcp-proxy's `POST /` in a session per client.
+    fn template(self, addr: std::net::SocketAddr, auth: Auth) -> Template {
+        let template = Template::local(addr, self.body(), auth);
+        match self {
+            Route::McpProxy => template.at_path(mcp_proxy::PATH).with_sessions(),
+            _ => template,
         }
     }
 
@@ -72,6 +88,8 @@ impl Row {
 #[derive(Debug)]
 pub struct UpstreamRun {
     pub rows: Vec<Row>,
+    /// How the mcp-proxy binary was had, or why its row was skipped.
+    pub mcp_proxy: Result<String, String>,
 }
 
 /// Starts the server and a daemon in front of it, then runs every cell.
@@ -107,7 +125,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
         .addr
         .parse()
         .unwrap_or_else(|e| panic!("{}: {e}", server.addr));
-    let targets = [
+    let mut targets = vec![
         (Route::Direct, direct_addr, Auth::None, server.pid()),
         (
             Route::HttpBackend,
@@ -122,6 +140,18 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
             d.pid(),
         ),
     ];
+    // Declared after the server, so dropped (killed) before it.
+    let proxy = start_mcp_proxy(rt, &server.url());
+    let mcp_proxy = match &proxy {
+        Ok((source, p)) => {
+            targets.push((Route::McpProxy, p.addr, Auth::None, p.pid()));
+            Ok(source.clone())
+        }
+        Err(reason) => {
+            eprintln!("robota-bench: skipping the mcp-proxy row: {reason}");
+            Err(reason.clone())
+        }
+    };
     for (route, addr, _, pid) in &targets {
         eprintln!("  {:<34} {addr} pid {pid}", route.label());
     }
@@ -129,7 +159,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
     for round in 0..timing.rounds {
         for &n in clients {
             for (route, addr, auth, pid) in &targets {
-                let template = Arc::new(Template::local(*addr, route.body(), auth.clone()));
+                let template = Arc::new(route.template(*addr, auth.clone()));
                 let plan = Plan {
                     clients: n,
                     warmup: timing.warmup,
@@ -167,7 +197,22 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
         }
     }
     rows.sort_by_key(|r| (r.clients, r.route));
-    UpstreamRun { rows }
+    UpstreamRun { rows, mcp_proxy }
+}
+
+/// mcp-proxy in front of the server at `backend_url`, answering its `rh/ping` in a session:
+/// where its binary came from and the running proxy, or why there is none.
+fn start_mcp_proxy(
+    rt: &tokio::runtime::Runtime,
+    backend_url: &str,
+) -> Result<(String, McpProxy), String> {
+    let binary = mcp_proxy::binary(&crate::workspace_root())?;
+    eprintln!("  mcp-proxy binary: {}", binary.path.display());
+    let proxy = McpProxy::start(&binary.path, backend_url)?;
+    let probe = Arc::new(Route::McpProxy.template(proxy.addr, Auth::None));
+    rt.block_on(load::one(probe))
+        .map_err(|e| format!("{} answered no `rh/ping`: {e}", proxy.addr))?;
+    Ok((binary.source, proxy))
 }
 
 impl UpstreamRun {
@@ -225,22 +270,69 @@ impl UpstreamRun {
              (`[upstreams.rs] command = [… \"rmcp-stdio\"]`, `rs.ping`); same requests, load \
              generator, cell timing and rounds as above. *Server CPU* is the daemon's alone \
              for the two daemon rows (the upstream process's CPU is not in it) and the rmcp \
-             server's for the direct row.\n\n\
-             | clients | route | req/s | p50 ms | p99 ms | server CPU µs/req | errors | × direct |\n\
-             |---:|---|---:|---:|---:|---:|---:|---:|\n",
+             server's for the direct row.\n\n",
         );
+        match &self.mcp_proxy {
+            Ok(source) => {
+                let _ = writeln!(
+                    s,
+                    "The same tool through [mcp-proxy](https://crates.io/crates/mcp-proxy) \
+                     {version} (axum and tower-mcp; binary from {source}), run as \
+                     `mcp-proxy --config proxy.toml` in a cgroup of its own, with the same \
+                     server instance as its one backend (`[[backends]] name = \"rh\"`, \
+                     `transport = \"http\"`, the server's URL; `rh/ping`) and its defaults \
+                     otherwise (listening on 127.0.0.1; no auth, cache, rate limit, retry or \
+                     other middleware; log level `info`, its documented default, which logs \
+                     nothing per request — said explicitly, because without an \
+                     `[observability]` section 0.6.0 logs two DEBUG lines per call). It \
+                     serves MCP at `POST /` and keeps a session per client, so each of its \
+                     clients first opens one — `initialize` (protocol {protocol}), \
+                     `notifications/initialized` with the answer's `Mcp-Session-Id` — and \
+                     then sends every request with `Mcp-Session-Id` and \
+                     `MCP-Protocol-Version`; the opening is not timed. *Server CPU* is \
+                     mcp-proxy's alone. *× robota-mcpd HTTP backend* is a row's throughput \
+                     over robota-mcpd's HTTP-backend row with as many clients.\n",
+                    version = mcp_proxy::VERSION,
+                    protocol = load::PROTOCOL_VERSION,
+                );
+            }
+            Err(reason) => {
+                let _ = writeln!(
+                    s,
+                    "No mcp-proxy {} row in this run: {reason}.\n",
+                    mcp_proxy::VERSION
+                );
+            }
+        }
+        s.push_str(
+            "| clients | route | req/s | p50 ms | p99 ms | server CPU µs/req | errors | × direct | × robota-mcpd HTTP backend |\n\
+             |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        let ratio = |a: &CellResult, b: Option<&CellResult>| {
+            b.map_or_else(
+                || "—".to_owned(),
+                |b| {
+                    format!(
+                        "{:.2}",
+                        a.throughput() / b.throughput().max(f64::MIN_POSITIVE)
+                    )
+                },
+            )
+        };
         for row in &self.rows {
             let best = row.best();
-            let ratio = match (row.route, self.best(Route::Direct, row.clients)) {
-                (Route::Direct, _) | (_, None) => "—".to_owned(),
-                (_, Some(direct)) => format!(
-                    "{:.2}",
-                    best.throughput() / direct.throughput().max(f64::MIN_POSITIVE)
-                ),
+            let vs_direct = match row.route {
+                Route::Direct => "—".to_owned(),
+                _ => ratio(best, self.best(Route::Direct, row.clients)),
+            };
+            let vs_http = match row.route {
+                Route::HttpBackend => "1".to_owned(),
+                Route::McpProxy => ratio(best, self.best(Route::HttpBackend, row.clients)),
+                Route::Direct | Route::StdioChild => "—".to_owned(),
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.0} | {:.3} | {:.3} | {} | {} | {ratio} |",
+                "| {} | {} | {:.0} | {:.3} | {:.3} | {} | {} | {vs_direct} | {vs_http} |",
                 row.clients,
                 row.route.label(),
                 best.throughput(),
@@ -248,6 +340,32 @@ impl UpstreamRun {
                 ms(best.latencies.percentile(99.0)),
                 best.server_cpu_per_request().as_micros(),
                 row.errors(),
+            );
+        }
+        let against: Vec<String> = self
+            .rows
+            .iter()
+            .filter(|r| r.route == Route::McpProxy)
+            .filter_map(|r| {
+                let ours = self.best(Route::HttpBackend, r.clients)?;
+                let theirs = r.best().throughput();
+                (theirs > 0.0).then(|| {
+                    format!(
+                        "{:.1}× at {} client{}",
+                        ours.throughput() / theirs,
+                        r.clients,
+                        if r.clients == 1 { "" } else { "s" }
+                    )
+                })
+            })
+            .collect();
+        if !against.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nrobota-mcpd → HTTP backend over mcp-proxy {} → HTTP backend, throughput \
+                 (information, not a target): {}.",
+                mcp_proxy::VERSION,
+                against.join(", ")
             );
         }
         let verdicts = self.verdicts();
