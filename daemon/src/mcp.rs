@@ -1014,7 +1014,10 @@ impl<S: RuntimeTools + TurnSubmission> ServerHandler for McpServer<S> {
             slot.as_ref(),
             shape,
         );
-        Ok(call.await)
+        // On the heap: a call's future is the largest of the handler's, and rmcp's
+        // dispatch future (so every request's, `ping` too) would otherwise be as large and
+        // be copied whole each time it moves.
+        Ok(Box::pin(call).await)
     }
 
     /// `tasks/get`: the job behind the task, with the checks of `job.status`.
