@@ -668,8 +668,14 @@ impl Inner {
             }
             if slot.active == 0 {
                 slot.idle_since = now;
+                // A connection never admitted is held to the head deadline from accept,
+                // however many requests it has had refused.
                 slot.phase = Phase::Idle {
-                    since: now,
+                    since: if slot.admitted == 0 {
+                        slot.accepted
+                    } else {
+                        now
+                    },
                     admitted: slot.admitted,
                 };
                 slot.changed.notify_waiters();
@@ -843,12 +849,16 @@ impl Ticket {
             .map_or(0, |s| s.admitted)
     }
 
-    /// Resolves when the connection has been idle too long: before its first request,
-    /// `header_timeout` from accept; after one, `idle_timeout` from the last answer.
+    /// Resolves when the connection has been idle too long: until a request of it is
+    /// admitted, `header_timeout` from accept; after that, `idle_timeout` from the last
+    /// answer.
     ///
-    /// Requests coming and going do not wake it: it sleeps until the deadline of the
-    /// idle phase it last saw and then looks again, so a connection kept busy costs one
-    /// timer per idle deadline, not one per request.
+    /// Once a request has been admitted, requests coming and going do not wake it: it
+    /// sleeps until the idle deadline it last saw and then looks again (a later answer
+    /// only moves the deadline later), so a connection kept busy costs one timer per idle
+    /// deadline, not one per request. Before that it also wakes at every change, since
+    /// the first admitted answer may bring the deadline forward (an `idle_timeout`
+    /// shorter than `header_timeout`).
     fn deadline(&self, bounds: &HttpLimits) -> impl Future<Output = Expired> + Send + 'static {
         let (table, id, changed) = (self.table.clone(), self.id, self.changed.clone());
         let (head, idle) = (bounds.header_timeout, bounds.idle_timeout);
@@ -865,15 +875,22 @@ impl Ticket {
                             idle_again.await;
                         }
                     }
-                    Some(seen @ Phase::Idle { since, admitted }) => {
-                        let (limit, expired) = if admitted == 0 {
-                            (head, Expired::Head)
-                        } else {
-                            (idle, Expired::Idle)
-                        };
-                        tokio::time::sleep_until(since + limit).await;
+                    Some(seen @ Phase::Idle { since, admitted: 0 }) => {
+                        let changes = changed.notified();
+                        tokio::pin!(changes);
+                        changes.as_mut().enable();
+                        if phase_of(&table, id) != Some(seen) {
+                            continue;
+                        }
+                        tokio::select! {
+                            () = tokio::time::sleep_until(since + head) => return Expired::Head,
+                            () = changes => {}
+                        }
+                    }
+                    Some(seen @ Phase::Idle { since, .. }) => {
+                        tokio::time::sleep_until(since + idle).await;
                         if phase_of(&table, id) == Some(seen) {
-                            return expired;
+                            return Expired::Idle;
                         }
                     }
                 }
@@ -1505,5 +1522,40 @@ mod tests {
         );
         assert_eq!(waiting.await.unwrap(), Expired::Idle);
         assert_eq!(answered.elapsed(), Duration::from_secs(60));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refused_requests_keep_the_head_deadline_and_an_answer_can_bring_it_forward() {
+        let bounds = |header: u64, idle: u64| HttpLimits {
+            max_connections: 4,
+            max_connections_per_address: None,
+            max_in_flight: 4,
+            max_header_bytes: 16 * 1024,
+            header_timeout: Duration::from_secs(header),
+            body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(idle),
+        };
+        let t = Arc::new(Table::new(4, None));
+        // Requests refused (never admitted) one after another: still closed at the head
+        // deadline from accept.
+        let accepted = tokio::time::Instant::now();
+        let ticket = t.admit(None, false, false, accepted).0.unwrap();
+        let waiting = tokio::spawn(ticket.deadline(&bounds(5, 60)));
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(ticket.busy());
+        }
+        assert_eq!(waiting.await.unwrap(), Expired::Head);
+        assert_eq!(accepted.elapsed(), Duration::from_secs(5));
+        // An idle deadline shorter than the head deadline the future sleeps on: the first
+        // admitted answer brings it forward.
+        let accepted = tokio::time::Instant::now();
+        let ticket = t.admit(None, false, false, accepted).0.unwrap();
+        let waiting = tokio::spawn(ticket.deadline(&bounds(30, 1)));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let answered = tokio::time::Instant::now();
+        drop(serving(&ticket));
+        assert_eq!(waiting.await.unwrap(), Expired::Idle);
+        assert_eq!(answered.elapsed(), Duration::from_secs(1));
     }
 }
