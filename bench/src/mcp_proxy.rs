@@ -280,14 +280,4 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(installed_version(dir.path()).as_deref(), Some("0.6.0"));
     }
-
-    #[test]
-    fn the_config_names_one_http_backend_on_loopback() {
-        let text = config_text(4321, "http://127.0.0.1:1234/mcp");
-        assert!(text.contains("host = \"127.0.0.1\"\nport = 4321\n"));
-        assert!(text.contains("[observability]\nlog_level = \"info\"\n"));
-        assert!(text.contains(
-            "name = \"rh\"\ntransport = \"http\"\nurl = \"http://127.0.0.1:1234/mcp\"\n"
-        ));
-    }
 }

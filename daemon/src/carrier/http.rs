@@ -827,14 +827,12 @@ impl Ticket {
 
     /// Resolves once a request is in flight on this connection.
     async fn until_busy(&self) {
+        let mut now = self.phase();
         loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            match self.phase() {
+            match now {
                 None => return std::future::pending().await,
                 Some(Phase::Busy) => return,
-                Some(Phase::Idle { .. }) => changed.await,
+                idle => now = phase_change(&self.table, self.id, &self.changed, idle).await,
             }
         }
     }
@@ -863,35 +861,26 @@ impl Ticket {
         let (table, id, changed) = (self.table.clone(), self.id, self.changed.clone());
         let (head, idle) = (bounds.header_timeout, bounds.idle_timeout);
         async move {
+            let mut seen = phase_of(&table, id);
             loop {
-                match phase_of(&table, id) {
+                match seen {
                     // Evicted: the kill token ends the connection.
                     None => return std::future::pending().await,
-                    Some(Phase::Busy) => {
-                        let idle_again = changed.notified();
-                        tokio::pin!(idle_again);
-                        idle_again.as_mut().enable();
-                        if phase_of(&table, id) == Some(Phase::Busy) {
-                            idle_again.await;
-                        }
-                    }
-                    Some(seen @ Phase::Idle { since, admitted: 0 }) => {
-                        let changes = changed.notified();
-                        tokio::pin!(changes);
-                        changes.as_mut().enable();
-                        if phase_of(&table, id) != Some(seen) {
-                            continue;
-                        }
+                    Some(Phase::Busy) => seen = phase_change(&table, id, &changed, seen).await,
+                    Some(Phase::Idle { since, admitted: 0 }) => {
                         tokio::select! {
+                            biased;
+                            now = phase_change(&table, id, &changed, seen) => seen = now,
                             () = tokio::time::sleep_until(since + head) => return Expired::Head,
-                            () = changes => {}
                         }
                     }
-                    Some(seen @ Phase::Idle { since, .. }) => {
+                    Some(Phase::Idle { since, .. }) => {
                         tokio::time::sleep_until(since + idle).await;
-                        if phase_of(&table, id) == Some(seen) {
+                        let now = phase_of(&table, id);
+                        if now == seen {
                             return Expired::Idle;
                         }
+                        seen = now;
                     }
                 }
             }
@@ -902,6 +891,26 @@ impl Ticket {
 /// The phase of connection `id` of `table` (`None`: gone).
 fn phase_of(table: &Table, id: u64) -> Option<Phase> {
     table.inner.lock().slots.get(&id).map(|s| s.phase)
+}
+
+/// Resolves with connection `id`'s phase once it is no longer `seen`, told by `changed`
+/// (armed before each look, so no change is missed between looking and waiting).
+async fn phase_change(
+    table: &Table,
+    id: u64,
+    changed: &Notify,
+    seen: Option<Phase>,
+) -> Option<Phase> {
+    loop {
+        let next = changed.notified();
+        tokio::pin!(next);
+        next.as_mut().enable();
+        let now = phase_of(table, id);
+        if now != seen {
+            return now;
+        }
+        next.await;
+    }
 }
 
 /// A connection's stream, noting whether our last read found nothing more to read.
