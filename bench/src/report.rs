@@ -137,8 +137,9 @@ impl Report {
         let plural = |clients: usize| if clients == 1 { "" } else { "s" };
         let clean = |call, clients| {
             [Server::Loopback, Server::Stock].iter().all(|s| {
+                // A server left out of this run has no errors to count.
                 self.row(*s, call, clients)
-                    .is_some_and(|row| row.errors() == 0)
+                    .is_none_or(|row| row.errors() == 0)
             })
         };
         let with_errors = |call, clients| {

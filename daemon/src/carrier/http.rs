@@ -58,6 +58,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::repoll::Repoll;
 use crate::config::HttpLimits;
 use crate::metrics::Metrics;
 use crate::transport::Drain;
@@ -202,11 +203,11 @@ pub async fn serve<H: Handler>(listener: TcpListener, options: Options, handler:
             ticket,
         };
         let (drain, tls) = (drain.clone(), tls.clone());
-        tracker.spawn(async move {
+        tracker.spawn(Repoll::new(async move {
             let open = conn.metrics.open_connection(name);
             conn.run(stream, tls, &drain).await;
             drop(open);
-        });
+        }));
     }
     drop(listener);
     tracker.close();

@@ -8,6 +8,7 @@ pub mod lines;
 pub mod loopback;
 pub mod relay;
 pub mod remote;
+mod repoll;
 pub mod scrape;
 pub mod stdio;
 pub mod streamable;
