@@ -754,7 +754,7 @@ impl<S: RuntimeTools + TurnSubmission> McpServer<S> {
         let result = match (result, passthrough) {
             (Ok(ToolOutput::Passthrough(raw)), Some((slot, modern))) => {
                 let raw = for_revision(raw, modern);
-                let size = json_size(&raw);
+                let size = wire_size(&raw);
                 if size <= limit {
                     // The slot's result is sent instead of this placeholder.
                     slot.fill(Prepared::Result(raw));
@@ -872,14 +872,6 @@ enum ProgressSink {
     Carrier(ProgressSender),
 }
 
-fn json_size(value: &Map<String, Value>) -> u64 {
-    let mut count = Count(0);
-    match serde_json::to_writer(&mut count, value) {
-        Ok(()) => count.0,
-        Err(_) => u64::MAX,
-    }
-}
-
 struct Count(u64);
 
 impl std::io::Write for Count {
@@ -893,7 +885,7 @@ impl std::io::Write for Count {
 }
 
 /// Bytes of a result's JSON serialization, without building it.
-fn wire_size(result: &CallToolResult) -> u64 {
+fn wire_size(result: &impl serde::Serialize) -> u64 {
     let mut count = Count(0);
     match serde_json::to_writer(&mut count, result) {
         Ok(()) => count.0,

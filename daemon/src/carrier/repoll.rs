@@ -104,6 +104,12 @@ mod tests {
         }
     }
 
+    /// A task's waker, and how many times it was woken.
+    fn task() -> (Arc<Count>, Waker) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (count.clone(), Waker::from(count))
+    }
+
     /// A future that wakes itself while polled `selfish` times, then is ready after
     /// `ready_at` polls (or never), keeping the last waker it was given.
     struct Selfish {
@@ -144,8 +150,7 @@ mod tests {
 
     #[test]
     fn a_wake_up_during_the_poll_polls_again_without_the_task() {
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let task = Waker::from(count.clone());
+        let (count, task) = task();
         let mut cx = Context::from_waker(&task);
         let (mut repoll, _) = selfish(1, Some(2));
         assert_eq!(Pin::new(&mut repoll).poll(&mut cx), Poll::Ready(2));
@@ -154,8 +159,7 @@ mod tests {
 
     #[test]
     fn a_future_that_keeps_waking_itself_goes_back_to_the_scheduler() {
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let task = Waker::from(count.clone());
+        let (count, task) = task();
         let mut cx = Context::from_waker(&task);
         let (mut repoll, _) = selfish(usize::MAX, None);
         assert!(Pin::new(&mut repoll).poll(&mut cx).is_pending());
@@ -165,8 +169,7 @@ mod tests {
 
     #[test]
     fn a_wake_up_after_the_poll_reaches_the_task() {
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let task = Waker::from(count.clone());
+        let (count, task) = task();
         let mut cx = Context::from_waker(&task);
         let (mut repoll, last) = selfish(0, None);
         assert!(Pin::new(&mut repoll).poll(&mut cx).is_pending());
