@@ -436,7 +436,8 @@ struct Slot {
     /// knew its client had failed lately ([`distrust`]).
     distrusted: bool,
     accepted: Instant,
-    /// Since when no request has been in flight (or since accept).
+    /// When its last admitted request was answered (or accept): the idle deadline and
+    /// the eviction order of a connection kept alive count from it.
     idle_since: Instant,
     /// Our last read found nothing more to read: we are waiting on the peer.
     waiting: Arc<AtomicBool>,
@@ -542,12 +543,14 @@ impl Inner {
         self.slots.values().any(Slot::unread)
     }
 
-    /// The connection that gives way when the listener is full: from the address group
-    /// holding the most connections that has one that may (the first in eviction order
-    /// among groups of that size), trusted proxies' last. So peers that fill the listener
-    /// from a few addresses make room from their own connections, never from a client
-    /// holding one; and peers on many addresses, holding one each, make room from each
-    /// other's unauthenticated connections.
+    /// The connection that gives way when the listener is full: the first, among the
+    /// address groups that may give way to the newcomer, by what kind of connection it is
+    /// (distrusted, never admitted, kept alive after an admitted request: [`Slot::key`]),
+    /// then from the group holding the most connections, then by age; trusted proxies'
+    /// last. So a connection that never passed admission never outlives one that did, and
+    /// among each kind, peers that fill the listener from a few addresses make room from
+    /// their own connections; peers on many addresses holding one each make room from
+    /// each other, never from a served client holding two.
     ///
     /// Only a group at least as big as the newcomer's would be gives way to it (its own
     /// always may): a client holding one connection never loses it to a peer that holds
@@ -555,23 +558,24 @@ impl Inner {
     /// give way.
     fn evictable(&self, newcomer: Option<IpAddr>, spare_kept: bool) -> Option<u64> {
         let theirs = newcomer.map_or(0, |g| self.groups.get(&Some(g)).map_or(0, |g| g.open) + 1);
-        let mut best: Option<(usize, IdleKey)> = None;
+        let mut best: Option<(u8, Reverse<usize>, Instant, u64)> = None;
         for &(Reverse(open), group) in &self.by_size {
-            if best.is_some_and(|(size, _)| open < size) {
+            // Groups come biggest first: a smaller one cannot beat a first-kind candidate.
+            if best.is_some_and(|(rank, Reverse(size), ..)| rank == 0 && open < size) {
                 break;
             }
             if newcomer != Some(group) && open < theirs {
                 continue;
             }
-            if let Some(key) = self.evictable_among(Some(group), spare_kept)
-                && best.is_none_or(|(_, b)| key < b)
-            {
-                best = Some((open, key));
+            if let Some((rank, since, id)) = self.evictable_among(Some(group), spare_kept) {
+                let candidate = (rank, Reverse(open), since, id);
+                if best.is_none_or(|b| candidate < b) {
+                    best = Some(candidate);
+                }
             }
         }
-        best.map(|(_, key)| key)
-            .or_else(|| self.evictable_among(None, spare_kept))
-            .map(|(_, _, id)| id)
+        best.map(|(.., id)| id)
+            .or_else(|| self.evictable_among(None, spare_kept).map(|(_, _, id)| id))
     }
 
     fn resize(&mut self, group: Option<IpAddr>, change: impl FnOnce(&mut usize)) {
@@ -662,20 +666,22 @@ impl Inner {
     fn end_request(&mut self, id: u64, admitted: bool, now: Instant) {
         self.rekey(id, |slot| {
             slot.active = slot.active.saturating_sub(1);
+            // Only an admitted request's answer counts as the connection's last: a refused
+            // one moves neither its idle deadline nor its place in the eviction order.
             if admitted {
                 slot.held = slot.held.saturating_sub(1);
+                slot.idle_since = now;
             } else {
                 slot.distrusted = true;
             }
             if slot.active == 0 {
-                slot.idle_since = now;
                 // A connection never admitted is held to the head deadline from accept,
                 // however many requests it has had refused.
                 slot.phase = Phase::Idle {
                     since: if slot.admitted == 0 {
                         slot.accepted
                     } else {
-                        now
+                        slot.idle_since
                     },
                     admitted: slot.admitted,
                 };
@@ -1201,6 +1207,19 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// A listener's limits with these head and idle deadlines, in seconds.
+    fn limits(header: u64, idle: u64) -> HttpLimits {
+        HttpLimits {
+            max_connections: 4,
+            max_connections_per_address: None,
+            max_in_flight: 4,
+            max_header_bytes: 16 * 1024,
+            header_timeout: Duration::from_secs(header),
+            body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(idle),
+        }
+    }
+
     /// Admit, and mark the connection as waiting on its peer (as its task would once it
     /// has read everything the peer sent).
     fn admit(t: &Arc<Table>, group: Option<&str>, now: Instant) -> (Option<Ticket>, bool) {
@@ -1490,15 +1509,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn deadlines_count_from_accept_then_from_the_last_answer() {
-        let bounds = HttpLimits {
-            max_connections: 4,
-            max_connections_per_address: None,
-            max_in_flight: 4,
-            max_header_bytes: 16 * 1024,
-            header_timeout: Duration::from_secs(5),
-            body_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(60),
-        };
+        let bounds = limits(5, 60);
         let t = Arc::new(Table::new(4, None));
         let started = tokio::time::Instant::now();
         let (ticket, _) = t.admit(None, false, false, started);
@@ -1536,21 +1547,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn refused_requests_keep_the_head_deadline_and_an_answer_can_bring_it_forward() {
-        let bounds = |header: u64, idle: u64| HttpLimits {
-            max_connections: 4,
-            max_connections_per_address: None,
-            max_in_flight: 4,
-            max_header_bytes: 16 * 1024,
-            header_timeout: Duration::from_secs(header),
-            body_timeout: Duration::from_secs(30),
-            idle_timeout: Duration::from_secs(idle),
-        };
         let t = Arc::new(Table::new(4, None));
         // Requests refused (never admitted) one after another: still closed at the head
         // deadline from accept.
         let accepted = tokio::time::Instant::now();
         let ticket = t.admit(None, false, false, accepted).0.unwrap();
-        let waiting = tokio::spawn(ticket.deadline(&bounds(5, 60)));
+        let waiting = tokio::spawn(ticket.deadline(&limits(5, 60)));
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_secs(1)).await;
             drop(ticket.busy());
@@ -1561,11 +1563,61 @@ mod tests {
         // admitted answer brings it forward.
         let accepted = tokio::time::Instant::now();
         let ticket = t.admit(None, false, false, accepted).0.unwrap();
-        let waiting = tokio::spawn(ticket.deadline(&bounds(30, 1)));
+        let waiting = tokio::spawn(ticket.deadline(&limits(30, 1)));
         tokio::time::sleep(Duration::from_millis(500)).await;
         let answered = tokio::time::Instant::now();
         drop(serving(&ticket));
         assert_eq!(waiting.await.unwrap(), Expired::Idle);
         assert_eq!(answered.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refused_requests_after_an_answer_do_not_move_the_idle_deadline() {
+        let bounds = limits(5, 30);
+        let t = Arc::new(Table::new(4, None));
+        let ticket = t.admit(None, false, false, Instant::now()).0.unwrap();
+        let answered = tokio::time::Instant::now();
+        drop(serving(&ticket));
+        let waiting = tokio::spawn(ticket.deadline(&bounds));
+        // An HTTP/2 peer (say) whose token has expired: a refused request every 5 s.
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            drop(ticket.busy());
+        }
+        assert_eq!(waiting.await.unwrap(), Expired::Idle);
+        assert_eq!(answered.elapsed(), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_served_client_holding_two_keeps_them_while_strangers_have_not_been_admitted() {
+        let t = Arc::new(Table::new(6, None));
+        let now = Instant::now() - Duration::from_secs(60);
+        let at = |s| now + Duration::from_secs(s);
+        // A client holding two connections, each answered and kept alive.
+        let client: Vec<Ticket> = (0..2)
+            .map(|i| admit(&t, Some("198.51.100.9"), at(i)).0.unwrap())
+            .collect();
+        for ticket in &client {
+            drop(serving(ticket));
+        }
+        // Silent strangers, one connection per address, fill the listener.
+        let strangers: Vec<Ticket> = (1..=4)
+            .map(|i| {
+                let addr = format!("203.0.113.{i}");
+                admit(&t, Some(&addr), at(10 + i)).0.unwrap()
+            })
+            .collect();
+        let mut newcomers = Vec::new();
+        for i in 5..=8 {
+            let addr = format!("203.0.113.{i}");
+            let (newcomer, evicted) = admit(&t, Some(&addr), at(20 + i));
+            assert!(evicted);
+            newcomers.push(newcomer.unwrap());
+            assert!(
+                client.iter().all(|c| !c.kill.is_cancelled()),
+                "a served client's connection gave way to stranger {i}"
+            );
+        }
+        assert!(strangers.iter().all(|s| s.kill.is_cancelled()));
     }
 }
