@@ -203,11 +203,15 @@ pub async fn serve<H: Handler>(listener: TcpListener, options: Options, handler:
             ticket,
         };
         let (drain, tls) = (drain.clone(), tls.clone());
-        tracker.spawn(Repoll::new(async move {
-            let open = conn.metrics.open_connection(name);
-            conn.run(stream, tls, &drain).await;
-            drop(open);
-        }));
+        let waiting = conn.ticket.waiting.clone();
+        tracker.spawn(Repoll::new(
+            async move {
+                let open = conn.metrics.open_connection(name);
+                conn.run(stream, tls, &drain).await;
+                drop(open);
+            },
+            waiting,
+        ));
     }
     drop(listener);
     tracker.close();
@@ -439,7 +443,9 @@ struct Slot {
     /// When its last admitted request was answered (or accept): the idle deadline and
     /// the eviction order of a connection kept alive count from it.
     idle_since: Instant,
-    /// Our last read found nothing more to read: we are waiting on the peer.
+    /// Our last read found nothing more to read, and nothing has woken the connection's
+    /// task since (cleared by [`Repoll`]: a wake-up may be the peer's bytes): we are
+    /// waiting on the peer.
     waiting: Arc<AtomicBool>,
     kill: CancellationToken,
     phase: Phase,

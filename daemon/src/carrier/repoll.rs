@@ -11,11 +11,16 @@
 //! to do). A wake-up that arrives while [`Repoll`] polls its future is kept, and the
 //! future polled again at once (once more at most, then the scheduler decides); any other
 //! wake-up reaches the task as usual.
+//!
+//! Every wake-up that reaches the task also clears the connection's mark that it is
+//! waiting on its peer (set when its last read found nothing): the wake-up may be its
+//! peer's bytes, arrived and not read yet, and until its task has read them the
+//! connection must not look idle to eviction.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
@@ -27,7 +32,8 @@ use futures_util::task::AtomicWaker;
 /// its own turn.
 const POLLS: usize = 2;
 
-/// `F`, polled again at once when it is woken while being polled.
+/// `F`, polled again at once when it is woken while being polled; `waiting` cleared at
+/// every wake-up that goes to the scheduler.
 pub struct Repoll<F> {
     future: Pin<Box<F>>,
     signal: Arc<Signal>,
@@ -38,16 +44,18 @@ pub struct Repoll<F> {
 struct Signal {
     state: AtomicU8,
     task: AtomicWaker,
+    waiting: Arc<AtomicBool>,
 }
 
 const POLLING: u8 = 1;
 const WOKEN: u8 = 2;
 
 impl<F: Future> Repoll<F> {
-    pub fn new(future: F) -> Self {
+    pub fn new(future: F, waiting: Arc<AtomicBool>) -> Self {
         let signal = Arc::new(Signal {
             state: AtomicU8::new(0),
             task: AtomicWaker::new(),
+            waiting,
         });
         Self {
             future: Box::pin(future),
@@ -64,6 +72,7 @@ impl Wake for Signal {
 
     fn wake_by_ref(self: &Arc<Self>) {
         if self.state.fetch_or(WOKEN, Ordering::AcqRel) & POLLING == 0 {
+            self.waiting.store(false, Ordering::Relaxed);
             self.task.wake();
         }
     }
@@ -85,6 +94,7 @@ impl<F: Future> Future for Repoll<F> {
                 return polled;
             }
         }
+        this.signal.waiting.store(false, Ordering::Relaxed);
         cx.waker().wake_by_ref();
         Poll::Pending
     }
@@ -111,18 +121,21 @@ mod tests {
     }
 
     /// A future that wakes itself while polled `selfish` times, then is ready after
-    /// `ready_at` polls (or never), keeping the last waker it was given.
+    /// `ready_at` polls (or never), keeping the last waker it was given; each poll finds
+    /// nothing to read from its peer (`waiting` set, as a connection's read would).
     struct Selfish {
         polls: usize,
         selfish: usize,
         ready_at: Option<usize>,
         last: Arc<parking_lot::Mutex<Option<Waker>>>,
+        waiting: Arc<AtomicBool>,
     }
 
     impl Future for Selfish {
         type Output = usize;
         fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
             self.polls += 1;
+            self.waiting.store(true, Ordering::SeqCst);
             *self.last.lock() = Some(cx.waker().clone());
             if Some(self.polls) == self.ready_at {
                 return Poll::Ready(self.polls);
@@ -134,52 +147,69 @@ mod tests {
         }
     }
 
+    type Kept = Arc<parking_lot::Mutex<Option<Waker>>>;
+
     fn selfish(
         selfish: usize,
         ready_at: Option<usize>,
-    ) -> (Repoll<Selfish>, Arc<parking_lot::Mutex<Option<Waker>>>) {
+    ) -> (Repoll<Selfish>, Kept, Arc<AtomicBool>) {
         let last = Arc::new(parking_lot::Mutex::new(None));
+        let waiting = Arc::new(AtomicBool::new(false));
         let future = Selfish {
             polls: 0,
             selfish,
             ready_at,
             last: last.clone(),
+            waiting: waiting.clone(),
         };
-        (Repoll::new(future), last)
+        (Repoll::new(future, waiting.clone()), last, waiting)
     }
 
     #[test]
     fn a_wake_up_during_the_poll_polls_again_without_the_task() {
         let (count, task) = task();
         let mut cx = Context::from_waker(&task);
-        let (mut repoll, _) = selfish(1, Some(2));
+        let (mut repoll, _, waiting) = selfish(1, Some(2));
         assert_eq!(Pin::new(&mut repoll).poll(&mut cx), Poll::Ready(2));
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        assert!(
+            waiting.load(Ordering::SeqCst),
+            "the second poll looked again"
+        );
     }
 
     #[test]
     fn a_future_that_keeps_waking_itself_goes_back_to_the_scheduler() {
         let (count, task) = task();
         let mut cx = Context::from_waker(&task);
-        let (mut repoll, _) = selfish(usize::MAX, None);
+        let (mut repoll, _, waiting) = selfish(usize::MAX, None);
         assert!(Pin::new(&mut repoll).poll(&mut cx).is_pending());
         assert_eq!(repoll.future.polls, POLLS);
         assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert!(
+            !waiting.load(Ordering::SeqCst),
+            "woken after its last look: not waiting until it looks again"
+        );
     }
 
     #[test]
     fn a_wake_up_after_the_poll_reaches_the_task() {
         let (count, task) = task();
         let mut cx = Context::from_waker(&task);
-        let (mut repoll, last) = selfish(0, None);
+        let (mut repoll, last, waiting) = selfish(0, None);
         assert!(Pin::new(&mut repoll).poll(&mut cx).is_pending());
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        assert!(waiting.load(Ordering::SeqCst));
         let kept = last
             .lock()
             .take()
             .unwrap_or_else(|| panic!("no waker kept"));
         kept.wake_by_ref();
         assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert!(
+            !waiting.load(Ordering::SeqCst),
+            "a wake-up may be the peer's bytes"
+        );
         // From another thread too.
         assert!(Pin::new(&mut repoll).poll(&mut cx).is_pending());
         let kept = last
@@ -190,5 +220,6 @@ mod tests {
             .join()
             .unwrap_or_else(|_| panic!("waking thread panicked"));
         assert_eq!(count.0.load(Ordering::SeqCst), 2);
+        assert!(!waiting.load(Ordering::SeqCst));
     }
 }
