@@ -3,7 +3,8 @@
 //! directly, the same tool through robota-mcpd's loopback carrier with that server as
 //! an HTTP backend (`rh.ping`) and as a shared stdio child (`rs.ping`), and through
 //! mcp-proxy 0.6.0 with that same server as its HTTP backend (`rh/ping`, one session per
-//! client), in the same run, by the same load generator.
+//! client), in the same run, by the same load generator; and one bare HTTP exchange with
+//! the hello server, the least any extra hop adds.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -17,10 +18,13 @@ use crate::load::{self, Auth, CellResult, Plan, Template};
 use crate::matrix::{Timing, ms};
 use crate::mcp_proxy::{self, McpProxy};
 use crate::report::Verdict;
+use crate::servers::ChildServer;
 
 /// The ways the tool is reached, in the order they are measured and printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Route {
+    /// The bench's hello server: one HTTP exchange and nothing else.
+    Hello,
     Direct,
     HttpBackend,
     StdioChild,
@@ -31,6 +35,7 @@ pub enum Route {
 impl Route {
     pub fn label(self) -> &'static str {
         match self {
+            Route::Hello => "hyper hello (one bare HTTP exchange)",
             Route::Direct => "rmcp server, direct",
             Route::HttpBackend => "robota-mcpd → HTTP backend",
             Route::StdioChild => "robota-mcpd → shared stdio child",
@@ -40,7 +45,7 @@ impl Route {
 
     fn tool(self) -> &'static str {
         match self {
-            Route::Direct => "ping",
+            Route::Hello | Route::Direct => "ping",
             Route::HttpBackend => "rh.ping",
             Route::StdioChild => "rs.ping",
             Route::McpProxy => "rh/ping",
@@ -98,6 +103,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
     let mut cmd = std::process::Command::new(fixture_bin());
     cmd.arg("rmcp-http");
     let server = HttpServer::spawn(cmd);
+    let hello = ChildServer::spawn("hello", &["serve-hello"], &[]);
     let d = Daemon::builder()
         .extra(format!(
             "[upstreams.rh]\nurl = \"{}\"\n\n[upstreams.rs]\ncommand = {}\n\n\
@@ -126,6 +132,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
         .parse()
         .unwrap_or_else(|e| panic!("{}: {e}", server.addr));
     let mut targets = vec![
+        (Route::Hello, hello.addr, Auth::None, hello.pid()),
         (Route::Direct, direct_addr, Auth::None, server.pid()),
         (
             Route::HttpBackend,
@@ -259,6 +266,15 @@ impl UpstreamRun {
         out
     }
 
+    /// The p50 of one bare HTTP exchange at one client, the least an extra hop adds; and
+    /// the HTTP-backend route's p50 overhead beyond it.
+    fn floor(&self) -> Option<(Duration, Duration)> {
+        let hello = self.best(Route::Hello, 1)?.latencies.percentile(50.0);
+        let direct = self.best(Route::Direct, 1)?.latencies.percentile(50.0);
+        let via = self.best(Route::HttpBackend, 1)?.latencies.percentile(50.0);
+        Some((hello, via.saturating_sub(direct).saturating_sub(hello)))
+    }
+
     pub fn markdown(&self) -> String {
         let mut s = String::from(
             "## Downstream MCP servers\n\n\
@@ -270,7 +286,9 @@ impl UpstreamRun {
              (`[upstreams.rs] command = [… \"rmcp-stdio\"]`, `rs.ping`); same requests, load \
              generator, cell timing and rounds as above. *Server CPU* is the daemon's alone \
              for the two daemon rows (the upstream process's CPU is not in it) and the rmcp \
-             server's for the direct row.\n\n",
+             server's for the direct row. The *hyper hello* row is the matrix's hello server \
+             (a fixed answer, nothing parsed) sent the same request: one bare HTTP exchange, \
+             the least an extra hop can add.\n\n",
         );
         match &self.mcp_proxy {
             Ok(source) => {
@@ -322,13 +340,13 @@ impl UpstreamRun {
         for row in &self.rows {
             let best = row.best();
             let vs_direct = match row.route {
-                Route::Direct => "—".to_owned(),
+                Route::Hello | Route::Direct => "—".to_owned(),
                 _ => ratio(best, self.best(Route::Direct, row.clients)),
             };
             let vs_http = match row.route {
                 Route::HttpBackend => "1".to_owned(),
                 Route::McpProxy => ratio(best, self.best(Route::HttpBackend, row.clients)),
-                Route::Direct | Route::StdioChild => "—".to_owned(),
+                Route::Hello | Route::Direct | Route::StdioChild => "—".to_owned(),
             };
             let _ = writeln!(
                 s,
@@ -340,6 +358,18 @@ impl UpstreamRun {
                 ms(best.latencies.percentile(99.0)),
                 best.server_cpu_per_request().as_micros(),
                 row.errors(),
+            );
+        }
+        if let Some((hello, beyond)) = self.floor() {
+            let _ = writeln!(
+                s,
+                "\nThe hop sends each call over one more loopback HTTP exchange than the direct \
+                 route, each end of it a process woken from sleep: one bare exchange with the \
+                 hyper hello server at one client takes {} µs at p50 in this run, the least \
+                 any extra hop can add here. The HTTP-backend route's p50 overhead beyond \
+                 that (information, not a target): {} µs.",
+                hello.as_micros(),
+                beyond.as_micros()
             );
         }
         let against: Vec<String> = self

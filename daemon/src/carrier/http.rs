@@ -266,7 +266,7 @@ struct Conn<H> {
 enum Expired {
     /// No complete request head within `header_timeout` of accept.
     Head,
-    /// No request since the last answer within the idle deadline.
+    /// No request since the last admitted answer within the idle deadline.
     Idle,
 }
 
@@ -862,11 +862,11 @@ impl Ticket {
 
     /// Resolves when the connection has been idle too long: until a request of it is
     /// admitted, `header_timeout` from accept; after that, `idle_timeout` from the last
-    /// answer.
+    /// admitted request's answer (a refused request's does not count).
     ///
     /// Once a request has been admitted, requests coming and going do not wake it: it
-    /// sleeps until the idle deadline it last saw and then looks again (a later answer
-    /// only moves the deadline later), so a connection kept busy costs one timer per idle
+    /// sleeps until the idle deadline it last saw and then looks again (a later admitted
+    /// answer only moves the deadline later), so a connection kept busy costs one timer per idle
     /// deadline, not one per request. Before that it also wakes at every change, since
     /// the first admitted answer may bring the deadline forward (an `idle_timeout`
     /// shorter than `header_timeout`).
