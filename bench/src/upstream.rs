@@ -249,14 +249,7 @@ impl UpstreamRun {
                 });
             }
         }
-        if let (Some(direct), Some(via)) = (
-            self.best(Route::Direct, 1),
-            self.best(Route::HttpBackend, 1),
-        ) {
-            let overhead = via
-                .latencies
-                .percentile(50.0)
-                .saturating_sub(direct.latencies.percentile(50.0));
+        if let Some(overhead) = self.p50_overhead() {
             out.push(Verdict {
                 target: "HTTP backend through robota-mcpd: p50 overhead ≤ 100 µs, 1 client".into(),
                 measured: format!("{} µs", overhead.as_micros()),
@@ -266,13 +259,24 @@ impl UpstreamRun {
         out
     }
 
+    /// The p50 of `route` at one client.
+    fn p50(&self, route: Route) -> Option<Duration> {
+        Some(self.best(route, 1)?.latencies.percentile(50.0))
+    }
+
+    /// What the hop through the HTTP backend adds to the direct route's p50, one client.
+    fn p50_overhead(&self) -> Option<Duration> {
+        Some(
+            self.p50(Route::HttpBackend)?
+                .saturating_sub(self.p50(Route::Direct)?),
+        )
+    }
+
     /// The p50 of one bare HTTP exchange at one client, the least an extra hop adds; and
     /// the HTTP-backend route's p50 overhead beyond it.
     fn floor(&self) -> Option<(Duration, Duration)> {
-        let hello = self.best(Route::Hello, 1)?.latencies.percentile(50.0);
-        let direct = self.best(Route::Direct, 1)?.latencies.percentile(50.0);
-        let via = self.best(Route::HttpBackend, 1)?.latencies.percentile(50.0);
-        Some((hello, via.saturating_sub(direct).saturating_sub(hello)))
+        let hello = self.p50(Route::Hello)?;
+        Some((hello, self.p50_overhead()?.saturating_sub(hello)))
     }
 
     pub fn markdown(&self) -> String {
@@ -287,8 +291,7 @@ impl UpstreamRun {
              generator, cell timing and rounds as above. *Server CPU* is the daemon's alone \
              for the two daemon rows (the upstream process's CPU is not in it) and the rmcp \
              server's for the direct row. The *hyper hello* row is the matrix's hello server \
-             (a fixed answer, nothing parsed) sent the same request: one bare HTTP exchange, \
-             the least an extra hop can add.\n\n",
+             (a fixed answer, nothing parsed) sent the same request.\n\n",
         );
         match &self.mcp_proxy {
             Ok(source) => {

@@ -866,8 +866,8 @@ impl Ticket {
     ///
     /// Once a request has been admitted, requests coming and going do not wake it: it
     /// sleeps until the idle deadline it last saw and then looks again (a later admitted
-    /// answer only moves the deadline later), so a connection kept busy costs one timer per idle
-    /// deadline, not one per request. Before that it also wakes at every change, since
+    /// answer only moves the deadline later), so a connection kept busy costs one timer
+    /// per idle deadline, not one per request. Before that it also wakes at every change, since
     /// the first admitted answer may bring the deadline forward (an `idle_timeout`
     /// shorter than `header_timeout`).
     fn deadline(&self, bounds: &HttpLimits) -> impl Future<Output = Expired> + Send + 'static {
