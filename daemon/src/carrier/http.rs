@@ -436,6 +436,9 @@ struct Slot {
     held: usize,
     /// Requests ever admitted on this connection.
     admitted: u64,
+    /// Requests in flight whose token is with the issuer now ([`asking_issuer`]): at most
+    /// the verifier's places with the issuer, across the listener.
+    asking: usize,
     /// A request ended without being admitted (refused, 404, metadata), or its handler
     /// knew its client had failed lately ([`distrust`]).
     distrusted: bool,
@@ -464,13 +467,21 @@ impl Slot {
 
     /// Where a slot that may give way sorts among the candidates for eviction: first
     /// those distrusted and never admitted, then those never admitted (silent, or with a
-    /// request not yet decided), each oldest accepted first — so a peer cannot move its
-    /// connections back by sending more requests — then those admitted before, longest
-    /// idle first.
+    /// request not yet decided), then those never admitted whose token the issuer is
+    /// judging, each oldest accepted first — so a peer cannot move its connections back
+    /// by sending more requests — then those admitted before, longest idle first.
+    ///
+    /// A request whose token is with the issuer goes after the other undecided ones: the
+    /// issuer's places are few ([`crate::oauth::introspect::MAX_IN_FLIGHT`]), so those
+    /// connections are few, and a newcomer that closed one would throw away the issuer's
+    /// work and the place the request waited for — a churning flood of unjudged tokens
+    /// from many addresses, each evicting the oldest undecided connection, would otherwise
+    /// never let a request live as long as the issuer takes to answer.
     fn key(&self, id: u64) -> IdleKey {
         match (self.admitted, self.distrusted) {
             (0, true) => (0, self.accepted, id),
-            (0, false) => (1, self.accepted, id),
+            (0, false) if self.asking == 0 => (1, self.accepted, id),
+            (0, false) => (WITH_ISSUER, self.accepted, id),
             _ => (KEPT_ALIVE, self.idle_since, id),
         }
     }
@@ -487,11 +498,15 @@ impl Slot {
 }
 
 /// Where a connection sorts among those that may give way: its rank (distrusted, never
-/// admitted, [`KEPT_ALIVE`]), then when it was accepted or went idle, then its id.
+/// admitted, [`WITH_ISSUER`], [`KEPT_ALIVE`]), then when it was accepted or went idle,
+/// then its id.
 type IdleKey = (u8, Instant, u64);
 
+/// The rank of connections never admitted whose request's token is with the issuer.
+const WITH_ISSUER: u8 = 2;
+
 /// The rank of connections kept alive after an admitted request: they give way last.
-const KEPT_ALIVE: u8 = 2;
+const KEPT_ALIVE: u8 = 3;
 
 /// Every open connection of a listener: the caps, and which idle one goes first.
 struct Table {
@@ -654,13 +669,19 @@ impl Inner {
         }
     }
 
-    /// The handler admitted a request on `id`: the connection holds its slot until the
-    /// request's answer has been sent.
-    fn admit_request(&mut self, id: u64) {
+    /// The handler admitted a request on `id` (`was_asking`: its token was with the
+    /// issuer): the connection holds its slot until the request's answer has been sent.
+    fn admit_request(&mut self, id: u64, was_asking: bool) {
         self.rekey(id, |slot| {
             slot.held += 1;
             slot.admitted += 1;
+            slot.asking = slot.asking.saturating_sub(usize::from(was_asking));
         });
+    }
+
+    /// The token of a request on `id` went to the issuer.
+    fn ask_issuer(&mut self, id: u64) {
+        self.rekey(id, |slot| slot.asking += 1);
     }
 
     /// `id`'s handler knows the client of a request on it has failed lately.
@@ -668,10 +689,12 @@ impl Inner {
         self.rekey(id, |slot| slot.distrusted = true);
     }
 
-    /// A request on `id` was answered (or dropped); `admitted` if the handler admitted it.
-    fn end_request(&mut self, id: u64, admitted: bool, now: Instant) {
+    /// A request on `id` was answered (or dropped); `admitted` if the handler admitted it,
+    /// `was_asking` if (not admitted) its token went to the issuer.
+    fn end_request(&mut self, id: u64, admitted: bool, was_asking: bool, now: Instant) {
         self.rekey(id, |slot| {
             slot.active = slot.active.saturating_sub(1);
+            slot.asking = slot.asking.saturating_sub(usize::from(was_asking));
             // Only an admitted request's answer counts as the connection's last: a refused
             // one moves neither its idle deadline nor its place in the eviction order.
             if admitted {
@@ -753,6 +776,7 @@ impl Table {
             active: 0,
             held: 0,
             admitted: 0,
+            asking: 0,
             distrusted,
             accepted: now,
             idle_since: now,
@@ -820,6 +844,7 @@ impl Ticket {
         Busy(Arc::new(InFlight {
             ticket: self.clone(),
             admitted: AtomicBool::new(false),
+            asking: AtomicBool::new(false),
         }))
     }
 
@@ -989,17 +1014,20 @@ struct Busy(Arc<InFlight>);
 struct InFlight {
     ticket: Ticket,
     admitted: AtomicBool,
+    /// Its token is with the issuer, and it has not been admitted.
+    asking: AtomicBool,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         let admitted = self.admitted.load(Ordering::Relaxed);
+        let asking = self.asking.load(Ordering::Relaxed);
         let id = self.ticket.id;
         self.ticket
             .table
             .inner
             .lock()
-            .end_request(id, admitted, Instant::now());
+            .end_request(id, admitted, asking, Instant::now());
     }
 }
 
@@ -1011,12 +1039,36 @@ pub fn admit<B>(req: &http::Request<B>) {
     if let Some(Busy(request)) = req.extensions().get::<Busy>()
         && !request.admitted.swap(true, Ordering::Relaxed)
     {
+        let was_asking = request.asking.swap(false, Ordering::Relaxed);
         request
             .ticket
             .table
             .inner
             .lock()
-            .admit_request(request.ticket.id);
+            .admit_request(request.ticket.id, was_asking);
+    }
+}
+
+/// For `req` (come through [`serve`]): what to call when its token goes to the issuer.
+/// Until it is decided, its connection gives way after the other undecided ones
+/// ([`Slot::key`]); at most the issuer's places are such connections at once.
+pub fn asking_issuer<B>(req: &http::Request<B>) -> impl Fn() + Send + Sync + 'static {
+    let request = req
+        .extensions()
+        .get::<Busy>()
+        .map(|Busy(request)| Arc::downgrade(request));
+    move || {
+        if let Some(request) = request.as_ref().and_then(std::sync::Weak::upgrade)
+            && !request.admitted.load(Ordering::Relaxed)
+            && !request.asking.swap(true, Ordering::Relaxed)
+        {
+            request
+                .ticket
+                .table
+                .inner
+                .lock()
+                .ask_issuer(request.ticket.id);
+        }
     }
 }
 
@@ -1394,6 +1446,46 @@ mod tests {
         let (doubted, _) = t.admit(None, true, false, at(6));
         let (_d, evicted) = admit(&t, None, at(7));
         assert!(evicted && doubted.unwrap().kill.is_cancelled());
+    }
+
+    #[test]
+    fn a_request_whose_token_is_with_the_issuer_outlasts_younger_undecided_ones() {
+        let t = Arc::new(Table::new(3, None));
+        let t0 = Instant::now() - Duration::from_secs(60);
+        let at = |s| t0 + Duration::from_secs(s);
+        let (asking, _) = admit(&t, None, at(0));
+        let (kept, _) = admit(&t, None, at(1));
+        let (undecided, _) = admit(&t, None, at(2));
+        let (asking, kept, undecided) = (asking.unwrap(), kept.unwrap(), undecided.unwrap());
+        let request = |ticket: &Ticket| {
+            let mut req = http::Request::new(());
+            req.extensions_mut().insert(ticket.busy());
+            req
+        };
+        // One admitted and answered before: kept alive.
+        super::admit(&request(&kept));
+        let _pending = request(&undecided);
+        let with_issuer = request(&asking);
+        let sending = asking_issuer(&with_issuer);
+        sending();
+        sending();
+        assert_eq!(t.inner.lock().slots[&asking.id].asking, 1);
+        // The oldest, but its token is with the issuer: the younger undecided one goes.
+        let (newcomer, evicted) = admit(&t, None, at(3));
+        assert!(evicted && undecided.kill.is_cancelled() && !asking.kill.is_cancelled());
+        // Without younger undecided ones, it goes before the connection kept alive.
+        drop(newcomer);
+        assert_eq!(t.inner.lock().evictable(None, false), Some(asking.id));
+        // Admitted once the issuer answers, the mark is gone with the request.
+        let t = Arc::new(Table::new(3, None));
+        let (conn, _) = admit(&t, None, at(6));
+        let conn = conn.unwrap();
+        let req = request(&conn);
+        asking_issuer(&req)();
+        super::admit(&req);
+        drop(req);
+        let slot = &t.inner.lock().slots[&conn.id];
+        assert_eq!((slot.asking, slot.admitted, slot.held), (0, 1, 0));
     }
 
     #[test]

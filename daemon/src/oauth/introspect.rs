@@ -363,6 +363,7 @@ impl Introspector {
             abandoned: Some(asker.abandoned),
             metrics: &self.metrics,
         };
+        (asker.sending)();
         let asked = self.ask(fetcher, &url, token).await;
         pending.abandoned = None;
         let verdict = self.verdict(asked, &url, policy, digest, now);

@@ -54,6 +54,10 @@ pub struct Asker<'a> {
     /// Asked just before an opaque token goes to the issuer: may this client still cost
     /// it a request? `false` refuses the token `not-introspected`, nothing sent.
     pub may_introspect: &'a (dyn Fn() -> bool + Sync),
+    /// Called just before a request about its token goes to the issuer (never for a
+    /// token answered from the cache or by another request's question): its connection
+    /// then outlasts the other undecided ones, so the answer has someone to reach.
+    pub sending: &'a (dyn Fn() + Sync),
     /// Called when a request about its token was sent to the issuer and the asker went
     /// away before the answer (its connection closed, reset or evicted): the issuer did
     /// the work, so it counts as the client's failure.
@@ -74,6 +78,7 @@ impl Asker<'static> {
             suspect: false,
             failing: false,
             may_introspect: &always,
+            sending: &nothing,
             abandoned: &nothing,
         }
     }

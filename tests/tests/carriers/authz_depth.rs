@@ -824,6 +824,68 @@ async fn floods_from_many_addresses_holding_one_connection_each_shut_nobody_out(
     assert_eq!(resp.status, 200, "issuer 3 s: {}", resp.describe());
 }
 
+/// The reproduction of the eighth outside attack: 64 addresses holding one connection
+/// each send random opaque tokens while the issuer takes 1 s, each coming back at once
+/// when its connection is closed to make room — so every newcomer evicts the oldest
+/// undecided connection, and each lives some 40 ms. A fresh valid opaque token from
+/// another address, sent as soon as the flood fills the listener (before the issuer has
+/// judged any of the flood's tokens) and asked again on a new connection whenever it is
+/// not answered, is served within 30 s: until the flood's addresses have failed, it gets
+/// one address's share of the issuer's places (2–10 s here; 6–24 s with the issuer
+/// taking 3 s), and its request holds its connection once its token is with the issuer.
+/// Before, it was never served. A JWT client is served within 1 s throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_churning_flood_of_fresh_opaque_tokens_lets_a_valid_one_in() {
+    let oidc = Oidc::start(300);
+    let d = daemon(&oidc, &[], &oidc.introspection_section("60s"), None);
+    let jwt = token(&oidc, &d, JWT_CLIENT, "mcp").await;
+    let fresh = token(&oidc, &d, OPAQUE_CLIENT, "mcp").await;
+    let many: Vec<std::net::IpAddr> = (1..=64).map(|i| [127, 0, 2, i].into()).collect();
+    oidc.set_introspection_delay(Some(Duration::from_secs(1)));
+    let flood = Flood::start(&d, &many, 1, random_opaque, "64 addresses, issuer 1 s").await;
+    let started = std::time::Instant::now();
+    let mut tries = Vec::new();
+    let served = loop {
+        let attempt = std::time::Instant::now();
+        let resp = tokio::time::timeout(
+            Duration::from_secs(8),
+            robota_e2e::http::try_exchange_from(
+                [127, 0, 0, 7].into(),
+                d.remote_addr(),
+                &remote_mcp(Some(&fresh), &tools_list(99)),
+            ),
+        )
+        .await;
+        let outcome = match resp {
+            Ok(Ok(r)) if r.status == 200 => break Some(started.elapsed()),
+            Ok(Ok(r)) => format!("{}", r.status),
+            Ok(Err(e)) => format!("{:?}", e.kind()),
+            Err(_) => "timeout".to_owned(),
+        };
+        tries.push(format!("{outcome} after {:?}", attempt.elapsed()));
+        if started.elapsed() > Duration::from_secs(30) {
+            break None;
+        }
+    };
+    let slow = slow_jwt_calls(&d, &jwt).await;
+    let evicted = metric(
+        &d,
+        &["robota_mcpd_connections_total", "outcome=\"evicted\""],
+    );
+    drop(flood);
+    oidc.set_introspection_delay(None);
+    eprintln!(
+        "served after {served:?}, {} tries before (the last: {:?}); evicted {evicted}",
+        tries.len(),
+        tries.last()
+    );
+    assert!(slow.is_empty(), "churning flood, issuer 3 s: {slow:?}");
+    assert!(
+        served.is_some(),
+        "the valid opaque token was not served within 30 s: {tries:?}"
+    );
+}
+
 /// An address over its failure budget costs the issuer a bounded number of introspection
 /// requests per window, whatever it sends: its failures up to the budget, then the
 /// allowance of an address over budget.

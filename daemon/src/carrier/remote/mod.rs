@@ -244,11 +244,14 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                         c.throttle.record_failure(client, Instant::now());
                     }
                 };
+                // Its connection outlasts undecided ones while the issuer judges its token.
+                let sending = server::asking_issuer(&req);
                 let asker = Asker {
                     client: c.throttle.client(client),
                     suspect,
                     failing,
                     may_introspect: &may_introspect,
+                    sending: &sending,
                     abandoned: &abandoned,
                 };
                 c.verifier
