@@ -296,6 +296,10 @@ closed_set! {
         /// Sent, and the request that asked went away before the answer (its connection
         /// closed, reset or evicted): counted as that client's failure.
         Abandoned = "abandoned",
+        /// Not sent: less than 1 s before, a request got no usable answer for a reason no
+        /// token could cause (unreachable, time-out, a status but 200 or 400), so the
+        /// issuer is rested rather than asked again.
+        Resting = "resting",
     }
 }
 

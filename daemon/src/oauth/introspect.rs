@@ -55,6 +55,12 @@ pub const KEPT_FOR_CLEAN: usize = 4;
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Least time between two on-demand discoveries of the endpoint after one failed.
 pub const DISCOVERY_COOLDOWN: Duration = Duration::from_secs(30);
+/// How long no token goes to the issuer after a request got no usable answer from it
+/// (`introspection-unavailable` meanwhile): an issuer refusing the daemon's credentials,
+/// overloaded or failing is asked at most a place-full of times per rest, not once per
+/// unknown token a peer sends. Not after a 400 or a 200 that is no introspection answer:
+/// one odd token might bring those, and its sender must not rest the issuer for everyone.
+pub const ERROR_REST: Duration = Duration::from_secs(1);
 /// The `Retry-After` of a 503 `introspection-unavailable`.
 pub const RETRY_AFTER_SECS: u64 = 5;
 /// Most answers the cache holds (when full: lapsed entries, then the oldest, go).
@@ -209,6 +215,8 @@ pub(crate) struct Introspector {
     ttl: Duration,
     places: Places,
     asking: Asking,
+    /// Until when no token goes to the issuer ([`ERROR_REST`] after its last error).
+    resting_until: Mutex<Option<std::time::Instant>>,
     metrics: Metrics,
     cache: Mutex<AnswerCache>,
     clock: Clock,
@@ -243,6 +251,7 @@ impl Introspector {
             ttl: settings.cache,
             places: Places::new(MAX_IN_FLIGHT, PER_CLIENT, KEPT_FOR_CLEAN),
             asking: Asking::default(),
+            resting_until: Mutex::new(None),
             metrics,
             cache: Mutex::new(AnswerCache::default()),
             clock,
@@ -354,6 +363,10 @@ impl Introspector {
         if let Some(answer) = self.cache.lock().get(digest, now) {
             return answer;
         }
+        if self.resting() {
+            self.metrics.introspection(IntrospectionOutcome::Resting);
+            return Err(Reason::IntrospectionUnavailable);
+        }
         if !(asker.may_introspect)() {
             return Err(Reason::NotIntrospected);
         }
@@ -406,7 +419,7 @@ impl Introspector {
     /// answer is cached.
     fn verdict(
         &self,
-        asked: Result<serde_json::Map<String, Value>, String>,
+        asked: Result<serde_json::Map<String, Value>, NoAnswer>,
         url: &Url,
         policy: &Policy,
         digest: &[u8; 32],
@@ -414,8 +427,14 @@ impl Introspector {
     ) -> Result<Principal, Reason> {
         let answer = match asked {
             Ok(answer) => answer,
-            Err(why) => {
+            Err(NoAnswer {
+                why,
+                issuer_at_fault,
+            }) => {
                 self.metrics.introspection(IntrospectionOutcome::Error);
+                if issuer_at_fault {
+                    *self.resting_until.lock() = Some((self.clock)() + ERROR_REST);
+                }
                 tracing::warn!(endpoint = %url, error = %why, "token introspection failed; refusing with introspection-unavailable");
                 return Err(Reason::IntrospectionUnavailable);
             }
@@ -450,6 +469,13 @@ impl Introspector {
         if let Some(until) = until.filter(|until| *until > now) {
             self.cache.lock().insert(*digest, answer, until, now);
         }
+    }
+
+    /// Whether the issuer is resting after an error ([`ERROR_REST`]).
+    fn resting(&self) -> bool {
+        self.resting_until
+            .lock()
+            .is_some_and(|until| (self.clock)() < until)
     }
 
     /// The form and the `Authorization` header of one request.
@@ -499,20 +525,42 @@ impl Introspector {
         fetcher: &Fetcher,
         url: &Url,
         token: &str,
-    ) -> Result<serde_json::Map<String, Value>, String> {
-        let (form, authorization) = self.request(token)?;
+    ) -> Result<serde_json::Map<String, Value>, NoAnswer> {
+        let (form, authorization) = self.request(token).map_err(|why| NoAnswer {
+            why,
+            issuer_at_fault: true,
+        })?;
         let body = fetcher
             .post_form(url, form, authorization, INTROSPECTION_TIMEOUT)
             .await
-            .map_err(|e: FetchError| crate::error_chain(&e))?;
+            .map_err(|e: FetchError| NoAnswer {
+                // RFC 7662 answers a token it does not know `active: false`; so an error
+                // status is the issuer's state or the daemon's credentials, never the
+                // token's doing — except a 400, which an issuer may give one odd token
+                // (and which must not let its sender rest the issuer for everyone).
+                issuer_at_fault: !matches!(e, FetchError::Status { status: 400, .. }),
+                why: crate::error_chain(&e),
+            })?;
+        let token_specific = |why: &str| NoAnswer {
+            why: why.to_owned(),
+            issuer_at_fault: false,
+        };
         let StrictObject(answer) = serde_json::from_slice(&body).map_err(|_| {
-            "the answer is not a JSON object (without duplicate members)".to_owned()
+            token_specific("the answer is not a JSON object (without duplicate members)")
         })?;
         if !matches!(answer.get("active"), Some(Value::Bool(_))) {
-            return Err("the answer has no boolean `active`".to_owned());
+            return Err(token_specific("the answer has no boolean `active`"));
         }
         Ok(answer)
     }
+}
+
+/// Why a request to the issuer brought no usable answer.
+struct NoAnswer {
+    /// For the log: never the token or the secret.
+    why: String,
+    /// Not something one token could cause: the issuer rests ([`ERROR_REST`]).
+    issuer_at_fault: bool,
 }
 
 /// A request sent to the issuer whose answer has not come back yet.
@@ -1018,11 +1066,45 @@ mod tests {
                 Err(Reason::IntrospectionUnavailable),
                 "{route:?}"
             );
+            s.clock.advance(ERROR_REST);
         }
         assert_eq!(s.count(IntrospectionOutcome::Error), 8);
         // Nothing was cached: the issuer back, the token is admitted.
         s.answer(&active());
         assert!(s.verdict(OPAQUE).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn after_an_error_the_issuer_rests_before_it_is_asked_again() {
+        let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
+        // The daemon's credentials refused: every token would be one more request.
+        s.server.route("/introspect", Route::status(401));
+        for i in 0..20 {
+            let token = format!("unknown-{i}");
+            assert_eq!(
+                s.verdict(&token).await,
+                Err(Reason::IntrospectionUnavailable)
+            );
+        }
+        assert_eq!(s.server.hits("/introspect"), 1);
+        assert_eq!(s.count(IntrospectionOutcome::Error), 1);
+        assert_eq!(s.count(IntrospectionOutcome::Resting), 19);
+        // Rested, it is asked again; an answer ends the rest.
+        s.clock.advance(ERROR_REST);
+        s.answer(&active());
+        assert!(s.verdict(OPAQUE).await.is_ok());
+        s.answer(&json!({"active": false}));
+        assert_eq!(s.verdict("another").await, Err(Reason::Expired));
+        assert_eq!(s.server.hits("/introspect"), 3);
+        // A 400 may be about the one token: no rest.
+        s.server.route("/introspect", Route::status(400));
+        for token in ["odd-1", "odd-2"] {
+            assert_eq!(
+                s.verdict(token).await,
+                Err(Reason::IntrospectionUnavailable)
+            );
+        }
+        assert_eq!(s.server.hits("/introspect"), 5);
     }
 
     #[tokio::test(start_paused = true)]

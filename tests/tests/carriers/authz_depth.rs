@@ -227,7 +227,9 @@ async fn the_issuer_going_away_is_503_uncounted_then_recovery() {
     let unavailable = audited(&d, "introspection-unavailable");
     assert_eq!(unavailable.len(), 3, "{unavailable:?}");
     assert!(unavailable.iter().all(|r| r["throttled"] == false));
-    assert!(introspections(&d, "error") >= 3.0);
+    // The first found the issuer gone; the next came within its 1 s rest and were not sent.
+    assert_eq!(introspections(&d, "error"), 1.0);
+    assert_eq!(introspections(&d, "resting"), 2.0);
     // JWTs need no issuer round trip: the held keys verify them.
     assert_eq!(call(&d, &jwt, &list).await.status, 200);
     // The first counted failure is a plain 401 (two are allowed per window; after three
@@ -237,6 +239,8 @@ async fn the_issuer_going_away_is_503_uncounted_then_recovery() {
     assert_eq!(resp.status, 401, "{}", resp.describe());
 
     oidc.start_again();
+    // Past the rest, the issuer is asked again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     // It forgot every token it issued (kept in memory): the old one is inactive now.
     let resp = call(&d, &unused, &list).await;
     assert_eq!(resp.status, 401, "{}", resp.describe());
@@ -884,6 +888,64 @@ async fn a_churning_flood_of_fresh_opaque_tokens_lets_a_valid_one_in() {
         served.is_some(),
         "the valid opaque token was not served within 30 s: {tries:?}"
     );
+}
+
+/// Found by the eighth outside attack: an issuer that answers errors (here 401, the
+/// daemon's client secret wrong) was asked once per unknown token, ~1 200 times a second
+/// from one address, since an error counts against no client. Now after each error the
+/// issuer rests 1 s, every opaque token meanwhile 503 without a request: eight addresses
+/// sending random opaque tokens for 4 s cost it at most a place-full (16) per second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_issuer_answering_errors_is_rested_not_asked_per_token() {
+    use std::os::unix::fs::PermissionsExt;
+    let oidc = Oidc::start(300);
+    let dir = tempfile::tempdir().expect("dir");
+    let wrong = dir.path().join("wrong.secret");
+    std::fs::write(&wrong, "not-the-introspection-secret\n").expect("secret");
+    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).expect("mode");
+    let section = oidc.introspection_section("60s").replace(
+        &serde_json::to_string(&oidc.secret_file()).expect("path"),
+        &serde_json::to_string(&wrong).expect("path"),
+    );
+    assert!(section.contains("wrong.secret"), "{section}");
+    let d = daemon(&oidc, &[], &section, None);
+    let addr = d.remote_addr();
+    let started = std::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..8u8 {
+        tasks.spawn(async move {
+            let from = std::net::IpAddr::from([127, 0, 3, n + 1]);
+            let mut seen = Vec::new();
+            while started.elapsed() < Duration::from_secs(4) {
+                let req = remote_mcp(Some(&random_opaque()), &tools_list(1));
+                if let Ok(r) = robota_e2e::http::try_exchange_from(from, addr, &req).await {
+                    seen.push(r.status);
+                }
+            }
+            seen
+        });
+    }
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    while let Some(seen) = tasks.join_next().await {
+        for s in seen.expect("client") {
+            *statuses.entry(s).or_default() += 1;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (sent, rested) = (introspections(&d, "error"), introspections(&d, "resting"));
+    eprintln!("{statuses:?} in {seconds:.1} s; {sent} sent, {rested} not sent while resting");
+    // Every answer 503, none counted (no 429).
+    assert_eq!(
+        statuses.keys().copied().collect::<Vec<_>>(),
+        [503],
+        "{statuses:?}"
+    );
+    assert!(statuses[&503] >= 100, "{statuses:?}");
+    assert!(
+        sent <= 16.0 * (seconds.ceil() + 1.0),
+        "{sent} requests to an issuer answering errors in {seconds:.1} s"
+    );
+    assert!(rested >= 4.0 * sent, "{rested} rested, {sent} sent");
 }
 
 /// An address over its failure budget costs the issuer a bounded number of introspection
