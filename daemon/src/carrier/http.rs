@@ -225,10 +225,12 @@ const READ_WAIT: Duration = Duration::from_millis(100);
 /// [`Table::admit`]; when nothing may give way but a connection accepted earlier has not
 /// been read yet, first wait (at most [`READ_WAIT`], accepting nothing meanwhile) for the
 /// connections' tasks to read what their peers sent — meanwhile sparing the connections
-/// clients keep alive, which would otherwise be all that could give way. So the accept
-/// loop never outruns the connections it accepted, evicting them before they could be
-/// served: a flood of connections waits its turn in the kernel's accept queue with
-/// everyone else.
+/// clients keep alive and those whose token is with the issuer, which would otherwise be
+/// all that could give way. So the accept loop never outruns the connections it
+/// accepted, evicting them before they could be served (or, a newcomer at a time,
+/// closing requests the issuer is already working on: each would cost the issuer a
+/// request for nothing): a flood of connections waits its turn in the kernel's accept
+/// queue with everyone else.
 async fn admit_once_read(
     table: &Arc<Table>,
     group: Option<IpAddr>,
@@ -237,7 +239,8 @@ async fn admit_once_read(
 ) -> (Option<Ticket>, bool) {
     let deadline = Instant::now() + READ_WAIT;
     loop {
-        // While connections wait to be read, a client's kept-alive one is not what gives way.
+        // While connections wait to be read, a client's kept-alive one, or one whose token
+        // is with the issuer, is not what gives way.
         let patient = Instant::now() < deadline && table.inner.lock().any_unread();
         let (ticket, evicted) = table.admit(group, distrusted, patient, Instant::now());
         if ticket.is_some() || evicted || !patient {
@@ -541,15 +544,15 @@ impl Inner {
         self.evictable_among(group, false)
     }
 
-    /// [`Self::evictable_in`]; sparing connections kept alive after an admitted request
-    /// when `spare_kept` is set.
-    fn evictable_among(&self, group: Option<IpAddr>, spare_kept: bool) -> Option<IdleKey> {
+    /// [`Self::evictable_in`]; with `spare`, sparing connections kept alive after an
+    /// admitted request and those whose token is with the issuer.
+    fn evictable_among(&self, group: Option<IpAddr>, spare: bool) -> Option<IdleKey> {
         self.groups
             .get(&group)?
             .idle
             .iter()
             .copied()
-            .take_while(|(rank, _, _)| !spare_kept || *rank < KEPT_ALIVE)
+            .take_while(|(rank, _, _)| !spare || *rank < WITH_ISSUER)
             .find(|(_, _, id)| {
                 self.slots.get(id).is_some_and(|s| {
                     s.active > 0
@@ -575,9 +578,9 @@ impl Inner {
     ///
     /// Only a group at least as big as the newcomer's would be gives way to it (its own
     /// always may): a client holding one connection never loses it to a peer that holds
-    /// more. With `spare_kept`, connections kept alive after an admitted request do not
-    /// give way.
-    fn evictable(&self, newcomer: Option<IpAddr>, spare_kept: bool) -> Option<u64> {
+    /// more. With `spare`, connections kept alive after an admitted request and those
+    /// whose token is with the issuer do not give way.
+    fn evictable(&self, newcomer: Option<IpAddr>, spare: bool) -> Option<u64> {
         let theirs = newcomer.map_or(0, |g| self.groups.get(&Some(g)).map_or(0, |g| g.open) + 1);
         let mut best: Option<(u8, Reverse<usize>, Instant, u64)> = None;
         for &(Reverse(open), group) in &self.by_size {
@@ -588,7 +591,7 @@ impl Inner {
             if newcomer != Some(group) && open < theirs {
                 continue;
             }
-            if let Some((rank, since, id)) = self.evictable_among(Some(group), spare_kept) {
+            if let Some((rank, since, id)) = self.evictable_among(Some(group), spare) {
                 let candidate = (rank, Reverse(open), since, id);
                 if best.is_none_or(|b| candidate < b) {
                     best = Some(candidate);
@@ -596,7 +599,7 @@ impl Inner {
             }
         }
         best.map(|(.., id)| id)
-            .or_else(|| self.evictable_among(None, spare_kept).map(|(_, _, id)| id))
+            .or_else(|| self.evictable_among(None, spare).map(|(_, _, id)| id))
     }
 
     fn resize(&mut self, group: Option<IpAddr>, change: impl FnOnce(&mut usize)) {
@@ -733,13 +736,13 @@ impl Table {
     /// `distrusted`: its client has failed lately), making room by evicting a connection
     /// that may give way when full. Returns the ticket (None: refused, nothing could give
     /// way) and whether a connection was evicted.
-    /// With `spare_kept`, a full listener makes no room from connections kept alive
-    /// after an admitted request.
+    /// With `spare`, a full listener makes no room from connections kept alive after an
+    /// admitted request, nor from those whose token is with the issuer.
     fn admit(
         self: &Arc<Self>,
         group: Option<IpAddr>,
         distrusted: bool,
-        spare_kept: bool,
+        spare: bool,
         now: Instant,
     ) -> (Option<Ticket>, bool) {
         let mut inner = self.inner.lock();
@@ -758,7 +761,7 @@ impl Table {
             }
         }
         if inner.slots.len() >= self.max {
-            match inner.evictable(group, spare_kept) {
+            match inner.evictable(group, spare) {
                 Some(id) => {
                     evict(&mut inner, id);
                     evicted = true;
@@ -1371,6 +1374,23 @@ mod tests {
         // Once the wait is over, it gives way.
         let (newcomer, evicted) = t.admit(None, false, false, later);
         assert!(newcomer.is_some() && evicted && kept.kill.is_cancelled());
+    }
+
+    #[test]
+    fn while_connections_wait_to_be_read_one_whose_token_is_with_the_issuer_is_spared() {
+        let t = Arc::new(Table::new(2, None));
+        let now = Instant::now() - Duration::from_secs(60);
+        let (asking, _) = admit(&t, None, now);
+        let asking = asking.unwrap();
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(asking.busy());
+        asking_issuer(&req)();
+        let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
+        let later = now + Duration::from_secs(2);
+        assert!(t.admit(None, false, true, later).0.is_none());
+        assert!(!asking.kill.is_cancelled());
+        let (newcomer, evicted) = t.admit(None, false, false, later);
+        assert!(newcomer.is_some() && evicted && asking.kill.is_cancelled());
     }
 
     /// A request on `ticket` that its handler admitted (the connection holds its slot).

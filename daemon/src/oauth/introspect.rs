@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use super::cache::ByDigest;
 use super::claims::{Policy, StrictObject, check_claims};
 use super::jwks::{FetchError, Fetcher, https_url};
-use super::places::Places;
+use super::places::{Place, Places};
 use super::{Asker, Clock, MAX_TOKEN_BYTES, Principal};
 use crate::bearer::Secret;
 use crate::metrics::Metrics;
@@ -346,7 +346,7 @@ impl Introspector {
             return Err(Reason::IntrospectionUnavailable);
         };
         let deadline = tokio::time::Instant::now() + SLOT_WAIT;
-        let Some(_place) = self
+        let Some(place) = self
             .places
             .take(asker.client, asker.failing, deadline)
             .await
@@ -377,7 +377,7 @@ impl Introspector {
             metrics: &self.metrics,
         };
         (asker.sending)();
-        let asked = self.ask(fetcher, &url, token).await;
+        let asked = self.ask(fetcher, &url, token, place).await;
         pending.abandoned = None;
         let verdict = self.verdict(asked, &url, policy, digest, now);
         question.answer(&verdict);
@@ -518,21 +518,40 @@ impl Introspector {
         Ok((form.finish(), authorization))
     }
 
-    /// POST the token; the answer when it is a JSON object without duplicate members
-    /// whose `active` is a boolean. The error says why, never with the token or secret.
+    /// POST the token, holding `place`; the answer when it is a JSON object without
+    /// duplicate members whose `active` is a boolean. The error says why, never with the
+    /// token or secret.
+    ///
+    /// The request runs to its end — the answer, or [`INTROSPECTION_TIMEOUT`] — in a task
+    /// of its own that holds the place, even when the asker goes away: the issuer works
+    /// on it either way, so it counts among the requests in flight until then. So peers
+    /// whose connections close (or are closed to make room) while their tokens are with
+    /// the issuer never have more than [`MAX_IN_FLIGHT`] requests on it at once.
     async fn ask(
         &self,
         fetcher: &Fetcher,
         url: &Url,
         token: &str,
+        place: Place,
     ) -> Result<serde_json::Map<String, Value>, NoAnswer> {
         let (form, authorization) = self.request(token).map_err(|why| NoAnswer {
             why,
             issuer_at_fault: true,
         })?;
-        let body = fetcher
-            .post_form(url, form, authorization, INTROSPECTION_TIMEOUT)
+        let (fetcher, url) = (fetcher.clone(), url.clone());
+        let sent = tokio::spawn(async move {
+            let answer = fetcher
+                .post_form(&url, form, authorization, INTROSPECTION_TIMEOUT)
+                .await;
+            drop(place);
+            answer
+        });
+        let body = sent
             .await
+            .map_err(|_| NoAnswer {
+                why: "the introspection request's task ended without an answer".to_owned(),
+                issuer_at_fault: true,
+            })?
             .map_err(|e: FetchError| NoAnswer {
                 // RFC 7662 answers a token it does not know `active: false`; so an error
                 // status is the issuer's state or the daemon's credentials, never the
@@ -1128,6 +1147,32 @@ mod tests {
             client: std::net::IpAddr::from([198, 51, 100, n]),
             ..Asker::anyone()
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_asker_went_away_holds_its_place_until_it_ends() {
+        let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
+        s.server.route("/introspect", Route::hang());
+        for token in ["gone-1", "gone-2"] {
+            let gone = tokio::time::timeout(
+                Duration::from_millis(500),
+                s.verifier.verify(token, now(), from(1)),
+            )
+            .await;
+            assert!(gone.is_err());
+        }
+        // The issuer still works on both: the client's two places are taken.
+        assert_eq!(
+            s.verifier.verify("third", now(), from(1)).await,
+            Err(Reason::IntrospectionUnavailable)
+        );
+        assert_eq!(s.count(IntrospectionOutcome::Busy), 1);
+        assert_eq!(s.server.hits("/introspect"), 2);
+        // Once the time limit has ended them, the places are free again (and the errors
+        // nobody waited for did not rest the issuer).
+        tokio::time::sleep(INTROSPECTION_TIMEOUT).await;
+        s.answer(&active());
+        assert!(s.verifier.verify(OPAQUE, now(), from(1)).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]

@@ -452,7 +452,8 @@ pub(crate) fn https_url(s: &str) -> Option<Url> {
     .then_some(url)
 }
 
-/// The HTTPS client for discovery and key-set fetches.
+/// The HTTPS client for discovery and key-set fetches (a clone shares its connections).
+#[derive(Clone)]
 pub(crate) struct Fetcher {
     client: reqwest::Client,
     metrics: Metrics,
