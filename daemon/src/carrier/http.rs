@@ -1361,36 +1361,28 @@ mod tests {
     }
 
     #[test]
-    fn while_connections_wait_to_be_read_a_kept_alive_one_is_spared() {
-        let t = Arc::new(Table::new(2, None));
-        let now = Instant::now() - Duration::from_secs(60);
-        let (kept, _) = admit(&t, None, now);
-        let kept = kept.unwrap();
-        drop(serving(&kept));
-        let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
-        let later = now + Duration::from_secs(2);
-        assert!(t.admit(None, false, true, later).0.is_none());
-        assert!(!kept.kill.is_cancelled());
-        // Once the wait is over, it gives way.
-        let (newcomer, evicted) = t.admit(None, false, false, later);
-        assert!(newcomer.is_some() && evicted && kept.kill.is_cancelled());
-    }
-
-    #[test]
-    fn while_connections_wait_to_be_read_one_whose_token_is_with_the_issuer_is_spared() {
-        let t = Arc::new(Table::new(2, None));
-        let now = Instant::now() - Duration::from_secs(60);
-        let (asking, _) = admit(&t, None, now);
-        let asking = asking.unwrap();
-        let mut req = http::Request::new(());
-        req.extensions_mut().insert(asking.busy());
-        asking_issuer(&req)();
-        let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
-        let later = now + Duration::from_secs(2);
-        assert!(t.admit(None, false, true, later).0.is_none());
-        assert!(!asking.kill.is_cancelled());
-        let (newcomer, evicted) = t.admit(None, false, false, later);
-        assert!(newcomer.is_some() && evicted && asking.kill.is_cancelled());
+    fn while_connections_wait_to_be_read_kept_alive_and_asking_ones_are_spared() {
+        for kept_alive in [true, false] {
+            let t = Arc::new(Table::new(2, None));
+            let now = Instant::now() - Duration::from_secs(60);
+            let (spared, _) = admit(&t, None, now);
+            let spared = spared.unwrap();
+            // Kept alive after an admitted request, or its token with the issuer.
+            let mut req = http::Request::new(());
+            if kept_alive {
+                drop(serving(&spared));
+            } else {
+                req.extensions_mut().insert(spared.busy());
+                asking_issuer(&req)();
+            }
+            let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
+            let later = now + Duration::from_secs(2);
+            assert!(t.admit(None, false, true, later).0.is_none());
+            assert!(!spared.kill.is_cancelled(), "kept alive: {kept_alive}");
+            // Once the wait is over, it gives way.
+            let (newcomer, evicted) = t.admit(None, false, false, later);
+            assert!(newcomer.is_some() && evicted && spared.kill.is_cancelled());
+        }
     }
 
     /// A request on `ticket` that its handler admitted (the connection holds its slot).

@@ -8,10 +8,12 @@
 //! - Every request is an https POST through the verifier's fetcher (rustls, no proxy, no
 //!   redirect, 64 KiB, [`INTROSPECTION_TIMEOUT`] in all) with client authentication
 //!   (`client_secret_basic` or `client_secret_post`); at most [`MAX_IN_FLIGHT`] run at
-//!   once, and a request waits at most [`SLOT_WAIT`] for a place.
+//!   once, and a request waits at most [`SLOT_WAIT`] for a place. A request sent holds its
+//!   place until it ends, whether or not its asker still waits.
 //! - No usable answer — unreachable, slow, a status but 200, a body that is not an
 //!   introspection answer, no place free — is `introspection-unavailable`: the carrier
-//!   answers 503 and never counts it toward throttling.
+//!   answers 503 and never counts it toward throttling. After one no token could cause,
+//!   the issuer rests [`ERROR_REST`].
 //! - Answers are cached by the SHA-256 of the token: an active one until the token's
 //!   `exp` or `[remote.introspection] cache`, whichever comes first; an inactive one for
 //!   `cache`. Refusals of the claim rules are not cached.
