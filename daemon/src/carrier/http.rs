@@ -1368,13 +1368,14 @@ mod tests {
             let (spared, _) = admit(&t, None, now);
             let spared = spared.unwrap();
             // Kept alive after an admitted request, or its token with the issuer.
-            let mut req = http::Request::new(());
-            if kept_alive {
+            let _asking = if kept_alive {
                 drop(serving(&spared));
+                None
             } else {
-                req.extensions_mut().insert(spared.busy());
+                let req = pending(&spared);
                 asking_issuer(&req)();
-            }
+                Some(req)
+            };
             let (_unread, _) = t.admit(None, false, false, now + Duration::from_secs(1));
             let later = now + Duration::from_secs(2);
             assert!(t.admit(None, false, true, later).0.is_none());
@@ -1385,13 +1386,18 @@ mod tests {
         }
     }
 
+    /// A request on `ticket` that its handler has not decided on yet.
+    fn pending(ticket: &Ticket) -> http::Request<()> {
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(ticket.busy());
+        req
+    }
+
     /// A request on `ticket` that its handler admitted (the connection holds its slot).
     fn serving(ticket: &Ticket) -> Busy {
-        let busy = ticket.busy();
-        let mut req = http::Request::new(());
-        req.extensions_mut().insert(busy.clone());
+        let req = pending(ticket);
         super::admit(&req);
-        busy
+        req.extensions().get::<Busy>().cloned().expect("in flight")
     }
 
     #[test]
@@ -1416,14 +1422,12 @@ mod tests {
         // The newcomer's request: undecided, it may give way; admitted, it holds until
         // answered; then idle, it may again.
         let newcomer = newcomer.unwrap();
-        let busy = newcomer.busy();
+        let req = pending(&newcomer);
         assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
-        let mut req = http::Request::new(());
-        req.extensions_mut().insert(busy.clone());
         super::admit(&req);
         super::admit(&req);
         assert!(!t.inner.lock().idle_ids().contains(&newcomer.id));
-        drop((busy, req));
+        drop(req);
         assert!(t.inner.lock().idle_ids().contains(&newcomer.id));
         let slot = &t.inner.lock().slots[&newcomer.id];
         assert_eq!((slot.held, slot.admitted, slot.distrusted), (0, 1, false));
@@ -1446,9 +1450,7 @@ mod tests {
         assert!(evicted && refused.kill.is_cancelled());
         assert!(!silent.kill.is_cancelled() && !undecided.kill.is_cancelled());
         // Then the never-admitted by when they came, unless their handler distrusts them.
-        let pending = undecided.busy();
-        let mut req = http::Request::new(());
-        req.extensions_mut().insert(pending);
+        let req = pending(&undecided);
         distrust(&req);
         let (_b, evicted) = admit(&t, None, at(4));
         assert!(evicted && undecided.kill.is_cancelled() && !silent.kill.is_cancelled());
@@ -1469,15 +1471,10 @@ mod tests {
         let (kept, _) = admit(&t, None, at(1));
         let (undecided, _) = admit(&t, None, at(2));
         let (asking, kept, undecided) = (asking.unwrap(), kept.unwrap(), undecided.unwrap());
-        let request = |ticket: &Ticket| {
-            let mut req = http::Request::new(());
-            req.extensions_mut().insert(ticket.busy());
-            req
-        };
         // One admitted and answered before: kept alive.
-        super::admit(&request(&kept));
-        let _pending = request(&undecided);
-        let with_issuer = request(&asking);
+        super::admit(&pending(&kept));
+        let _undecided = pending(&undecided);
+        let with_issuer = pending(&asking);
         let sending = asking_issuer(&with_issuer);
         sending();
         sending();
@@ -1492,7 +1489,7 @@ mod tests {
         let t = Arc::new(Table::new(3, None));
         let (conn, _) = admit(&t, None, at(6));
         let conn = conn.unwrap();
-        let req = request(&conn);
+        let req = pending(&conn);
         asking_issuer(&req)();
         super::admit(&req);
         drop(req);
