@@ -475,8 +475,9 @@ impl Slot {
     /// by sending more requests — then those admitted before, longest idle first.
     ///
     /// A request whose token is with the issuer goes after the other undecided ones: the
-    /// issuer's places are few ([`crate::oauth::introspect::MAX_IN_FLIGHT`]), so those
-    /// connections are few, and a newcomer that closed one would throw away the issuer's
+    /// issuer's places are few, at most half the listener's slots
+    /// ([`crate::oauth::introspect::places_for`]), so those connections never fill it,
+    /// and a newcomer that closed one would throw away the issuer's
     /// work and the place the request waited for — a churning flood of unjudged tokens
     /// from many addresses, each evicting the oldest undecided connection, would otherwise
     /// never let a request live as long as the issuer takes to answer.

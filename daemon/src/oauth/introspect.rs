@@ -8,8 +8,9 @@
 //! - Every request is an https POST through the verifier's fetcher (rustls, no proxy, no
 //!   redirect, 64 KiB, [`INTROSPECTION_TIMEOUT`] in all) with client authentication
 //!   (`client_secret_basic` or `client_secret_post`); at most [`MAX_IN_FLIGHT`] run at
-//!   once, and a request waits at most [`SLOT_WAIT`] for a place. A request sent holds its
-//!   place until it ends, whether or not its asker still waits.
+//!   once (fewer on a small listener: [`places_for`]), and a request waits at most
+//!   [`SLOT_WAIT`] for a place. A request sent holds its place until it ends, whether or
+//!   not its asker still waits.
 //! - No usable answer — unreachable, slow, a status but 200, a body that is not an
 //!   introspection answer, no place free — is `introspection-unavailable`: the carrier
 //!   answers 503 and never counts it toward throttling. After one no token could cause,
@@ -45,14 +46,22 @@ use crate::vocab::{ClientAuth, IntrospectionOutcome, Reason};
 
 /// Longest one introspection request (or an on-demand endpoint discovery) may take.
 pub const INTROSPECTION_TIMEOUT: Duration = Duration::from_secs(5);
-/// Introspection requests in flight at once, whatever tokens arrive.
+/// Introspection requests in flight at once, whatever tokens arrive; fewer on a small
+/// listener ([`places_for`]).
 pub const MAX_IN_FLIGHT: usize = 16;
 /// Of those, one client's (its address group) at most; a freed place goes to the waiting
 /// client with the fewest in flight, so a few busy clients never take every place.
 pub const PER_CLIENT: usize = 2;
-/// Of those, the places only clients that have not failed in the current throttle window
-/// may take; they also go first for every place that frees.
-pub const KEPT_FOR_CLEAN: usize = 4;
+/// How many introspection requests may run at once in front of a remote listener of
+/// `max_connections`: half its connections, between 1 and [`MAX_IN_FLIGHT`]. A connection
+/// whose token is with the issuer outlasts the other undecided ones (the listener's
+/// eviction order), so if such connections could fill the listener, a flood of unjudged
+/// tokens from more addresses than it has slots would leave only them to give way to
+/// each other, and a valid token's connection would be closed before its answer came.
+pub fn places_for(max_connections: usize) -> usize {
+    (max_connections / 2).clamp(1, MAX_IN_FLIGHT)
+}
+
 /// Longest a token waits for a place among them (then `introspection-unavailable`).
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Least time between two on-demand discoveries of the endpoint after one failed.
@@ -80,6 +89,8 @@ pub struct IntrospectionSettings {
     pub auth: ClientAuth,
     /// Longest an answer is reused; zero: never.
     pub cache: Duration,
+    /// Requests to the issuer at once ([`places_for`] the listener).
+    pub places: usize,
 }
 
 /// Why the client secret file was refused (a configuration error). Never the secret.
@@ -251,7 +262,10 @@ impl Introspector {
             secret: parking_lot::RwLock::new(None),
             auth: settings.auth,
             ttl: settings.cache,
-            places: Places::new(MAX_IN_FLIGHT, PER_CLIENT, KEPT_FOR_CLEAN),
+            // A quarter of the places (4 of 16) only clients that have not failed in the
+            // current throttle window may take; they also go first for every place that
+            // frees.
+            places: Places::new(settings.places, PER_CLIENT, settings.places.div_ceil(4)),
             asking: Asking::default(),
             resting_until: Mutex::new(None),
             metrics,
@@ -355,7 +369,7 @@ impl Introspector {
         else {
             self.metrics.introspection(IntrospectionOutcome::Busy);
             tracing::warn!(
-                in_flight = MAX_IN_FLIGHT,
+                in_flight = self.places.total(),
                 per_client = PER_CLIENT,
                 "no introspection request place came free within 1 s (every place busy, or the client's own); refusing with introspection-unavailable"
             );
@@ -765,6 +779,7 @@ mod tests {
                 client_secret_file: secret_file(dir.path(), "s3cr:et+/%\n", 0o600),
                 auth,
                 cache,
+                places: MAX_IN_FLIGHT,
             });
             let metrics = Metrics::new();
             let clock = ManualClock::new();
@@ -858,6 +873,15 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn the_places_are_half_the_listener_from_one_to_sixteen() {
+        let places: Vec<usize> = [1, 2, 3, 4, 8, 31, 32, 64, 65_536]
+            .into_iter()
+            .map(places_for)
+            .collect();
+        assert_eq!(places, [1, 1, 1, 2, 4, 15, 16, 16, 16]);
+    }
+
     #[tokio::test]
     async fn a_wide_secret_file_is_refused_at_start() {
         let dir = tempfile::tempdir().unwrap();
@@ -868,6 +892,7 @@ mod tests {
             client_secret_file: secret_file(dir.path(), "abc", 0o644),
             auth: ClientAuth::ClientSecretBasic,
             cache: Duration::from_secs(60),
+            places: MAX_IN_FLIGHT,
         });
         // Built (check-config reads no secret), then refused when the file is read.
         let v = JwtVerifier::build(c.clone(), Metrics::new()).unwrap();
