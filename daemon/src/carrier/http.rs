@@ -475,9 +475,8 @@ impl Slot {
     /// by sending more requests — then those admitted before, longest idle first.
     ///
     /// A request whose token is with the issuer goes after the other undecided ones: the
-    /// issuer's places are few, at most half the listener's slots
-    /// ([`crate::oauth::introspect::places_for`]), so those connections never fill it,
-    /// and a newcomer that closed one would throw away the issuer's
+    /// issuer's places are few ([`crate::oauth::introspect::MAX_IN_FLIGHT`]), so those
+    /// connections are few, and a newcomer that closed one would throw away the issuer's
     /// work and the place the request waited for — a churning flood of unjudged tokens
     /// from many addresses, each evicting the oldest undecided connection, would otherwise
     /// never let a request live as long as the issuer takes to answer.
@@ -1074,16 +1073,6 @@ pub fn asking_issuer<B>(req: &http::Request<B>) -> impl Fn() + Send + Sync + 'st
                 .ask_issuer(request.ticket.id);
         }
     }
-}
-
-/// Whether `req`'s connection was closed to make room for another (its client did not go
-/// away by itself): once it has, the request is being dropped.
-pub fn evicted<B>(req: &http::Request<B>) -> impl Fn() -> bool + Send + Sync + 'static {
-    let kill = req
-        .extensions()
-        .get::<Busy>()
-        .map(|Busy(request)| request.ticket.kill.clone());
-    move || kill.as_ref().is_some_and(CancellationToken::is_cancelled)
 }
 
 /// The handler knows `req`'s client has failed lately (bad tokens, say): until it is

@@ -441,7 +441,6 @@ fn jwt_config(remote: &crate::config::RemoteConfig, state_dir: &std::path::Path)
                 client_secret_file: i.client_secret_file.clone(),
                 auth: i.auth,
                 cache: i.cache,
-                places: crate::oauth::introspect::places_for(remote.bounds.max_connections),
             }
         }),
     }

@@ -8,9 +8,9 @@
 //! - Every request is an https POST through the verifier's fetcher (rustls, no proxy, no
 //!   redirect, 64 KiB, [`INTROSPECTION_TIMEOUT`] in all) with client authentication
 //!   (`client_secret_basic` or `client_secret_post`); at most [`MAX_IN_FLIGHT`] run at
-//!   once (fewer on a small listener: [`places_for`]), and a request waits at most
-//!   [`SLOT_WAIT`] for a place. A request sent holds its place until it ends, whether or
-//!   not its asker still waits.
+//!   once, and a request waits at most [`SLOT_WAIT`] for a place. A request sent runs to
+//!   its end in a task of its own, holding its place, whether or not its asker still
+//!   waits: its answer is cached, and a token it refuses counts against its client.
 //! - No usable answer — unreachable, slow, a status but 200, a body that is not an
 //!   introspection answer, no place free — is `introspection-unavailable`: the carrier
 //!   answers 503 and never counts it toward throttling. After one no token could cause,
@@ -27,18 +27,19 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use base64::Engine;
 use parking_lot::Mutex;
 use reqwest::Url;
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use super::cache::ByDigest;
 use super::claims::{Policy, StrictObject, check_claims};
 use super::jwks::{FetchError, Fetcher, https_url};
-use super::places::{Place, Places};
+use super::places::Places;
 use super::{Asker, Clock, MAX_TOKEN_BYTES, Principal};
 use crate::bearer::Secret;
 use crate::metrics::Metrics;
@@ -46,22 +47,14 @@ use crate::vocab::{ClientAuth, IntrospectionOutcome, Reason};
 
 /// Longest one introspection request (or an on-demand endpoint discovery) may take.
 pub const INTROSPECTION_TIMEOUT: Duration = Duration::from_secs(5);
-/// Introspection requests in flight at once, whatever tokens arrive; fewer on a small
-/// listener ([`places_for`]).
+/// Introspection requests in flight at once, whatever tokens arrive.
 pub const MAX_IN_FLIGHT: usize = 16;
 /// Of those, one client's (its address group) at most; a freed place goes to the waiting
 /// client with the fewest in flight, so a few busy clients never take every place.
 pub const PER_CLIENT: usize = 2;
-/// How many introspection requests may run at once in front of a remote listener of
-/// `max_connections`: half its connections, between 1 and [`MAX_IN_FLIGHT`]. A connection
-/// whose token is with the issuer outlasts the other undecided ones (the listener's
-/// eviction order), so if such connections could fill the listener, a flood of unjudged
-/// tokens from more addresses than it has slots would leave only them to give way to
-/// each other, and a valid token's connection would be closed before its answer came.
-pub fn places_for(max_connections: usize) -> usize {
-    (max_connections / 2).clamp(1, MAX_IN_FLIGHT)
-}
-
+/// Of those, the places only clients that have not failed in the current throttle window
+/// may take; they also go first for every place that frees.
+pub const KEPT_FOR_CLEAN: usize = 4;
 /// Longest a token waits for a place among them (then `introspection-unavailable`).
 pub const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// Least time between two on-demand discoveries of the endpoint after one failed.
@@ -89,8 +82,6 @@ pub struct IntrospectionSettings {
     pub auth: ClientAuth,
     /// Longest an answer is reused; zero: never.
     pub cache: Duration,
-    /// Requests to the issuer at once ([`places_for`] the listener).
-    pub places: usize,
 }
 
 /// Why the client secret file was refused (a configuration error). Never the secret.
@@ -262,10 +253,7 @@ impl Introspector {
             secret: parking_lot::RwLock::new(None),
             auth: settings.auth,
             ttl: settings.cache,
-            // A quarter of the places (4 of 16) only clients that have not failed in the
-            // current throttle window may take; they also go first for every place that
-            // frees.
-            places: Places::new(settings.places, PER_CLIENT, settings.places.div_ceil(4)),
+            places: Places::new(MAX_IN_FLIGHT, PER_CLIENT, KEPT_FOR_CLEAN),
             asking: Asking::default(),
             resting_until: Mutex::new(None),
             metrics,
@@ -345,9 +333,9 @@ impl Introspector {
     /// `asker` has a place and may still ask. One question per token at a time: tokens
     /// sent by many clients at once cost the issuer one request.
     pub(super) async fn check(
-        &self,
+        self: &Arc<Self>,
         fetcher: &Fetcher,
-        policy: &Policy,
+        policy: &Arc<Policy>,
         token: &str,
         digest: &[u8; 32],
         now: SystemTime,
@@ -369,7 +357,7 @@ impl Introspector {
         else {
             self.metrics.introspection(IntrospectionOutcome::Busy);
             tracing::warn!(
-                in_flight = self.places.total(),
+                in_flight = MAX_IN_FLIGHT,
                 per_client = PER_CLIENT,
                 "no introspection request place came free within 1 s (every place busy, or the client's own); refusing with introspection-unavailable"
             );
@@ -386,17 +374,56 @@ impl Introspector {
         if !(asker.may_introspect)() {
             return Err(Reason::NotIntrospected);
         }
-        // Sent from here on: if this future is dropped before the answer, the issuer did
-        // the work for nothing, and that counts against the asker.
-        let mut pending = Pending {
-            abandoned: Some(asker.abandoned),
-            metrics: &self.metrics,
+        let (form, authorization) = match self.request(token) {
+            Ok(request) => request,
+            Err(why) => {
+                let unasked = Err(NoAnswer {
+                    why,
+                    issuer_at_fault: true,
+                });
+                let verdict = self.verdict(unasked, &url, policy, digest, now);
+                question.answer(&verdict);
+                return verdict;
+            }
         };
         (asker.sending)();
-        let asked = self.ask(fetcher, &url, token, place).await;
-        pending.abandoned = None;
-        let verdict = self.verdict(asked, &url, policy, digest, now);
-        question.answer(&verdict);
+        // The request runs to its end — the answer, or the time limit — in a task of its
+        // own that holds the place, judges the answer, caches it and gives it to everyone
+        // waiting on the question, whether or not this asker still waits: the issuer
+        // works on it either way. So peers whose connections close (or are closed to make
+        // room) while their tokens are with the issuer never have more than the places'
+        // requests on it at once, a client that asks again finds the answer its last
+        // connection did not live to see, and a token the answer refuses counts against
+        // its client even when nobody waited for it.
+        let failed = (asker.late_failure)();
+        let (told, answered) = oneshot::channel();
+        let (this, fetcher, policy, digest) = (
+            Arc::clone(self),
+            fetcher.clone(),
+            Arc::clone(policy),
+            *digest,
+        );
+        tokio::spawn(async move {
+            let posted = fetcher
+                .post_form(&url, form, authorization, INTROSPECTION_TIMEOUT)
+                .await;
+            drop(place);
+            let verdict = this.verdict(read_answer(posted), &url, &policy, &digest, now);
+            question.answer(&verdict);
+            if let Err(verdict) = told.send(verdict)
+                && matches!(verdict, Err(reason) if reason != Reason::IntrospectionUnavailable)
+            {
+                failed();
+            }
+        });
+        let mut pending = Pending {
+            armed: true,
+            metrics: &self.metrics,
+        };
+        let verdict = answered
+            .await
+            .unwrap_or(Err(Reason::IntrospectionUnavailable));
+        pending.armed = false;
         verdict
     }
 
@@ -408,7 +435,7 @@ impl Introspector {
         &self,
         digest: &[u8; 32],
         now: SystemTime,
-    ) -> Result<Question<'_>, Result<Principal, Reason>> {
+    ) -> Result<Question, Result<Principal, Reason>> {
         for _ in 0..3 {
             if let Some(answer) = self.cache.lock().get(digest, now) {
                 return Err(answer);
@@ -533,61 +560,31 @@ impl Introspector {
         };
         Ok((form.finish(), authorization))
     }
+}
 
-    /// POST the token, holding `place`; the answer when it is a JSON object without
-    /// duplicate members whose `active` is a boolean. The error says why, never with the
-    /// token or secret.
-    ///
-    /// The request runs to its end — the answer, or [`INTROSPECTION_TIMEOUT`] — in a task
-    /// of its own that holds the place, even when the asker goes away: the issuer works
-    /// on it either way, so it counts among the requests in flight until then. So peers
-    /// whose connections close (or are closed to make room) while their tokens are with
-    /// the issuer never have more than [`MAX_IN_FLIGHT`] requests on it at once.
-    async fn ask(
-        &self,
-        fetcher: &Fetcher,
-        url: &Url,
-        token: &str,
-        place: Place,
-    ) -> Result<serde_json::Map<String, Value>, NoAnswer> {
-        let (form, authorization) = self.request(token).map_err(|why| NoAnswer {
-            why,
-            issuer_at_fault: true,
-        })?;
-        let (fetcher, url) = (fetcher.clone(), url.clone());
-        let sent = tokio::spawn(async move {
-            let answer = fetcher
-                .post_form(&url, form, authorization, INTROSPECTION_TIMEOUT)
-                .await;
-            drop(place);
-            answer
-        });
-        let body = sent
-            .await
-            .map_err(|_| NoAnswer {
-                why: "the introspection request's task ended without an answer".to_owned(),
-                issuer_at_fault: true,
-            })?
-            .map_err(|e: FetchError| NoAnswer {
-                // RFC 7662 answers a token it does not know `active: false`; so an error
-                // status is the issuer's state or the daemon's credentials, never the
-                // token's doing — except a 400, which an issuer may give one odd token
-                // (and which must not let its sender rest the issuer for everyone).
-                issuer_at_fault: !matches!(e, FetchError::Status { status: 400, .. }),
-                why: crate::error_chain(&e),
-            })?;
-        let token_specific = |why: &str| NoAnswer {
-            why: why.to_owned(),
-            issuer_at_fault: false,
-        };
-        let StrictObject(answer) = serde_json::from_slice(&body).map_err(|_| {
-            token_specific("the answer is not a JSON object (without duplicate members)")
-        })?;
-        if !matches!(answer.get("active"), Some(Value::Bool(_))) {
-            return Err(token_specific("the answer has no boolean `active`"));
-        }
-        Ok(answer)
+/// The issuer's answer to a request, if it is one.
+fn read_answer(
+    posted: Result<Vec<u8>, FetchError>,
+) -> Result<serde_json::Map<String, Value>, NoAnswer> {
+    let body = posted.map_err(|e| NoAnswer {
+        // RFC 7662 answers a token it does not know `active: false`; so an error status is
+        // the issuer's state or the daemon's credentials, never the token's doing — except
+        // a 400, which an issuer may give one odd token (and which must not let its sender
+        // rest the issuer for everyone).
+        issuer_at_fault: !matches!(e, FetchError::Status { status: 400, .. }),
+        why: crate::error_chain(&e),
+    })?;
+    let token_specific = |why: &str| NoAnswer {
+        why: why.to_owned(),
+        issuer_at_fault: false,
+    };
+    let StrictObject(answer) = serde_json::from_slice(&body).map_err(|_| {
+        token_specific("the answer is not a JSON object (without duplicate members)")
+    })?;
+    if !matches!(answer.get("active"), Some(Value::Bool(_))) {
+        return Err(token_specific("the answer has no boolean `active`"));
     }
+    Ok(answer)
 }
 
 /// Why a request to the issuer brought no usable answer.
@@ -600,28 +597,31 @@ struct NoAnswer {
 
 /// A request sent to the issuer whose answer has not come back yet.
 /// Questions to the issuer on their way, by token digest: one per token at a time.
-#[derive(Default)]
-struct Asking(Mutex<HashMap<[u8; 32], watch::Receiver<Option<Answer>>>>);
+#[derive(Default, Clone)]
+struct Asking(Arc<Mutex<HashMap<[u8; 32], Awaited>>>);
 
 type Answer = Result<Principal, Reason>;
 
+/// The answer to one question, once it comes (`None` until then).
+type Awaited = watch::Receiver<Option<Answer>>;
+
 /// Whether a request asks the issuer about its token, or waits for the answer to the
 /// question another request asks.
-enum Turn<'a> {
-    Ask(Question<'a>),
+enum Turn {
+    Ask(Question),
     Wait(watch::Receiver<Option<Answer>>),
 }
 
 /// A question about one token, asked by one request; those waiting on it see the closed
 /// channel (and ask again) if it goes away without an answer.
-struct Question<'a> {
-    asking: &'a Asking,
+struct Question {
+    asking: Asking,
     digest: [u8; 32],
     answer: watch::Sender<Option<Answer>>,
 }
 
 impl Asking {
-    fn join(&self, digest: &[u8; 32]) -> Turn<'_> {
+    fn join(&self, digest: &[u8; 32]) -> Turn {
         let mut asking = self.0.lock();
         if let Some(answer) = asking.get(digest) {
             return Turn::Wait(answer.clone());
@@ -629,21 +629,21 @@ impl Asking {
         let (answer, waiting) = watch::channel(None);
         asking.insert(*digest, waiting);
         Turn::Ask(Question {
-            asking: self,
+            asking: self.clone(),
             digest: *digest,
             answer,
         })
     }
 }
 
-impl Question<'_> {
+impl Question {
     /// What the issuer's answer meant (or its failure to give one): for everyone waiting.
     fn answer(&self, verdict: &Answer) {
         self.answer.send_replace(Some(verdict.clone()));
     }
 }
 
-impl Drop for Question<'_> {
+impl Drop for Question {
     fn drop(&mut self) {
         // Out of the map before the channel closes, so a waiter that finds it closed and
         // asks again starts a new question.
@@ -651,16 +651,17 @@ impl Drop for Question<'_> {
     }
 }
 
+/// A request sent whose asker waits for the answer: counted `abandoned` if it stops
+/// waiting (the request runs on).
 struct Pending<'a> {
-    abandoned: Option<&'a (dyn Fn() + Sync)>,
+    armed: bool,
     metrics: &'a Metrics,
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if let Some(abandoned) = self.abandoned.take() {
+        if self.armed {
             self.metrics.introspection(IntrospectionOutcome::Abandoned);
-            abandoned();
         }
     }
 }
@@ -779,7 +780,6 @@ mod tests {
                 client_secret_file: secret_file(dir.path(), "s3cr:et+/%\n", 0o600),
                 auth,
                 cache,
-                places: MAX_IN_FLIGHT,
             });
             let metrics = Metrics::new();
             let clock = ManualClock::new();
@@ -873,15 +873,6 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn the_places_are_half_the_listener_from_one_to_sixteen() {
-        let places: Vec<usize> = [1, 2, 3, 4, 8, 31, 32, 64, 65_536]
-            .into_iter()
-            .map(places_for)
-            .collect();
-        assert_eq!(places, [1, 1, 1, 2, 4, 15, 16, 16, 16]);
-    }
-
     #[tokio::test]
     async fn a_wide_secret_file_is_refused_at_start() {
         let dir = tempfile::tempdir().unwrap();
@@ -892,7 +883,6 @@ mod tests {
             client_secret_file: secret_file(dir.path(), "abc", 0o644),
             auth: ClientAuth::ClientSecretBasic,
             cache: Duration::from_secs(60),
-            places: MAX_IN_FLIGHT,
         });
         // Built (check-config reads no secret), then refused when the file is read.
         let v = JwtVerifier::build(c.clone(), Metrics::new()).unwrap();
@@ -1195,9 +1185,11 @@ mod tests {
         );
         assert_eq!(s.count(IntrospectionOutcome::Busy), 1);
         assert_eq!(s.server.hits("/introspect"), 2);
-        // Once the time limit has ended them, the places are free again (and the errors
-        // nobody waited for did not rest the issuer).
+        // Once the time limit has ended them, the places are free again (after the rest
+        // their errors gave the issuer, as any error no token could cause).
         tokio::time::sleep(INTROSPECTION_TIMEOUT).await;
+        assert_eq!(s.count(IntrospectionOutcome::Error), 2);
+        s.clock.advance(ERROR_REST);
         s.answer(&active());
         assert!(s.verifier.verify(OPAQUE, now(), from(1)).await.is_ok());
     }
@@ -1228,60 +1220,86 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn when_the_one_asking_goes_away_one_of_those_waiting_asks_again() {
+    async fn when_the_one_asking_goes_away_those_waiting_still_get_its_answer() {
         let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
-        s.server.route("/introspect", Route::hang());
+        let slow = Duration::from_millis(300);
+        s.server
+            .route("/introspect", Route::json(active().to_string()).after(slow));
         let mut asking = Box::pin(s.verifier.verify(OPAQUE, now(), from(1)));
         let mut waiting = Box::pin(s.verifier.verify(OPAQUE, now(), from(2)));
         let tick = Duration::from_millis(1);
         assert!(tokio::time::timeout(tick, &mut asking).await.is_err());
         assert!(tokio::time::timeout(tick, &mut waiting).await.is_err());
-        for _ in 0..500 {
-            if s.server.hits("/introspect") == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(s.server.hits("/introspect"), 1, "only the first asks");
-        s.answer(&active());
         drop(asking);
         assert!(waiting.await.is_ok());
-        assert_eq!(s.server.hits("/introspect"), 2);
+        assert_eq!(s.server.hits("/introspect"), 1, "only the first asks");
+        assert_eq!(s.count(IntrospectionOutcome::Abandoned), 1);
+        assert_eq!(s.count(IntrospectionOutcome::Active), 1);
     }
 
+    /// An evicted connection's request still gets its answer: cached for the client that
+    /// asks again, and counted against the client if it refuses the token.
     #[tokio::test]
-    async fn a_request_abandoned_after_it_was_sent_counts_against_its_client() {
+    async fn an_answer_nobody_waited_for_is_cached_and_a_refusal_still_counts() {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
-        s.server.route("/introspect", Route::hang());
-        let abandoned = AtomicUsize::new(0);
-        let on_abandoned = || {
-            abandoned.fetch_add(1, Ordering::SeqCst);
+        let failures = Arc::new(AtomicUsize::new(0));
+        let late_failure = || -> crate::oauth::LateFailure {
+            let failures = Arc::clone(&failures);
+            Box::new(move || {
+                failures.fetch_add(1, Ordering::SeqCst);
+            })
         };
         let asker = Asker {
-            abandoned: &on_abandoned,
+            late_failure: &late_failure,
             ..Asker::anyone()
         };
-        // The caller goes away while the issuer works on it.
-        let gone = tokio::time::timeout(
-            Duration::from_millis(500),
-            s.verifier.verify(OPAQUE, now(), asker),
-        )
-        .await;
-        assert!(gone.is_err());
-        assert_eq!(abandoned.load(Ordering::SeqCst), 1);
-        assert_eq!(s.count(IntrospectionOutcome::Abandoned), 1);
-        // One that is answered (even with no usable answer) is not abandoned.
-        s.server.route("/introspect", Route::status(500));
-        let asker = Asker {
-            abandoned: &on_abandoned,
-            ..Asker::anyone()
+        let slow = Duration::from_millis(300);
+        let s = &s;
+        let gone = |token: &'static str| {
+            tokio::time::timeout(
+                Duration::from_millis(50),
+                s.verifier.verify(token, now(), asker),
+            )
         };
-        assert_eq!(
-            s.verifier.verify(OPAQUE, now(), asker).await,
-            Err(Reason::IntrospectionUnavailable)
+        let answered = |outcome: IntrospectionOutcome| async move {
+            for _ in 0..200 {
+                if s.count(outcome) == 1 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("no {} answer within 2 s", outcome.as_str());
+        };
+        // A good token: the answer nobody waited for is there when the client asks again.
+        s.server
+            .route("/introspect", Route::json(active().to_string()).after(slow));
+        assert!(gone(OPAQUE).await.is_err());
+        answered(IntrospectionOutcome::Active).await;
+        assert!(s.verifier.verify(OPAQUE, now(), asker).await.is_ok());
+        assert_eq!(s.server.hits("/introspect"), 1, "answered from the cache");
+        assert_eq!(failures.load(Ordering::SeqCst), 0);
+        // A bad one: refused from the cache too, and one failure counted without anyone
+        // waiting for it (the refusal the client then gets counts in the carrier).
+        s.server.route(
+            "/introspect",
+            Route::json(json!({"active": false}).to_string()).after(slow),
         );
-        assert_eq!(abandoned.load(Ordering::SeqCst), 1);
+        assert!(gone("bad-token").await.is_err());
+        answered(IntrospectionOutcome::Inactive).await;
+        assert_eq!(failures.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            s.verifier.verify("bad-token", now(), asker).await,
+            Err(Reason::Expired)
+        );
+        assert_eq!(s.server.hits("/introspect"), 2);
+        // No usable answer is not the token's doing: no failure.
+        s.server
+            .route("/introspect", Route::status(500).after(slow));
+        assert!(gone("unanswered").await.is_err());
+        answered(IntrospectionOutcome::Error).await;
+        assert_eq!(failures.load(Ordering::SeqCst), 1);
+        assert_eq!(s.count(IntrospectionOutcome::Abandoned), 3);
     }
 
     #[tokio::test]

@@ -147,7 +147,7 @@ pub fn ensure_crypto_provider() -> Result<(), BuildError> {
 pub struct JwtVerifier(Arc<Inner>);
 
 struct Inner {
-    policy: Policy,
+    policy: Arc<Policy>,
     algorithms: Vec<Algorithm>,
     validations: Vec<(Algorithm, Validation)>,
     source: KeySource,
@@ -165,7 +165,7 @@ struct Inner {
     /// The lane of one for signature checks of suspect tokens ([`Asker::suspect`]).
     suspect_lane: tokio::sync::Semaphore,
     signature_checks: AtomicU64,
-    introspector: Option<Introspector>,
+    introspector: Option<Arc<Introspector>>,
 }
 
 impl JwtVerifier {
@@ -219,12 +219,12 @@ impl JwtVerifier {
         let fetcher = Fetcher::new(config.ca_file.as_deref(), metrics.clone())?;
         let clock: Clock = Arc::new(|| tokio::time::Instant::now().into_std());
         let introspector = match config.introspection {
-            Some(settings) => Some(Introspector::build(
+            Some(settings) => Some(Arc::new(Introspector::build(
                 settings,
                 &config.issuer,
                 clock.clone(),
                 metrics.clone(),
-            )?),
+            )?)),
             None => None,
         };
         let mut algorithms: Vec<Algorithm> = Vec::new();
@@ -238,13 +238,13 @@ impl JwtVerifier {
             .map(|&alg| (alg, signature_only(alg)))
             .collect();
         Ok(Self(Arc::new(Inner {
-            policy: Policy {
+            policy: Arc::new(Policy {
                 issuer: config.issuer,
                 audiences: config.audiences,
                 required_scopes: config.required_scopes,
                 allowed_subjects: config.allowed_subjects.into_iter().collect(),
                 allowed_clients: config.allowed_clients.into_iter().collect(),
-            },
+            }),
             algorithms,
             validations,
             source: config.keys,
@@ -386,7 +386,9 @@ impl JwtVerifier {
         let inner =
             Arc::get_mut(&mut self.0).expect("the clock is set before the verifier is shared");
         if let Some(introspector) = &mut inner.introspector {
-            introspector.set_clock(clock.clone());
+            Arc::get_mut(introspector)
+                .expect("the clock is set before the introspector is shared")
+                .set_clock(clock.clone());
         }
         inner.clock = clock;
         self

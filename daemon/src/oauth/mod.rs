@@ -58,17 +58,25 @@ pub struct Asker<'a> {
     /// token answered from the cache or by another request's question): its connection
     /// then outlasts the other undecided ones, so the answer has someone to reach.
     pub sending: &'a (dyn Fn() + Sync),
-    /// Called when a request about its token was sent to the issuer and the asker went
-    /// away before the answer (its connection closed, reset or evicted): the issuer did
-    /// the work, so it counts as the client's failure.
-    pub abandoned: &'a (dyn Fn() + Sync),
+    /// Asked when a request about its token is sent to the issuer: what counts a failure
+    /// against the client if the answer refuses the token after the asker went away (its
+    /// connection closed, reset or evicted) — the token was bad all the same, so a flood
+    /// whose connections are closed while the issuer judges its tokens still fails.
+    pub late_failure: &'a (dyn Fn() -> LateFailure + Sync),
 }
+
+/// Counts one failure against a client, later ([`Asker::late_failure`]).
+pub type LateFailure = Box<dyn FnOnce() + Send>;
 
 fn always() -> bool {
     true
 }
 
 fn nothing() {}
+
+fn no_failure() -> LateFailure {
+    Box::new(nothing)
+}
 
 impl Asker<'static> {
     /// A caller with no history: never suspect, never held back (tools, benches, tests).
@@ -79,7 +87,7 @@ impl Asker<'static> {
             failing: false,
             may_introspect: &always,
             sending: &nothing,
-            abandoned: &nothing,
+            late_failure: &no_failure,
         }
     }
 }

@@ -97,11 +97,6 @@ impl Places {
         }))
     }
 
-    /// How many requests may run at once.
-    pub fn total(&self) -> usize {
-        self.0.total
-    }
-
     /// A place for one of `client`'s requests, waiting until `deadline` at most; `failing`:
     /// the client has failed lately.
     pub async fn take(&self, client: IpAddr, failing: bool, deadline: Instant) -> Option<Place> {

@@ -263,6 +263,8 @@ pub(crate) struct Route {
     pub content_length: bool,
     /// Read the request, then never answer (a stalled issuer).
     pub hang: bool,
+    /// Read the request, then wait this long before answering (a slow issuer).
+    pub delay: Duration,
 }
 
 impl Route {
@@ -273,6 +275,7 @@ impl Route {
             body: body.into().into_bytes(),
             content_length: true,
             hang: false,
+            delay: Duration::ZERO,
         }
     }
 
@@ -282,6 +285,11 @@ impl Route {
             hang: true,
             ..Self::status(200)
         }
+    }
+
+    /// Answered after `delay`.
+    pub fn after(self, delay: Duration) -> Self {
+        Self { delay, ..self }
     }
 
     /// With one more response header.
@@ -297,6 +305,7 @@ impl Route {
             body: Vec::new(),
             content_length: true,
             hang: false,
+            delay: Duration::ZERO,
         }
     }
 }
@@ -451,6 +460,7 @@ async fn serve(
     if route.hang {
         std::future::pending::<()>().await;
     }
+    tokio::time::sleep(route.delay).await;
     let mut out = format!("HTTP/1.1 {} Test\r\nConnection: close\r\n", route.status);
     for (name, value) in &route.headers {
         out.push_str(&format!("{name}: {value}\r\n"));

@@ -38,7 +38,7 @@ use crate::audit::{Audit, Record};
 use crate::config::{Limits, RemoteConfig, WireNameProfile};
 use crate::mcp::McpServer;
 use crate::metrics::Metrics;
-use crate::oauth::{Asker, Verifier};
+use crate::oauth::{Asker, LateFailure, Verifier};
 use crate::session::{RuntimeTools, TurnSubmission};
 use crate::transport::{Carrier, Drain};
 use crate::vocab::{AddressClass, Carrier as CarrierName, Reason};
@@ -236,13 +236,10 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
-                // Not when the listener closed the connection to make room: that was not
-                // the client's doing.
-                let evicted = server::evicted(&req);
-                let abandoned = || {
-                    if !evicted() {
-                        c.throttle.record_failure(client, Instant::now());
-                    }
+                // A token the issuer refuses after the request went away still counts.
+                let late_failure = || -> LateFailure {
+                    let throttle = Arc::clone(&c.throttle);
+                    Box::new(move || throttle.record_failure(client, Instant::now()))
                 };
                 // Its connection outlasts undecided ones while the issuer judges its token.
                 let sending = server::asking_issuer(&req);
@@ -252,7 +249,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                     failing,
                     may_introspect: &may_introspect,
                     sending: &sending,
-                    abandoned: &abandoned,
+                    late_failure: &late_failure,
                 };
                 c.verifier
                     .verify(token, SystemTime::now(), asker)
