@@ -429,8 +429,8 @@ impl Introspector {
 
     /// The question about the token `digest` names, for this request to ask — or, when
     /// the cache knows it or another request asks it already, the answer. A question
-    /// whose asker went away without an answer is asked again by one of those who waited,
-    /// a few times at most.
+    /// whose asker went away before sending it is asked again by one of those who waited,
+    /// a few times at most (once sent, it is answered whether or not its asker waits).
     async fn question(
         &self,
         digest: &[u8; 32],
