@@ -296,7 +296,7 @@ closed_set! {
         /// Sent, and the request that asked went away before the answer (its connection
         /// closed, reset or evicted). The issuer's request runs to its end all the same,
         /// holding its place, and is counted again by its answer: cached, and counted as
-        /// the client's failure when it refuses the token.
+        /// the client's failure (and audited as a refusal) when it refuses the token.
         Abandoned = "abandoned",
         /// Not sent: less than 1 s before, a request got no usable answer for a reason no
         /// token could cause (unreachable, time-out, a status but 200 or 400), so the

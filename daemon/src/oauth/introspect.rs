@@ -410,10 +410,10 @@ impl Introspector {
             drop(place);
             let verdict = this.verdict(read_answer(posted), &url, &policy, &digest, now);
             question.answer(&verdict);
-            if let Err(verdict) = told.send(verdict)
-                && matches!(verdict, Err(reason) if reason != Reason::IntrospectionUnavailable)
+            if let Err(Err(reason)) = told.send(verdict)
+                && reason != Reason::IntrospectionUnavailable
             {
-                failed();
+                failed(reason);
             }
         });
         let mut pending = Pending {
@@ -1241,14 +1241,11 @@ mod tests {
     /// asks again, and counted against the client if it refuses the token.
     #[tokio::test]
     async fn an_answer_nobody_waited_for_is_cached_and_a_refusal_still_counts() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
         let s = Setup::new(true, ClientAuth::ClientSecretBasic, Duration::from_secs(60)).await;
-        let failures = Arc::new(AtomicUsize::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
         let late_failure = || -> crate::oauth::LateFailure {
             let failures = Arc::clone(&failures);
-            Box::new(move || {
-                failures.fetch_add(1, Ordering::SeqCst);
-            })
+            Box::new(move |reason| failures.lock().push(reason))
         };
         let asker = Asker {
             late_failure: &late_failure,
@@ -1278,7 +1275,7 @@ mod tests {
         answered(IntrospectionOutcome::Active).await;
         assert!(s.verifier.verify(OPAQUE, now(), asker).await.is_ok());
         assert_eq!(s.server.hits("/introspect"), 1, "answered from the cache");
-        assert_eq!(failures.load(Ordering::SeqCst), 0);
+        assert!(failures.lock().is_empty());
         // A bad one: refused from the cache too, and one failure counted without anyone
         // waiting for it (the refusal the client then gets counts in the carrier).
         s.server.route(
@@ -1287,7 +1284,7 @@ mod tests {
         );
         assert!(gone("bad-token").await.is_err());
         answered(IntrospectionOutcome::Inactive).await;
-        assert_eq!(failures.load(Ordering::SeqCst), 1);
+        assert_eq!(*failures.lock(), [Reason::Expired]);
         assert_eq!(
             s.verifier.verify("bad-token", now(), asker).await,
             Err(Reason::Expired)
@@ -1298,7 +1295,7 @@ mod tests {
             .route("/introspect", Route::status(500).after(slow));
         assert!(gone("unanswered").await.is_err());
         answered(IntrospectionOutcome::Error).await;
-        assert_eq!(failures.load(Ordering::SeqCst), 1);
+        assert_eq!(*failures.lock(), [Reason::Expired]);
         assert_eq!(s.count(IntrospectionOutcome::Abandoned), 3);
     }
 

@@ -59,14 +59,16 @@ pub struct Asker<'a> {
     /// then outlasts the other undecided ones, so the answer has someone to reach.
     pub sending: &'a (dyn Fn() + Sync),
     /// Asked when a request about its token is sent to the issuer: what counts a failure
-    /// against the client if the answer refuses the token after the asker went away (its
-    /// connection closed, reset or evicted) — the token was bad all the same, so a flood
-    /// whose connections are closed while the issuer judges its tokens still fails.
+    /// against the client, and audits the refusal, if the answer refuses the token after
+    /// the asker went away (its connection closed, reset or evicted) — the token was bad
+    /// all the same, so a flood whose connections are closed while the issuer judges its
+    /// tokens still fails, and is seen.
     pub late_failure: &'a (dyn Fn() -> LateFailure + Sync),
 }
 
-/// Counts one failure against a client, later ([`Asker::late_failure`]).
-pub type LateFailure = Box<dyn FnOnce() + Send>;
+/// Counts one failure against a client, later, for the reason the answer refused its
+/// token ([`Asker::late_failure`]).
+pub type LateFailure = Box<dyn FnOnce(Reason) + Send>;
 
 fn always() -> bool {
     true
@@ -75,7 +77,7 @@ fn always() -> bool {
 fn nothing() {}
 
 fn no_failure() -> LateFailure {
-    Box::new(nothing)
+    Box::new(|_| {})
 }
 
 impl Asker<'static> {

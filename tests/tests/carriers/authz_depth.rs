@@ -1066,7 +1066,7 @@ async fn a_throttled_address_costs_the_issuer_a_bounded_number_of_introspections
 /// their token (closed after 50 ms, the issuer taking 1 s) never came back as failures,
 /// so one address made the issuer work without end. Now a request that went away runs to
 /// its end, and the issuer's refusal of its token counts as its client's failure all the
-/// same, so the bound holds.
+/// same, so the bound holds; and it is audited, so an operator sees such a flood.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_that_go_away_before_the_issuer_answers_are_bounded_too() {
     let oidc = Oidc::start(300);
@@ -1104,5 +1104,33 @@ async fn requests_that_go_away_before_the_issuer_answers_are_bounded_too() {
     assert!(
         sent <= 26.0,
         "{sent} introspection requests from one address that never waits"
+    );
+    // Every token the issuer refused is a refusal on the record — audited and counted —
+    // though nobody was left to answer (polled: the last answers are still coming).
+    let booked = || -> f64 {
+        let records = audited(&d, "expired");
+        records
+            .iter()
+            .map(|r| r["count"].as_u64().unwrap_or(1))
+            .sum::<u64>() as f64
+    };
+    let counted = || metric(&d, &["robota_mcpd_refusals_total", "reason=\"expired\""]);
+    let mut seen = (0.0, 0.0, 0.0);
+    for _ in 0..50 {
+        seen = (introspections(&d, "inactive"), booked(), counted());
+        if seen.0 >= 1.0 && seen.0 == seen.1 && seen.0 == seen.2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (inactive, audited, counted) = seen;
+    assert!(inactive >= 1.0, "no token refused by the issuer");
+    assert_eq!(
+        audited, inactive,
+        "refusals audited, against inactive answers"
+    );
+    assert_eq!(
+        counted, inactive,
+        "refusals counted, against inactive answers"
     );
 }

@@ -236,10 +236,15 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
-                // A token the issuer refuses after the request went away still counts.
+                // A token the issuer refuses after the request went away still counts, and
+                // is audited (nothing was answered, so nothing was throttled).
                 let late_failure = || -> LateFailure {
-                    let throttle = Arc::clone(&c.throttle);
-                    Box::new(move || throttle.record_failure(client, Instant::now()))
+                    let (throttle, audit) = (Arc::clone(&c.throttle), Arc::clone(&c.audit));
+                    let metrics = c.metrics.clone();
+                    Box::new(move |reason| {
+                        throttle.record_failure(client, Instant::now());
+                        audit.refused(&metrics, refused(reason, false, client));
+                    })
                 };
                 // Its connection outlasts undecided ones while the issuer judges its token.
                 let sending = server::asking_issuer(&req);
@@ -301,16 +306,19 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let HeadRefusal::TooLarge = why;
         let c = &self.shared.carrier;
         // The head was not read, so the peer is all we know of the client.
-        c.audit.refused(
-            &c.metrics,
-            Record {
-                time: SystemTime::now(),
-                carrier: CarrierName::Remote,
-                reason: Reason::Oversize,
-                throttled: false,
-                address_class: AddressClass::of(peer.ip()),
-            },
-        );
+        c.audit
+            .refused(&c.metrics, refused(Reason::Oversize, false, peer.ip()));
+    }
+}
+
+/// The audit record of a refusal on this carrier, made now.
+fn refused(reason: Reason, throttled: bool, client: std::net::IpAddr) -> Record {
+    Record {
+        time: SystemTime::now(),
+        carrier: CarrierName::Remote,
+        reason,
+        throttled,
+        address_class: AddressClass::of(client),
     }
 }
 
@@ -345,13 +353,7 @@ impl<S> Remote<S> {
         }
         c.audit.refused(
             &c.metrics,
-            Record {
-                time: SystemTime::now(),
-                carrier: CarrierName::Remote,
-                reason: refusal.reason,
-                throttled: refusal.throttled,
-                address_class: AddressClass::of(client),
-            },
+            refused(refusal.reason, refusal.throttled, client),
         );
         let mut response = server::empty(refusal.status);
         let headers = response.headers_mut();
