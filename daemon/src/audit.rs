@@ -43,6 +43,24 @@ pub struct Record {
     pub address_class: AddressClass,
 }
 
+impl Record {
+    /// A refusal at `time` of a client of `address_class` on `carrier`, not throttled.
+    pub fn refusal(
+        time: SystemTime,
+        carrier: Carrier,
+        reason: Reason,
+        address_class: AddressClass,
+    ) -> Self {
+        Self {
+            time,
+            carrier,
+            reason,
+            throttled: false,
+            address_class,
+        }
+    }
+}
+
 /// Unix seconds of `t` (0 before the epoch).
 fn unix(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())

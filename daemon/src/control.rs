@@ -405,16 +405,13 @@ async fn connection<A: ControlApi>(
                 ),
             )
         };
-        audit.refused(
-            metrics,
-            Record {
-                time: SystemTime::now(),
-                carrier: Carrier::Control,
-                reason: Reason::PeerNotAllowed,
-                throttled: false,
-                address_class: AddressClass::Unknown,
-            },
+        let record = Record::refusal(
+            SystemTime::now(),
+            Carrier::Control,
+            Reason::PeerNotAllowed,
+            AddressClass::Unknown,
         );
+        audit.refused(metrics, record);
         Some(reply)
     };
     if let Some(reply) = refusal(peer) {

@@ -1116,13 +1116,11 @@ async fn requests_that_go_away_before_the_issuer_answers_are_bounded_too() {
     };
     let counted = || metric(&d, &["robota_mcpd_refusals_total", "reason=\"expired\""]);
     let mut seen = (0.0, 0.0, 0.0);
-    for _ in 0..50 {
+    robota_e2e::poll_until(Duration::from_secs(5), Duration::from_millis(100), || {
         seen = (introspections(&d, "inactive"), booked(), counted());
-        if seen.0 >= 1.0 && seen.0 == seen.1 && seen.0 == seen.2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        seen.0 >= 1.0 && seen.0 == seen.1 && seen.0 == seen.2
+    })
+    .await;
     let (inactive, audited, counted) = seen;
     assert!(inactive >= 1.0, "no token refused by the issuer");
     assert_eq!(

@@ -169,16 +169,14 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Loopback<S> {
     fn head_refused(&self, peer: SocketAddr, why: HeadRefusal) {
         let HeadRefusal::TooLarge = why;
         let s = &self.shared;
-        s.audit.refused(
-            &s.metrics,
-            Record {
-                time: SystemTime::now(),
-                carrier: CarrierName::Loopback,
-                reason: Reason::Oversize,
-                throttled: false,
-                address_class: AddressClass::of(peer.ip()),
-            },
+        let class = AddressClass::of(peer.ip());
+        let record = Record::refusal(
+            SystemTime::now(),
+            CarrierName::Loopback,
+            Reason::Oversize,
+            class,
         );
+        s.audit.refused(&s.metrics, record);
     }
 }
 
@@ -191,16 +189,9 @@ impl<S> Loopback<S> {
         now: SystemTime,
     ) -> Response<Body> {
         let s = &self.shared;
-        s.audit.refused(
-            &s.metrics,
-            Record {
-                time: now,
-                carrier: CarrierName::Loopback,
-                reason: refusal.0,
-                throttled: false,
-                address_class: AddressClass::of(peer.ip()),
-            },
-        );
+        let class = AddressClass::of(peer.ip());
+        let record = Record::refusal(now, CarrierName::Loopback, refusal.0, class);
+        s.audit.refused(&s.metrics, record);
         let mut response = server::empty(refusal.status());
         if let Some(challenge) = refusal.challenge() {
             response.headers_mut().insert(

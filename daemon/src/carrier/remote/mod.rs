@@ -18,7 +18,7 @@ pub mod forwarded;
 pub mod throttle;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -79,6 +79,23 @@ pub struct Parts {
 }
 
 impl RemoteCarrier {
+    /// Books one refusal of `client`: a failure against it in the throttle when
+    /// `counted`, and the audit record (and `refusals_total`).
+    fn refused(&self, reason: Reason, counted: bool, throttled: bool, client: IpAddr) {
+        if counted {
+            self.throttle.record_failure(client, Instant::now());
+        }
+        let class = AddressClass::of(client);
+        let record = Record::refusal(SystemTime::now(), CarrierName::Remote, reason, class);
+        self.audit.refused(
+            &self.metrics,
+            Record {
+                throttled,
+                ..record
+            },
+        );
+    }
+
     pub fn new(config: RemoteConfig, parts: Parts) -> Self {
         let Parts {
             limits,
@@ -236,15 +253,11 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 // Asked when the token is about to go to the issuer, not now: a request
                 // that waited for its place sees the failures counted meanwhile.
                 let may_introspect = || c.throttle.may_introspect(client, Instant::now());
-                // A token the issuer refuses after the request went away still counts, and
-                // is audited (nothing was answered, so nothing was throttled).
+                // A token the issuer refuses after the request went away is a refusal all
+                // the same: counted and audited (nothing was answered, so not throttled).
                 let late_failure = || -> LateFailure {
-                    let (throttle, audit) = (Arc::clone(&c.throttle), Arc::clone(&c.audit));
-                    let metrics = c.metrics.clone();
-                    Box::new(move |reason| {
-                        throttle.record_failure(client, Instant::now());
-                        audit.refused(&metrics, refused(reason, false, client));
-                    })
+                    let c = Arc::clone(c);
+                    Box::new(move |reason| c.refused(reason, true, false, client))
                 };
                 // Its connection outlasts undecided ones while the issuer judges its token.
                 let sending = server::asking_issuer(&req);
@@ -306,19 +319,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let HeadRefusal::TooLarge = why;
         let c = &self.shared.carrier;
         // The head was not read, so the peer is all we know of the client.
-        c.audit
-            .refused(&c.metrics, refused(Reason::Oversize, false, peer.ip()));
-    }
-}
-
-/// The audit record of a refusal on this carrier, made now.
-fn refused(reason: Reason, throttled: bool, client: std::net::IpAddr) -> Record {
-    Record {
-        time: SystemTime::now(),
-        carrier: CarrierName::Remote,
-        reason,
-        throttled,
-        address_class: AddressClass::of(client),
+        c.refused(Reason::Oversize, false, false, peer.ip());
     }
 }
 
@@ -348,13 +349,7 @@ impl<S> Remote<S> {
         version: http::Version,
     ) -> Response<Body> {
         let c = &self.shared.carrier;
-        if refusal.counted {
-            c.throttle.record_failure(client, Instant::now());
-        }
-        c.audit.refused(
-            &c.metrics,
-            refused(refusal.reason, refusal.throttled, client),
-        );
+        c.refused(refusal.reason, refusal.counted, refusal.throttled, client);
         let mut response = server::empty(refusal.status);
         let headers = response.headers_mut();
         if let Some(challenge) = refusal
