@@ -391,11 +391,12 @@ impl<'de> Visitor<'de> for Probe<'_> {
 }
 
 /// The keys of one object so far: looked through in order while they are few (most
-/// objects; no hasher to seed), hashed once they are many (no quadratic walk for an
-/// object built with thousands of keys).
+/// objects; kept in place, no hasher to seed), hashed once they are many (no quadratic
+/// walk for an object built with thousands of keys).
 #[derive(Default)]
 struct Seen<'de> {
-    few: Vec<Cow<'de, str>>,
+    few: [Cow<'de, str>; FEW_KEYS],
+    count: usize,
     many: HashSet<Cow<'de, str>>,
 }
 
@@ -404,12 +405,13 @@ const FEW_KEYS: usize = 16;
 
 impl<'de> Seen<'de> {
     fn has(&self, key: &str) -> bool {
-        self.few.iter().any(|k| k == key) || self.many.contains(key)
+        self.few[..self.count].iter().any(|k| k == key) || self.many.contains(key)
     }
 
     fn add(&mut self, key: Cow<'de, str>) {
-        if self.few.len() < FEW_KEYS {
-            self.few.push(key);
+        if self.count < FEW_KEYS {
+            self.few[self.count] = key;
+            self.count += 1;
         } else {
             self.many.insert(key);
         }

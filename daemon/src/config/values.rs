@@ -254,6 +254,10 @@ pub fn check_caller_pattern(pattern: &str) -> Result<(), String> {
 /// and `oauth:client-a/*` every subject of that client, whatever its subject holds — and
 /// `?` for one character; everything else stands for itself.
 pub fn caller_matches(pattern: &str, caller: &str) -> bool {
+    // Asked on every call: a pattern without wildcards is the name itself.
+    if !pattern.contains(['*', '?']) {
+        return pattern == caller;
+    }
     let (p, c): (Vec<char>, Vec<char>) = (pattern.chars().collect(), caller.chars().collect());
     // Iterative wildcard match: remember the last `*` and where it resumed.
     let (mut pi, mut ci) = (0, 0);

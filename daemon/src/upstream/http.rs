@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, USER_AGENT};
-use http::{HeaderValue, Method, Request, StatusCode};
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
@@ -25,7 +25,9 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::protocol::{self, CallError, Incoming as Message, Negotiated, Rpc, RpcFuture, Unread};
+use super::protocol::{
+    self, CallError, Incoming as Message, Negotiated, Outgoing, Rpc, RpcFuture, Unread,
+};
 use crate::budget::{Budget, Share};
 use crate::catalog::Progress;
 use crate::config::HttpTarget;
@@ -34,6 +36,28 @@ use crate::config::HttpTarget;
 const POOL: usize = 32;
 /// Longest session id kept.
 const MAX_SESSION_ID: usize = 256;
+
+const PROTOCOL_VERSION: HeaderName = HeaderName::from_static("mcp-protocol-version");
+const MCP_METHOD: HeaderName = HeaderName::from_static("mcp-method");
+const MCP_NAME: HeaderName = HeaderName::from_static("mcp-name");
+const SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
+
+/// A header value for text the daemon chose (a method, the protocol version in force):
+/// the ones it sends on every request are not copied.
+fn header_value(text: &str) -> Result<HeaderValue, CallError> {
+    const KNOWN: [&str; 5] = [
+        protocol::MODERN,
+        protocol::LEGACY,
+        "tools/call",
+        "tools/list",
+        "notifications/cancelled",
+    ];
+    match KNOWN.into_iter().find(|known| *known == text) {
+        Some(known) => Ok(HeaderValue::from_static(known)),
+        None => HeaderValue::from_str(text)
+            .map_err(|_| CallError::NotSent(format!("{text:?} cannot be sent as a header value"))),
+    }
+}
 
 /// The connection's driver task, aborted when the connection is dropped.
 struct ConnTask(JoinHandle<()>);
@@ -63,7 +87,8 @@ pub struct HttpLink {
     me: Weak<HttpLink>,
     upstream: String,
     target: HttpTarget,
-    path: String,
+    /// The path every message is POSTed to.
+    path: Uri,
     host: HeaderValue,
     /// `Authorization: Bearer …` with the daemon's own credential.
     authorization: Option<HeaderValue>,
@@ -114,6 +139,8 @@ impl HttpLink {
                 .map_err(|_| format!("{authority:?} is not a Host header value"))?,
             HttpTarget::Unix(_) => HeaderValue::from_static("localhost"),
         };
+        let path = Uri::try_from(path.as_str())
+            .map_err(|e| format!("{path:?} is not a request path: {e}"))?;
         let authorization = match bearer {
             Some(token) => {
                 let mut value = HeaderValue::from_str(&format!("Bearer {token}"))
@@ -198,30 +225,33 @@ impl HttpLink {
     fn build(
         &self,
         negotiated: &Negotiated,
-        method: &str,
-        body: &Value,
+        message: &Outgoing<'_>,
         with_session: bool,
     ) -> Result<Request<Full<Bytes>>, CallError> {
+        let method = message.method;
         let mut request = Request::builder()
             .method(Method::POST)
-            .uri(&self.path)
+            .uri(self.path.clone())
             .header(HOST, self.host.clone())
-            .header(CONTENT_TYPE, "application/json")
-            .header(ACCEPT, "application/json, text/event-stream")
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(
+                ACCEPT,
+                HeaderValue::from_static("application/json, text/event-stream"),
+            )
             .header(
                 USER_AGENT,
-                concat!("robota-mcpd/", env!("CARGO_PKG_VERSION")),
+                HeaderValue::from_static(concat!("robota-mcpd/", env!("CARGO_PKG_VERSION"))),
             );
         if method != "initialize" {
-            request = request.header("MCP-Protocol-Version", negotiated.version.as_str());
+            request = request.header(PROTOCOL_VERSION, header_value(&negotiated.version)?);
         }
         if negotiated.modern {
-            request = request.header("Mcp-Method", method);
-            if let Some(name) = body["params"].get("name").and_then(Value::as_str)
+            request = request.header(MCP_METHOD, header_value(method)?);
+            if let Some(name) = message.params.get("name").and_then(Value::as_str)
                 && method == "tools/call"
             {
-                request = request.header("Mcp-Name", crate::params::header_text(name));
-                let arguments = body["params"].get("arguments");
+                request = request.header(MCP_NAME, crate::params::header_text(name));
+                let arguments = message.params.get("arguments");
                 for (path, header) in self.param_headers.lock().get(name).into_iter().flatten() {
                     let value = arguments
                         .and_then(|a| path.iter().try_fold(a, |v, k| v.get(k)))
@@ -241,13 +271,13 @@ impl HttpLink {
             }
         }
         if with_session && let Some(session) = self.session.lock().clone() {
-            request = request.header("Mcp-Session-Id", session);
+            request = request.header(SESSION_ID, session);
         }
         if let Some(auth) = &self.authorization {
             request = request.header(AUTHORIZATION, auth.clone());
         }
         request
-            .body(Full::new(Bytes::from(body.to_string())))
+            .body(Full::new(Bytes::from(message.to_bytes())))
             .map_err(|e| CallError::NotSent(format!("the request could not be built: {e}")))
     }
 
@@ -256,12 +286,12 @@ impl HttpLink {
     async fn post(
         &self,
         negotiated: &Negotiated,
-        method: &str,
-        body: &Value,
+        message: &Outgoing<'_>,
         with_session: bool,
     ) -> Result<Option<(Answer, Conn)>, CallError> {
+        let method = message.method;
         let sent_session = with_session && self.session.lock().is_some();
-        let mut request = self.build(negotiated, method, body, with_session)?;
+        let mut request = self.build(negotiated, message, with_session)?;
         // A pooled connection the server has closed hands the request back unsent; then
         // (and only then) it goes out on a fresh one.
         let (response, conn) = loop {
@@ -354,13 +384,13 @@ impl HttpLink {
     async fn exchange(
         &self,
         negotiated: &Negotiated,
-        method: &str,
-        body: &Value,
-        id: Option<(u64, &Progress)>,
+        message: &Outgoing<'_>,
+        progress: &Progress,
     ) -> Result<protocol::Answer, CallError> {
+        let method = message.method;
         let mut renewed = false;
         loop {
-            let Some((answer, conn)) = self.post(negotiated, method, body, true).await? else {
+            let Some((answer, conn)) = self.post(negotiated, message, true).await? else {
                 if renewed || negotiated.modern {
                     // Sent twice, answered 404 twice: the backend may have acted on it.
                     return Err(CallError::Lost(
@@ -372,7 +402,7 @@ impl HttpLink {
                 renewed = true;
                 continue;
             };
-            let Some((id, progress)) = id else {
+            let Some(id) = message.id else {
                 // A notification: any 2xx will do; the body is not read.
                 return Ok(protocol::Answer {
                     result: Map::new(),
@@ -467,20 +497,21 @@ impl HttpLink {
     async fn renew(&self, negotiated: &Negotiated) -> Result<(), CallError> {
         *self.session.lock() = None;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let params = serde_json::json!({
-            "protocolVersion": negotiated.version,
-            "capabilities": {},
-            "clientInfo": protocol::client_info(),
-        });
-        let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "initialize", "params": params});
+        let mut params = Map::new();
+        params.insert("protocolVersion".into(), negotiated.version.clone().into());
+        params.insert("capabilities".into(), Value::Object(Map::new()));
+        params.insert(
+            "clientInfo".into(),
+            serde_json::to_value(protocol::client_info()).unwrap_or_default(),
+        );
         let none = Progress::default();
-        let initialize =
-            Box::pin(self.exchange(negotiated, "initialize", &body, Some((id, &none))));
-        initialize.await?;
-        let note = serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized", "params": {}});
-        let initialized =
-            Box::pin(self.exchange(negotiated, "notifications/initialized", &note, None));
-        initialized.await.map(drop)
+        let initialize = Outgoing::request(id, "initialize", &params);
+        Box::pin(self.exchange(negotiated, &initialize, &none)).await?;
+        let empty = Map::new();
+        let note = Outgoing::notification("notifications/initialized", &empty);
+        Box::pin(self.exchange(negotiated, &note, &none))
+            .await
+            .map(drop)
     }
 
     /// Reads events until the one answering `id`; notifications on the way are looked at,
@@ -545,12 +576,10 @@ impl HttpLink {
             let mut params = Map::new();
             params.insert("requestId".into(), Value::from(id));
             params.insert("reason".into(), Value::from(reason));
-            let body = serde_json::json!({
-                "jsonrpc": "2.0",
-                "method": "notifications/cancelled",
-                "params": negotiated.params(params),
-            });
-            let send = me.exchange(&negotiated, "notifications/cancelled", &body, None);
+            let params = negotiated.params(params);
+            let note = Outgoing::notification("notifications/cancelled", &params);
+            let none = Progress::default();
+            let send = me.exchange(&negotiated, &note, &none);
             let _ = tokio::time::timeout(Duration::from_secs(5), send).await;
         });
     }
@@ -588,8 +617,7 @@ impl Rpc for HttpLink {
             if progress.wanted() {
                 protocol::ask_progress(&mut params, id);
             }
-            let body =
-                serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+            let message = Outgoing::request(id, method, &params);
             let mut outstanding = Outstanding {
                 link: self,
                 negotiated,
@@ -597,7 +625,7 @@ impl Rpc for HttpLink {
                 done: false,
             };
             let answer = tokio::select! {
-                answer = self.exchange(negotiated, method, &body, Some((id, progress))) => answer,
+                answer = self.exchange(negotiated, &message, progress) => answer,
                 () = cancel.cancelled() => {
                     self.send_cancel(negotiated, id, "the caller cancelled the request");
                     Err(CallError::Cancelled)
@@ -619,8 +647,9 @@ impl Rpc for HttpLink {
         params: Map<String, Value>,
     ) -> RpcFuture<'a, ()> {
         Box::pin(async move {
-            let body = serde_json::json!({"jsonrpc": "2.0", "method": method, "params": params});
-            let send = self.exchange(negotiated, method, &body, None);
+            let message = Outgoing::notification(method, &params);
+            let none = Progress::default();
+            let send = self.exchange(negotiated, &message, &none);
             match tokio::time::timeout(self.bounds.connect_timeout * 2, send).await {
                 Ok(result) => result.map(drop),
                 Err(_) => Err(CallError::Lost("the notification was not taken".into())),

@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use rmcp::model::{ClientCapabilities, Implementation, ProtocolVersion, RequestMetaObject};
@@ -47,23 +48,30 @@ impl Negotiated {
     /// `params` as sent: with the per-request `_meta` of the modern revision.
     pub fn params(&self, mut params: Map<String, Value>) -> Map<String, Value> {
         if self.modern {
-            let context = RequestMetaObject::with_client_context(
-                ProtocolVersion::V_2026_07_28,
-                client_info(),
-                ClientCapabilities::default(),
-            );
-            if let Ok(Value::Object(context)) = serde_json::to_value(context) {
-                let meta = params
-                    .entry("_meta")
-                    .or_insert_with(|| Value::Object(Map::new()));
-                if let Value::Object(meta) = meta {
-                    meta.extend(context);
-                }
+            let meta = params
+                .entry("_meta")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(meta) = meta {
+                meta.extend(MODERN_CONTEXT.iter().map(|(k, v)| (k.clone(), v.clone())));
             }
         }
         params
     }
 }
+
+/// The per-request `_meta` members of the modern revision (protocol version, client info
+/// and capabilities): the same for every request, so made once.
+static MODERN_CONTEXT: LazyLock<Map<String, Value>> = LazyLock::new(|| {
+    let context = RequestMetaObject::with_client_context(
+        ProtocolVersion::V_2026_07_28,
+        client_info(),
+        ClientCapabilities::default(),
+    );
+    match serde_json::to_value(context) {
+        Ok(Value::Object(context)) => context,
+        _ => Map::new(),
+    }
+});
 
 pub fn client_info() -> Implementation {
     Implementation::new("robota-mcpd", env!("CARGO_PKG_VERSION"))
@@ -209,17 +217,51 @@ pub fn progress(message: &Value) -> Option<(u64, ProgressUpdate)> {
     Some((id, update))
 }
 
+/// A JSON-RPC request or notification toward an upstream, written straight from its
+/// parts: its `params` are serialized where they are, never copied into a message value.
+#[derive(Debug, serde::Serialize)]
+pub struct Outgoing<'a> {
+    jsonrpc: &'static str,
+    /// `None`: a notification.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<u64>,
+    pub method: &'a str,
+    pub params: &'a Map<String, Value>,
+}
+
+impl<'a> Outgoing<'a> {
+    pub fn request(id: u64, method: &'a str, params: &'a Map<String, Value>) -> Self {
+        Self {
+            jsonrpc: "2.0",
+            id: Some(id),
+            method,
+            params,
+        }
+    }
+
+    pub fn notification(method: &'a str, params: &'a Map<String, Value>) -> Self {
+        Self {
+            jsonrpc: "2.0",
+            id: None,
+            method,
+            params,
+        }
+    }
+
+    /// The message as JSON text (no newline).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        // A map with string keys and JSON values always serializes.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
 /// A JSON-RPC request line (no newline).
 pub fn request_bytes(id: u64, method: &str, params: Map<String, Value>) -> Vec<u8> {
-    json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
-        .to_string()
-        .into_bytes()
+    Outgoing::request(id, method, &params).to_bytes()
 }
 
 pub fn notification_bytes(method: &str, params: Map<String, Value>) -> Vec<u8> {
-    json!({"jsonrpc": "2.0", "method": method, "params": params})
-        .to_string()
-        .into_bytes()
+    Outgoing::notification(method, &params).to_bytes()
 }
 
 /// What one message from an upstream is.
@@ -525,6 +567,37 @@ mod tests {
             modern: false,
         };
         assert!(legacy.params(Map::new()).is_empty());
+        // A `_meta` the request already has keeps its own members beside the context.
+        let mut params = Map::new();
+        ask_progress(&mut params, 9);
+        let p = Negotiated::modern().params(params);
+        assert_eq!(p["_meta"]["progressToken"], 9);
+        assert_eq!(p["_meta"]["io.modelcontextprotocol/protocolVersion"], MODERN);
+        assert_eq!(
+            p["_meta"]["io.modelcontextprotocol/clientInfo"]["name"],
+            "robota-mcpd"
+        );
+    }
+
+    #[test]
+    fn outgoing_messages_are_json_rpc_with_their_params_as_given() {
+        let mut params = Map::new();
+        params.insert("name".into(), json!("q \"x\""));
+        params.insert("arguments".into(), json!({"n": [1, 2.5, null]}));
+        let request: Value =
+            serde_json::from_slice(&request_bytes(7, "tools/call", params.clone())).unwrap();
+        assert_eq!(
+            request,
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params})
+        );
+        let note: Value =
+            serde_json::from_slice(&notification_bytes("notifications/cancelled", Map::new()))
+                .unwrap();
+        assert_eq!(
+            note,
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}})
+        );
+        assert!(note.get("id").is_none());
     }
 
     #[test]
