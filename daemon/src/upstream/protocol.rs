@@ -572,7 +572,10 @@ mod tests {
         ask_progress(&mut params, 9);
         let p = Negotiated::modern().params(params);
         assert_eq!(p["_meta"]["progressToken"], 9);
-        assert_eq!(p["_meta"]["io.modelcontextprotocol/protocolVersion"], MODERN);
+        assert_eq!(
+            p["_meta"]["io.modelcontextprotocol/protocolVersion"],
+            MODERN
+        );
         assert_eq!(
             p["_meta"]["io.modelcontextprotocol/clientInfo"]["name"],
             "robota-mcpd"
