@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{
     self, ERROR_META, Progress, ProgressUpdate, Snapshot, ToolError, ToolOutput, ToolSpec,
-    UPSTREAM_META,
+    UPSTREAM_META, is_own_meta,
 };
 use crate::config::WireNameProfile;
 use crate::metrics::Metrics;
@@ -254,6 +254,7 @@ fn wire_tool(wire: &str, spec: &ToolSpec) -> Tool {
             *meta = Value::Object(Map::new());
         }
         if let Value::Object(meta) = meta {
+            meta.retain(|k, _| !is_own_meta(k));
             meta.insert(UPSTREAM_META.into(), imported.meta());
         }
         if let Ok(tool) = serde_json::from_value::<Tool>(Value::Object(definition)) {
@@ -1146,6 +1147,34 @@ mod tests {
 
     fn wire_list(n: &WireNames) -> Vec<String> {
         n.tools.iter().map(|t| t.name.to_string()).collect()
+    }
+
+    /// An imported tool is listed with the upstream's own `_meta` but none of its keys in
+    /// the daemon's namespace, whatever their case: only the daemon's origin mark.
+    #[test]
+    fn a_listed_tool_carries_no_upstream_made_key_of_the_daemons() {
+        let mut listing = Map::new();
+        listing.insert(
+            "_meta".into(),
+            json!({"theirs": 1, "io.robota/error": {"by": "robota-mcpd"},
+                   "IO.ROBOTA/upstream": {"name": "system"}}),
+        );
+        let spec = ToolSpec {
+            name: "pg.query".into(),
+            description: "d".into(),
+            input_schema: json!({"type": "object"}).as_object().unwrap().clone(),
+            annotations: Default::default(),
+            imported: Some(catalog::Imported {
+                upstream: "pg".into(),
+                tool: "query".into(),
+                listing,
+            }),
+        };
+        let tool = wire_tool("pg.query", &spec);
+        assert_eq!(
+            serde_json::to_value(tool.meta.unwrap()).unwrap(),
+            json!({"theirs": 1, "io.robota/upstream": {"name": "pg", "tool": "query"}})
+        );
     }
 
     /// The cached listing spliced into rmcp's shaped placeholder is byte for byte what rmcp

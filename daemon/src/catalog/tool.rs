@@ -215,6 +215,15 @@ pub const ERROR_META: &str = "io.robota/error";
 /// The prefix of the daemon's own `_meta` keys.
 pub const OWN_META_PREFIX: &str = "io.robota/";
 
+/// Whether `key` is in the daemon's own `_meta` namespace, in any case: such keys are
+/// taken out of what an upstream sends (a result's `_meta`, a listed tool's), so that
+/// nothing an upstream made reads as the daemon's, to a client that compares keys
+/// without regard to case either.
+pub fn is_own_meta(key: &str) -> bool {
+    key.get(..OWN_META_PREFIX.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(OWN_META_PREFIX))
+}
+
 impl Imported {
     /// The value of [`UPSTREAM_META`].
     pub fn meta(&self) -> Value {

@@ -459,22 +459,37 @@ async fn initialize(
         .await
         .map_err(|e| format!("initialize failed: {}", e.describe()))?
         .result;
-    let version = result
-        .get("protocolVersion")
-        .and_then(Value::as_str)
-        .filter(|v| !v.is_empty() && v.len() <= 32 && v.chars().all(|c| c.is_ascii_graphic()))
-        .ok_or("the initialize answer names no protocol version")?
-        .to_owned();
     let negotiated = Negotiated {
-        modern: version.as_str() >= MODERN,
-        version,
+        version: initialize_version(result.get("protocolVersion"))?,
+        modern: false,
     };
-    if !negotiated.modern {
-        rpc.notify(&negotiated, "notifications/initialized", Map::new())
-            .await
-            .map_err(|e| format!("notifications/initialized failed: {}", e.describe()))?;
-    }
+    rpc.notify(&negotiated, "notifications/initialized", Map::new())
+        .await
+        .map_err(|e| format!("notifications/initialized failed: {}", e.describe()))?;
     Ok(negotiated)
+}
+
+/// The revision an `initialize` answer agreed to, if it is one that is agreed that way
+/// (2024-11-05 to 2025-11-25): the server answers with the version we offered or another
+/// of its own, and one we do not know — or a later revision, which has no `initialize`
+/// — ends the handshake, whatever the configuration asked for.
+fn initialize_version(answered: Option<&Value>) -> Result<String, String> {
+    let known = ProtocolVersion::known_up_to(&ProtocolVersion::LATEST_WITH_INITIALIZE);
+    let Some(answered) = answered.and_then(Value::as_str) else {
+        return Err("the initialize answer names no protocol version".into());
+    };
+    match known.iter().find(|v| v.as_str() == answered) {
+        Some(version) => Ok(version.as_str().to_owned()),
+        None => Err(format!(
+            "the initialize answer names protocol version {:?}, which is not one agreed by initialize ({})",
+            answered.chars().take(40).collect::<String>(),
+            known
+                .iter()
+                .map(ProtocolVersion::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
 }
 
 /// Every tool definition an upstream listed, as sent, with the share of the upstreams'
@@ -580,6 +595,28 @@ mod tests {
             p["_meta"]["io.modelcontextprotocol/clientInfo"]["name"],
             "robota-mcpd"
         );
+    }
+
+    #[test]
+    fn initialize_agrees_only_to_revisions_that_have_it() {
+        for known in ["2024-11-05", "2025-03-26", "2025-06-18", LEGACY] {
+            assert_eq!(
+                initialize_version(Some(&json!(known))).as_deref(),
+                Ok(known)
+            );
+        }
+        for other in [
+            json!(MODERN),
+            json!("2025-11-25\"x=y"),
+            json!("a\"b"),
+            json!("2024-01-01"),
+            json!(""),
+            json!(20251125),
+        ] {
+            let refused = initialize_version(Some(&other)).unwrap_err();
+            assert!(refused.contains("protocol version"), "{other}: {refused}");
+        }
+        assert!(initialize_version(None).is_err());
     }
 
     #[test]

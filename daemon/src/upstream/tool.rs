@@ -16,8 +16,8 @@ use super::pin::Drift;
 use super::protocol::{Answer, CallError};
 use crate::budget::Share;
 use crate::catalog::{
-    Annotations, Args, HostTool, Imported, OWN_META_PREFIX, ToolContext, ToolError, ToolFuture,
-    ToolOutput, ToolSpec, UPSTREAM_META,
+    Annotations, Args, HostTool, Imported, ToolContext, ToolError, ToolFuture, ToolOutput,
+    ToolSpec, UPSTREAM_META, is_own_meta,
 };
 use crate::config::UpstreamConfig;
 use crate::vocab::ToolErrorCode;
@@ -151,9 +151,10 @@ fn spec_of(
             config.name
         ));
     }
-    if !matches!(definition.get("inputSchema"), Some(Value::Object(_))) {
+    let Some(Value::Object(schema)) = definition.get("inputSchema") else {
         return Err("its inputSchema is not a JSON object".into());
-    }
+    };
+    header_annotations(schema)?;
     {
         use serde::Deserialize as _;
         use serde::de::IntoDeserializer as _;
@@ -187,6 +188,33 @@ fn spec_of(
     };
     crate::catalog::check(&spec).map_err(|e| e.to_string())?;
     Ok(spec)
+}
+
+/// The input schema's `x-mcp-header` annotations (SEP-2243) can be honoured: each names
+/// a header, and no two the same one (header names have no case). Otherwise the tool
+/// would be listed but never callable on 2026-07-28 — its callers asked for a header the
+/// daemon cannot send on, or sends twice with different values.
+fn header_annotations(schema: &Map<String, Value>) -> Result<(), String> {
+    let mut seen: Vec<String> = Vec::new();
+    for (path, header) in crate::params::annotations(schema) {
+        let shown = || header.chars().take(64).collect::<String>();
+        if http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes()).is_err() {
+            return Err(format!(
+                "its inputSchema's x-mcp-header {:?} (on {}) does not make a header name",
+                shown(),
+                path.join(".")
+            ));
+        }
+        let name = header.to_ascii_lowercase();
+        if seen.contains(&name) {
+            return Err(format!(
+                "two arguments of its inputSchema have x-mcp-header {:?} (header names have no case)",
+                shown()
+            ));
+        }
+        seen.push(name);
+    }
+    Ok(())
 }
 
 impl HostTool for ImportedTool {
@@ -261,7 +289,7 @@ pub fn passthrough(
     };
     // Its connection's keys are not the caller's business, and the daemon's own keys are
     // the daemon's to set: an upstream cannot forge them.
-    meta.retain(|k, _| !HOP_META.contains(&k.as_str()) && !k.starts_with(OWN_META_PREFIX));
+    meta.retain(|k, _| !HOP_META.contains(&k.as_str()) && !is_own_meta(k));
     if let Some(imported) = imported {
         meta.insert(UPSTREAM_META.into(), imported.meta());
     }
@@ -408,6 +436,12 @@ mod tests {
             tool("twice"),
             tool("twice"),
             json!({"name": "bare", "inputSchema": {"type": "object"}}),
+            json!({"name": "crlf", "inputSchema": {"type": "object", "properties": {
+                "v": {"type": "string", "x-mcp-header": "Bad\r\nX-Injected: 1"}}}}),
+            json!({"name": "cased", "inputSchema": {"type": "object", "properties": {
+                "a": {"type": "string", "x-mcp-header": "Val"},
+                "b": {"type": "object", "properties": {
+                    "c": {"type": "string", "x-mcp-header": "val"}}}}}}),
         ];
         let l = import(&config(&[], &[]), &listed, &Weak::new());
         assert_eq!(names(&l), ["pg.bare", "pg.twice"]);
@@ -427,6 +461,11 @@ mod tests {
         assert!(refused["s"].contains("type"), "{refused:?}");
         assert!(refused["n"].contains("inputSchema"), "{refused:?}");
         assert!(refused["twice"].contains("twice"), "{refused:?}");
+        assert!(
+            refused["crlf"].contains("does not make a header name"),
+            "{refused:?}"
+        );
+        assert!(refused["cased"].contains("no case"), "{refused:?}");
         assert!(
             refused[&"x".repeat(70)[..]].contains("1 to 64"),
             "{refused:?}"
@@ -453,7 +492,8 @@ mod tests {
             // A forged mark of the daemon's own error, and a forged origin: both go.
             "_meta": {"theirs": 1, "io.modelcontextprotocol/serverInfo": {"name": "pg-mcp"},
                       "io.robota/error": {"by": "robota-mcpd", "code": "unavailable"},
-                      "io.robota/upstream": {"name": "system"}}
+                      "io.robota/upstream": {"name": "system"},
+                      "IO.Robota/Error": {"by": "robota-mcpd"}}
         });
         let Ok(ToolOutput::Passthrough(out)) =
             passthrough(result.as_object().unwrap().clone(), Some(&imported))
