@@ -264,6 +264,9 @@ struct PinState {
 /// next record's log line says how many.
 const DRIFT_AUDIT_INTERVAL: Duration = Duration::from_secs(600);
 
+/// The least time between two readings of an upstream's announced tool list.
+const RELIST_EVERY: Duration = Duration::from_secs(1);
+
 /// Device, inode, size, modification and change times: the executable is hashed again
 /// whenever one of them changed (the change time cannot be set back by its owner).
 type ExecutableKey = (u64, u64, u64, i64, i64, i64, i64);
@@ -557,8 +560,11 @@ impl Upstream {
     }
 
     /// While up: until the link breaks, a restart is asked for, or the daemon stops. A
-    /// new tool list announced meanwhile is read and replaces the old one.
+    /// new tool list announced meanwhile is read and replaces the old one — at most once
+    /// per [`RELIST_EVERY`]: announcements in between are read as one, so an upstream
+    /// that announces without end costs one listing, rebuild and log line a second.
     async fn serve(&self, live: &Live, negotiated: &Negotiated) -> Ended {
+        let mut next_listing = tokio::time::Instant::now();
         loop {
             let broken = async {
                 match live {
@@ -580,7 +586,11 @@ impl Upstream {
                     };
                     return Ended::Failed(why);
                 }
-                () = self.list_changed.notified() => {
+                () = async {
+                    tokio::time::sleep_until(next_listing).await;
+                    self.list_changed.notified().await;
+                } => {
+                    next_listing = tokio::time::Instant::now() + RELIST_EVERY;
                     let rpc: Option<&dyn Rpc> = match live {
                         Live::Child(link, _) => Some(&**link),
                         Live::Http(link, _) => Some(&**link),

@@ -357,6 +357,8 @@ fn rogue_tools(changed: bool) -> Value {
         "run_query",
         "dense",
         "amplify",
+        "announce",
+        "lists",
     ]
     .iter()
     .map(|n| t(n))
@@ -380,6 +382,9 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
     let mut out = std::io::stdout();
     let mut changed = false;
     let mut amplified: Option<Amplified> = None;
+    // `tools/list` requests read, and list changes announced by `announce` so far.
+    let mut lists = 0u64;
+    let announced = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let send = |out: &mut std::io::Stdout, v: Value| {
         let _ = writeln!(out, "{v}");
         let _ = out.flush();
@@ -392,6 +397,9 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
         let id = msg.get("id").cloned();
         let method = msg["method"].as_str().unwrap_or_default().to_owned();
         let answer = |result: Value| json!({"jsonrpc": "2.0", "id": id, "result": result});
+        if method == "tools/list" {
+            lists += 1;
+        }
         match method.as_str() {
             "initialize" => send(
                 &mut out,
@@ -459,6 +467,37 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                             let _ = write!(out, "{chunk}");
                         }
                         let _ = out.flush();
+                    }
+                    "announce" => {
+                        // `count` announcements of a new tool list, `every_ms` apart, from a
+                        // thread of their own while requests go on being answered.
+                        let arg = |k: &str| msg["params"]["arguments"][k].as_u64().unwrap_or(0);
+                        let (count, every) = (arg("count"), Duration::from_millis(arg("every_ms")));
+                        send(
+                            &mut out,
+                            answer(json!({"content": [{"type": "text", "text": "announcing"}]})),
+                        );
+                        let announced = announced.clone();
+                        std::thread::spawn(move || {
+                            let mut out = std::io::stdout();
+                            for _ in 0..count {
+                                let note = json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"});
+                                let _ = writeln!(out, "{note}");
+                                let _ = out.flush();
+                                announced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                std::thread::sleep(every);
+                            }
+                        });
+                    }
+                    "lists" => {
+                        let announced = announced.load(std::sync::atomic::Ordering::Relaxed);
+                        send(
+                            &mut out,
+                            answer(json!({
+                                "content": [{"type": "text", "text": format!("{lists} lists, {announced} announced")}],
+                                "structuredContent": {"lists": lists, "announced": announced}
+                            })),
+                        );
                     }
                     "change" => {
                         changed = true;

@@ -315,6 +315,57 @@ fn rogue(extra: &str) -> Daemon {
     ))
 }
 
+/// An upstream that announces a new tool list without end is read at most once a second:
+/// 150 announcements over 3 s cost a few listings (and catalog rebuilds, and log lines),
+/// not one each — and the last announcement is still read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_announcing_new_tool_lists_without_end_is_read_once_a_second() {
+    let d = rogue("pin = false\n");
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let counts = || async {
+        let c = client.call("rogue.lists", json!({})).await.ok("lists");
+        (
+            c["lists"].as_u64().unwrap(),
+            c["announced"].as_u64().unwrap(),
+        )
+    };
+    let (before, _) = counts().await;
+    let started = std::time::Instant::now();
+    client
+        .call("rogue.announce", json!({"count": 150, "every_ms": 20}))
+        .await
+        .ok("announce");
+    let seen = std::cell::Cell::new((before, 0));
+    let done = robota_e2e::poll_until_async(LIMIT, Duration::from_millis(200), || async {
+        seen.set(counts().await);
+        seen.get().1 == 150
+    })
+    .await;
+    assert!(done, "the announcements did not end: {:?}", seen.get());
+    let took = started.elapsed().as_secs_f64();
+    // Whatever was announced after the last listing is read within a second: the count
+    // settles (unchanged for 1.5 s) soon after.
+    let last = std::cell::Cell::new((seen.get().0, std::time::Instant::now()));
+    let settled = robota_e2e::poll_until_async(LIMIT, Duration::from_millis(100), || async {
+        let now = counts().await.0;
+        if now != last.get().0 {
+            last.set((now, std::time::Instant::now()));
+        }
+        last.get().1.elapsed() >= Duration::from_millis(1500)
+    })
+    .await;
+    let last = last.get().0;
+    assert!(settled, "the listings never settled: {last}");
+    let read = last - before;
+    assert!(
+        read >= 2 && (read as f64) <= took + 3.0,
+        "{read} listings for 150 announcements over {took:.1} s"
+    );
+    assert_eq!(upstream(&d, "rogue").state, "up");
+    client.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_mid_call_is_outcome_unknown_and_the_child_comes_back() {
     let d = rogue("");
