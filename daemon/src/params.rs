@@ -4,7 +4,7 @@
 //! an HTTP upstream sends with it.
 
 use base64::Engine;
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 use serde_json::{Map, Value};
 
 /// The properties of a tool's input `schema` (by path, through nested `properties`)
@@ -34,6 +34,26 @@ pub fn annotations(schema: &Map<String, Value>) -> Vec<(Vec<&str>, &str)> {
     let mut out = Vec::new();
     walk(schema.get("properties"), &mut Vec::new(), &mut out);
     out
+}
+
+/// What every `Mcp-Param-*` header's name starts with, lower-cased.
+pub const HEADER_PREFIX: &str = "mcp-param-";
+
+/// The header an `x-mcp-header` annotation names, if the name makes one.
+pub fn header_name(annotation: &str) -> Option<HeaderName> {
+    HeaderName::from_bytes(format!("{HEADER_PREFIX}{annotation}").as_bytes()).ok()
+}
+
+/// The argument at `path` of a call's `arguments` as a header carries it: a string as it
+/// is, a number or boolean as JSON writes it; anything else (absent, null, an object or an
+/// array) travels in no header.
+pub fn argument_text(arguments: Option<&Value>, path: &[impl AsRef<str>]) -> Option<String> {
+    match arguments.and_then(|a| path.iter().try_fold(a, |v, k| v.get(k.as_ref())))? {
+        Value::String(s) => Some(s.clone()),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
 }
 
 /// How SEP-2243 wraps a header value that cannot travel as it is: `=?base64?…?=`.

@@ -48,7 +48,6 @@ const EVENT_STREAM: &str = "text/event-stream";
 pub const PROTOCOL_VERSION: &str = "mcp-protocol-version";
 const MCP_METHOD: &str = "mcp-method";
 const MCP_NAME: &str = "mcp-name";
-const MCP_PARAM: &str = "mcp-param-";
 /// Progress notifications a call may have queued ahead of its reader.
 const PROGRESS_QUEUE: usize = 16;
 
@@ -361,17 +360,9 @@ fn standard_headers(
     let arguments = params.and_then(|p| p.get("arguments"));
     for (path, name) in crate::params::annotations(&schema) {
         let property = path.join(".");
-        let full = format!("{MCP_PARAM}{name}");
+        let full = format!("{}{name}", crate::params::HEADER_PREFIX);
         let sent = single(headers, &full)?;
-        let value = arguments
-            .and_then(|a| path.iter().try_fold(a, |v, k| v.get(k)))
-            .filter(|v| !v.is_null())
-            .and_then(|v| match v {
-                Value::String(s) => Some(s.clone()),
-                Value::Bool(b) => Some(b.to_string()),
-                Value::Number(n) => Some(n.to_string()),
-                _ => None,
-            });
+        let value = crate::params::argument_text(arguments, &path);
         match (sent, value) {
             (None, None) => {}
             (Some(_), None) => {

@@ -42,23 +42,6 @@ const MCP_METHOD: HeaderName = HeaderName::from_static("mcp-method");
 const MCP_NAME: HeaderName = HeaderName::from_static("mcp-name");
 const SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 
-/// A header value for text the daemon chose (a method, the protocol version in force):
-/// the ones it sends on every request are not copied.
-fn header_value(text: &str) -> Result<HeaderValue, CallError> {
-    const KNOWN: [&str; 5] = [
-        protocol::MODERN,
-        protocol::LEGACY,
-        "tools/call",
-        "tools/list",
-        "notifications/cancelled",
-    ];
-    match KNOWN.into_iter().find(|known| *known == text) {
-        Some(known) => Ok(HeaderValue::from_static(known)),
-        None => HeaderValue::from_str(text)
-            .map_err(|_| CallError::NotSent(format!("{text:?} cannot be sent as a header value"))),
-    }
-}
-
 /// The connection's driver task, aborted when the connection is dropped.
 struct ConnTask(JoinHandle<()>);
 
@@ -114,9 +97,8 @@ impl std::fmt::Debug for HttpLink {
     }
 }
 
-/// An argument sent as a header: its path in the arguments, and the header's name after
-/// `Mcp-Param-`.
-type ParamHeader = (Vec<String>, String);
+/// An argument sent as a header: its path in the arguments, and its `Mcp-Param-*` header.
+type ParamHeader = (Vec<String>, HeaderName);
 
 /// One exchange's answer before its body is read.
 enum Answer {
@@ -243,29 +225,22 @@ impl HttpLink {
                 HeaderValue::from_static(concat!("robota-mcpd/", env!("CARGO_PKG_VERSION"))),
             );
         if method != "initialize" {
-            request = request.header(PROTOCOL_VERSION, header_value(&negotiated.version)?);
+            request = request.header(
+                PROTOCOL_VERSION,
+                HeaderValue::from_static(negotiated.version),
+            );
         }
         if negotiated.modern {
-            request = request.header(MCP_METHOD, header_value(method)?);
+            request = request.header(MCP_METHOD, HeaderValue::from_static(method));
             if let Some(name) = message.params.get("name").and_then(Value::as_str)
                 && method == "tools/call"
             {
                 request = request.header(MCP_NAME, crate::params::header_text(name));
                 let arguments = message.params.get("arguments");
                 for (path, header) in self.param_headers.lock().get(name).into_iter().flatten() {
-                    let value = arguments
-                        .and_then(|a| path.iter().try_fold(a, |v, k| v.get(k)))
-                        .and_then(|v| match v {
-                            Value::String(s) => Some(s.clone()),
-                            Value::Bool(b) => Some(b.to_string()),
-                            Value::Number(n) => Some(n.to_string()),
-                            _ => None,
-                        });
-                    if let Some(value) = value {
-                        request = request.header(
-                            format!("Mcp-Param-{header}"),
-                            crate::params::header_text(&value),
-                        );
+                    if let Some(value) = crate::params::argument_text(arguments, path) {
+                        request =
+                            request.header(header.clone(), crate::params::header_text(&value));
                     }
                 }
             }
@@ -458,21 +433,17 @@ impl HttpLink {
             let Some(name) = tool.get("name").and_then(Value::as_str) else {
                 continue;
             };
-            // Only names that make a header are sent.
+            // A tool with a name that makes no header is not imported (`tool::import`):
+            // what is left out here is never called.
             let found: Vec<ParamHeader> = tool
                 .get("inputSchema")
                 .and_then(Value::as_object)
                 .map(crate::params::annotations)
                 .unwrap_or_default()
                 .into_iter()
-                .filter(|(_, header)| {
-                    http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes()).is_ok()
-                })
-                .map(|(path, header)| {
-                    (
-                        path.into_iter().map(str::to_owned).collect(),
-                        header.to_owned(),
-                    )
+                .filter_map(|(path, header)| {
+                    let header = crate::params::header_name(header)?;
+                    Some((path.into_iter().map(str::to_owned).collect(), header))
                 })
                 .collect();
             if found.is_empty() {
@@ -498,7 +469,7 @@ impl HttpLink {
         *self.session.lock() = None;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut params = Map::new();
-        params.insert("protocolVersion".into(), negotiated.version.clone().into());
+        params.insert("protocolVersion".into(), negotiated.version.into());
         params.insert("capabilities".into(), Value::Object(Map::new()));
         params.insert(
             "clientInfo".into(),
@@ -606,7 +577,7 @@ impl Rpc for HttpLink {
     fn request<'a>(
         &'a self,
         negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         mut params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
@@ -643,7 +614,7 @@ impl Rpc for HttpLink {
     fn notify<'a>(
         &'a self,
         negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         params: Map<String, Value>,
     ) -> RpcFuture<'a, ()> {
         Box::pin(async move {

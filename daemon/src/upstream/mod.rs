@@ -381,7 +381,7 @@ impl Upstream {
             };
             let ended = match attempt {
                 Ok((live, negotiated, listed)) => {
-                    self.shown.lock().protocol = Some(negotiated.version.clone());
+                    self.shown.lock().protocol = Some(negotiated.version.to_owned());
                     self.set_listing(listed, false);
                     *self.live.write() = Some(live.clone());
                     self.set_state(UpstreamState::Up, None);

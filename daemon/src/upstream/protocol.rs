@@ -31,8 +31,9 @@ pub const MAX_LISTED: usize = 4096;
 /// The revision agreed with one upstream connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Negotiated {
-    /// The protocol version string in force (`MCP-Protocol-Version`).
-    pub version: String,
+    /// The protocol version in force (`MCP-Protocol-Version`): one of the revisions the
+    /// daemon knows, never the upstream's own text.
+    pub version: &'static str,
     /// 2026-07-28 or later: no session, every request carries its own `_meta`.
     pub modern: bool,
 }
@@ -40,7 +41,7 @@ pub struct Negotiated {
 impl Negotiated {
     pub fn modern() -> Self {
         Self {
-            version: MODERN.to_owned(),
+            version: MODERN,
             modern: true,
         }
     }
@@ -165,7 +166,7 @@ pub trait Rpc: Send + Sync {
     fn request<'a>(
         &'a self,
         negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
@@ -175,7 +176,7 @@ pub trait Rpc: Send + Sync {
     fn notify<'a>(
         &'a self,
         negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         params: Map<String, Value>,
     ) -> RpcFuture<'a, ()>;
 }
@@ -225,12 +226,12 @@ pub struct Outgoing<'a> {
     /// `None`: a notification.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<u64>,
-    pub method: &'a str,
+    pub method: &'static str,
     pub params: &'a Map<String, Value>,
 }
 
 impl<'a> Outgoing<'a> {
-    pub fn request(id: u64, method: &'a str, params: &'a Map<String, Value>) -> Self {
+    pub fn request(id: u64, method: &'static str, params: &'a Map<String, Value>) -> Self {
         Self {
             jsonrpc: "2.0",
             id: Some(id),
@@ -239,7 +240,7 @@ impl<'a> Outgoing<'a> {
         }
     }
 
-    pub fn notification(method: &'a str, params: &'a Map<String, Value>) -> Self {
+    pub fn notification(method: &'static str, params: &'a Map<String, Value>) -> Self {
         Self {
             jsonrpc: "2.0",
             id: None,
@@ -256,11 +257,11 @@ impl<'a> Outgoing<'a> {
 }
 
 /// A JSON-RPC request line (no newline).
-pub fn request_bytes(id: u64, method: &str, params: Map<String, Value>) -> Vec<u8> {
+pub fn request_bytes(id: u64, method: &'static str, params: Map<String, Value>) -> Vec<u8> {
     Outgoing::request(id, method, &params).to_bytes()
 }
 
-pub fn notification_bytes(method: &str, params: Map<String, Value>) -> Vec<u8> {
+pub fn notification_bytes(method: &'static str, params: Map<String, Value>) -> Vec<u8> {
     Outgoing::notification(method, &params).to_bytes()
 }
 
@@ -436,7 +437,7 @@ async fn initialize(
     limit: Duration,
 ) -> Result<Negotiated, String> {
     let legacy = Negotiated {
-        version: LEGACY.to_owned(),
+        version: LEGACY,
         modern: false,
     };
     let params = json!({
@@ -473,13 +474,13 @@ async fn initialize(
 /// (2024-11-05 to 2025-11-25): the server answers with the version we offered or another
 /// of its own, and one we do not know — or a later revision, which has no `initialize`
 /// — ends the handshake, whatever the configuration asked for.
-fn initialize_version(answered: Option<&Value>) -> Result<String, String> {
+fn initialize_version(answered: Option<&Value>) -> Result<&'static str, String> {
     let known = ProtocolVersion::known_up_to(&ProtocolVersion::LATEST_WITH_INITIALIZE);
     let Some(answered) = answered.and_then(Value::as_str) else {
         return Err("the initialize answer names no protocol version".into());
     };
     match known.iter().find(|v| v.as_str() == answered) {
-        Some(version) => Ok(version.as_str().to_owned()),
+        Some(version) => Ok(version.as_str()),
         None => Err(format!(
             "the initialize answer names protocol version {:?}, which is not one agreed by initialize ({})",
             answered.chars().take(40).collect::<String>(),
@@ -578,7 +579,7 @@ mod tests {
         assert_eq!(meta["io.modelcontextprotocol/protocolVersion"], MODERN);
         assert!(meta["io.modelcontextprotocol/clientCapabilities"].is_object());
         let legacy = Negotiated {
-            version: LEGACY.into(),
+            version: LEGACY,
             modern: false,
         };
         assert!(legacy.params(Map::new()).is_empty());

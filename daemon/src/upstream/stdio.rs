@@ -300,7 +300,7 @@ impl Rpc for ChildLink {
     fn request<'a>(
         &'a self,
         negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         mut params: Map<String, Value>,
         cancel: &'a CancellationToken,
         limit: Duration,
@@ -371,7 +371,7 @@ impl Rpc for ChildLink {
     fn notify<'a>(
         &'a self,
         _negotiated: &'a Negotiated,
-        method: &'a str,
+        method: &'static str,
         params: Map<String, Value>,
     ) -> RpcFuture<'a, ()> {
         Box::pin(async move {

@@ -195,17 +195,16 @@ fn spec_of(
 /// would be listed but never callable on 2026-07-28 — its callers asked for a header the
 /// daemon cannot send on, or sends twice with different values.
 fn header_annotations(schema: &Map<String, Value>) -> Result<(), String> {
-    let mut seen: Vec<String> = Vec::new();
+    let mut seen = Vec::new();
     for (path, header) in crate::params::annotations(schema) {
         let shown = || header.chars().take(64).collect::<String>();
-        if http::HeaderName::from_bytes(format!("mcp-param-{header}").as_bytes()).is_err() {
+        let Some(name) = crate::params::header_name(header) else {
             return Err(format!(
                 "its inputSchema's x-mcp-header {:?} (on {}) does not make a header name",
                 shown(),
                 path.join(".")
             ));
-        }
-        let name = header.to_ascii_lowercase();
+        };
         if seen.contains(&name) {
             return Err(format!(
                 "two arguments of its inputSchema have x-mcp-header {:?} (header names have no case)",
