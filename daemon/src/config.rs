@@ -181,6 +181,8 @@ pub struct HttpLimits {
     /// Connections from one client address (IPv6: one /64); `None`: no per-address cap.
     pub max_connections_per_address: Option<usize>,
     pub max_in_flight: usize,
+    /// Of those, what one caller may hold (a bearer's label, an OAuth client and subject).
+    pub max_in_flight_per_caller: usize,
     pub max_header_bytes: usize,
     pub header_timeout: Duration,
     /// How long an admitted request may take to deliver its body (then 408).
@@ -636,6 +638,7 @@ struct RawLoopback {
     max_connections: Option<usize>,
     max_connections_per_address: Option<usize>,
     max_in_flight: Option<usize>,
+    max_in_flight_per_caller: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
@@ -653,6 +656,7 @@ impl Default for RawLoopback {
             max_connections: None,
             max_connections_per_address: None,
             max_in_flight: None,
+            max_in_flight_per_caller: None,
             max_header_bytes: None,
             header_timeout: None,
             body_timeout: None,
@@ -840,7 +844,11 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
         }
         let bounds = validate_bounds(
             "loopback",
-            [l.max_connections, l.max_in_flight],
+            [
+                l.max_connections,
+                l.max_in_flight,
+                l.max_in_flight_per_caller,
+            ],
             (l.max_connections_per_address, None),
             l.max_header_bytes,
             [l.header_timeout, l.body_timeout, l.idle_timeout],
@@ -1050,12 +1058,13 @@ fn validate(raw: RawConfig, env: &Environment) -> Result<Config, Vec<ConfigIssue
     })
 }
 
-/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight]`, the
+/// Bounds shared by the HTTP carriers: `[max_connections, max_in_flight,
+/// max_in_flight_per_caller]`, the
 /// per-address cap (given, default), header bytes, and the head, body and idle deadlines,
 /// each checked against its range.
 fn validate_bounds(
     section: &str,
-    counts: [Option<usize>; 2],
+    counts: [Option<usize>; 3],
     (per_address, per_address_default): (Option<usize>, Option<usize>),
     max_header_bytes: Option<SizeText>,
     [header_timeout, body_timeout, idle_timeout]: [Option<DurationText>; 3],
@@ -1073,6 +1082,19 @@ fn validate_bounds(
     };
     let max_connections = count("max_connections", counts[0], 64);
     let max_in_flight = count("max_in_flight", counts[1], 32);
+    // Half by default: a caller that keeps every slot it can get busy (bodies sent
+    // slowly, calls that never end) leaves the other half to everyone else.
+    let max_in_flight_per_caller = match counts[2] {
+        Some(n) if n == 0 || n > max_in_flight => {
+            issues.add(
+                format!("{section}.max_in_flight_per_caller"),
+                format!("must be between 1 and max_in_flight ({max_in_flight}), got {n}"),
+            );
+            max_in_flight
+        }
+        Some(n) => n,
+        None => max_in_flight.div_ceil(2),
+    };
     let max_header_bytes = max_header_bytes.map_or(16 * 1024, |s| s.0);
     if !(8 * 1024..=1024 * 1024).contains(&max_header_bytes) {
         issues.add(
@@ -1105,6 +1127,7 @@ fn validate_bounds(
         max_connections,
         max_connections_per_address,
         max_in_flight,
+        max_in_flight_per_caller,
         max_header_bytes: usize::try_from(max_header_bytes).unwrap_or(usize::MAX),
         header_timeout,
         body_timeout,
@@ -1303,6 +1326,44 @@ mod tests {
         assert_eq!(found[0].path, "session.turn.timeout");
         let found = issues("[loopback]\nwire_names = \"dotted\"\n");
         assert_eq!(found[0].path, "loopback.wire_names");
+    }
+
+    #[test]
+    fn a_callers_share_of_the_slots_is_half_by_default_and_never_more_than_all() {
+        let config = parse("[loopback]\nmax_in_flight = 7\n", &env()).unwrap();
+        assert_eq!(
+            config
+                .loopback
+                .as_ref()
+                .unwrap()
+                .bounds
+                .max_in_flight_per_caller,
+            4
+        );
+        let config = parse("[loopback]\nmax_in_flight_per_caller = 32\n", &env()).unwrap();
+        assert_eq!(
+            config
+                .loopback
+                .as_ref()
+                .unwrap()
+                .bounds
+                .max_in_flight_per_caller,
+            32
+        );
+        let found = issues("[loopback]\nmax_in_flight = 8\nmax_in_flight_per_caller = 9\n");
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].path, "loopback.max_in_flight_per_caller");
+        assert!(
+            found[0]
+                .problem
+                .contains("between 1 and max_in_flight (8), got 9"),
+            "{}",
+            found[0].problem
+        );
+        assert_eq!(
+            issues("[loopback]\nmax_in_flight_per_caller = 0\n").len(),
+            1
+        );
     }
 
     #[test]

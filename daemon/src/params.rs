@@ -1,11 +1,20 @@
-//! SEP-2243's `Mcp-Param-*` headers, both sides: which arguments a tool's input schema
-//! puts in headers (the `x-mcp-header` annotation), and how a value travels in one (as it
-//! is, or wrapped in Base64). The carriers check what a client sends with it; the link to
-//! an HTTP upstream sends with it.
+//! MCP's own HTTP request headers, both sides: the names of the transport's headers, and
+//! SEP-2243's `Mcp-Param-*` headers — which arguments a tool's input schema puts in
+//! headers (the `x-mcp-header` annotation), and how a value travels in one (as it is, or
+//! wrapped in Base64). The carriers check what a client sends with it; the link to an HTTP
+//! upstream sends with it.
 
 use base64::Engine;
 use http::{HeaderName, HeaderValue};
 use serde_json::{Map, Value};
+
+/// The protocol revision a request is sent in.
+pub const PROTOCOL_VERSION: HeaderName = HeaderName::from_static("mcp-protocol-version");
+/// SEP-2243: the request's method, and the name (tool, prompt, resource) it is about.
+pub const MCP_METHOD: HeaderName = HeaderName::from_static("mcp-method");
+pub const MCP_NAME: HeaderName = HeaderName::from_static("mcp-name");
+/// The session a server gave, on the revisions that have sessions.
+pub const SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 
 /// The properties of a tool's input `schema` (by path, through nested `properties`)
 /// annotated with a non-empty `x-mcp-header` name, and that name: what SEP-2243 puts in an

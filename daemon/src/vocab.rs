@@ -401,6 +401,9 @@ closed_set! {
         InvalidParams = "invalid-params",
         /// 503: every in-flight slot or the request-memory budget is taken.
         Busy = "busy",
+        /// 503: the caller already holds its share of the in-flight slots
+        /// (`max_in_flight_per_caller`).
+        CallerBusy = "caller-busy",
         /// 431 on `/metrics` (the carriers audit theirs as the refusal `oversize`).
         HeadTooLarge = "head-too-large",
         /// 403 on a loopback `/metrics`: a `Host` that is not the listener's own address

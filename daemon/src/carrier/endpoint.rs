@@ -1,7 +1,8 @@
 //! What an HTTP carrier does with an admitted request: the same for loopback and remote.
 //!
 //! Order: 405 for anything but POST, 413 from `Content-Length` before reading, 503 +
-//! `Retry-After` when every in-flight slot is taken, then the body is read under the
+//! `Retry-After` when every in-flight slot is taken or the caller holds its share of them
+//! ([`Slots`]), then the body is read under the
 //! carrier's memory budget (413 past the size limit, 408 past the body deadline, 503 when
 //! the budget stays taken), then looked at strictly ([`crate::jsonrpc`]: 400 with a
 //! JSON-RPC error for a parse error, a batch, a bad id or params), then 400 for an
@@ -24,7 +25,9 @@
 //! other. A flood of bodies built to amplify (`[[],[],…]`) costs about the budget,
 //! whatever the limits.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -34,7 +37,6 @@ use hyper::{Request, Response};
 use rmcp::ServerHandler;
 use rmcp::model::RequestId;
 use serde_json::Value;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::http::{self as server, Body};
@@ -44,8 +46,9 @@ use crate::config::{HttpLimits, Limits};
 use crate::jsonrpc::{self, Invalid};
 use crate::mcp::{InFlight, McpServer, SUPPORTED_VERSIONS, is_supported_version};
 use crate::metrics::Metrics;
+use crate::params::PROTOCOL_VERSION;
 use crate::session::{RuntimeTools, TurnSubmission};
-use crate::vocab::Admitted;
+use crate::vocab::{Admitted, Caller};
 use crate::vocab::{CancelOutcome, Listener, Rejection};
 
 /// A carrier's look at a call before it reaches the session: given the canonical tool it
@@ -57,7 +60,7 @@ pub type Gate<'a> = &'a (dyn Fn(&str, &Admitted) -> Option<Response<Body>> + Syn
 pub struct Endpoint<S> {
     listener: Listener,
     metrics: Metrics,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     memory: Budget,
     body_limit: u64,
     body_timeout: Duration,
@@ -79,7 +82,10 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         Self {
             listener: site.listener,
             metrics: site.metrics,
-            slots: Arc::new(Semaphore::new(bounds.max_in_flight)),
+            slots: Arc::new(Slots::new(
+                bounds.max_in_flight,
+                bounds.max_in_flight_per_caller,
+            )),
             memory: Budget::new(limits.request_memory),
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
@@ -125,8 +131,19 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-            return self.reject(Rejection::Busy, busy());
+        let slot = match self.slots.take(&caller.caller) {
+            Ok(slot) => slot,
+            Err(Rejection::CallerBusy) => {
+                let mut response = streamable::text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Service Unavailable: this caller already has its share of the carrier's requests in flight (max_in_flight_per_caller); retry when one of them is answered",
+                );
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                return self.reject(Rejection::CallerBusy, response);
+            }
+            Err(why) => return self.reject(why, busy()),
         };
         // A client that never finishes its body gives up its slot at the deadline.
         let deadline = Instant::now() + self.body_timeout;
@@ -287,6 +304,79 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     }
 }
 
+/// A carrier's in-flight slots: a request holds one of `limit` until it is answered, and
+/// no caller holds more than `per_caller` of them — a caller keeping every slot it can
+/// get busy (bodies sent slowly, calls that never end) leaves the rest to the others.
+struct Slots {
+    limit: usize,
+    per_caller: usize,
+    /// Callers are counted by a keyed hash of who they are: nothing of theirs is kept, and
+    /// nothing allocated per request; two callers would share a count only by a 64-bit
+    /// collision of a key nobody outside knows.
+    keys: std::hash::RandomState,
+    taken: Mutex<Taken>,
+}
+
+#[derive(Default)]
+struct Taken {
+    total: usize,
+    callers: HashMap<u64, usize>,
+}
+
+/// One slot of [`Slots`], given back when dropped.
+struct Slot {
+    slots: Arc<Slots>,
+    key: u64,
+}
+
+impl Slots {
+    fn new(limit: usize, per_caller: usize) -> Self {
+        Self {
+            limit,
+            per_caller,
+            keys: std::hash::RandomState::new(),
+            taken: Mutex::default(),
+        }
+    }
+
+    /// A slot for `caller`, or why not: [`Rejection::Busy`] when all are taken,
+    /// [`Rejection::CallerBusy`] when the caller holds its share.
+    fn take(self: &Arc<Self>, caller: &Caller) -> Result<Slot, Rejection> {
+        let key = self.keys.hash_one(caller);
+        let mut taken = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        if taken.total >= self.limit {
+            return Err(Rejection::Busy);
+        }
+        let held = taken.callers.entry(key).or_insert(0);
+        if *held >= self.per_caller {
+            return Err(Rejection::CallerBusy);
+        }
+        *held += 1;
+        taken.total += 1;
+        Ok(Slot {
+            slots: self.clone(),
+            key,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut taken = self
+            .slots
+            .taken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        taken.total -= 1;
+        if let Some(held) = taken.callers.get_mut(&self.key) {
+            *held -= 1;
+            if *held == 0 {
+                taken.callers.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// Why a body could not be read.
 enum ReadFailure {
     TooLarge,
@@ -333,7 +423,7 @@ pub fn closing(mut response: Response<Body>, version: http::Version) -> Response
 /// At most one `MCP-Protocol-Version`, and a supported one; the offending text if not.
 /// Absent is allowed (a 2025-11-25 `initialize` carries its version in the body).
 fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
-    let mut values = headers.get_all(streamable::PROTOCOL_VERSION).iter();
+    let mut values = headers.get_all(&PROTOCOL_VERSION).iter();
     let requested = |v: &HeaderValue| {
         let text = String::from_utf8_lossy(v.as_bytes());
         text.chars().take(64).collect::<String>()
@@ -378,11 +468,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_caller_holds_at_most_its_share_of_the_slots_and_the_rest_stay_free() {
+        let slots = Arc::new(Slots::new(4, 2));
+        let a = Caller::Bearer("a".into());
+        let b = Caller::Bearer("b".into());
+        let c = Caller::Bearer("c".into());
+        let a1 = slots.take(&a).unwrap();
+        let a2 = slots.take(&a).unwrap();
+        assert_eq!(slots.take(&a).err(), Some(Rejection::CallerBusy));
+        let b1 = slots.take(&b).unwrap();
+        let _b2 = slots.take(&b).unwrap();
+        // Every slot taken: anyone is refused, and as busy, not as over their share.
+        assert_eq!(slots.take(&c).err(), Some(Rejection::Busy));
+        drop(a1);
+        assert_eq!(slots.take(&b).err(), Some(Rejection::CallerBusy));
+        let c1 = slots.take(&c).unwrap();
+        drop((a2, b1, c1));
+        // Given back: a caller that held its share may take it again.
+        let _a = (slots.take(&a).unwrap(), slots.take(&a).unwrap());
+        let taken = slots.taken.lock().unwrap();
+        assert_eq!(taken.total, 3);
+        assert_eq!(
+            taken.callers.len(),
+            2,
+            "a caller holding nothing is not kept"
+        );
+    }
+
+    #[test]
     fn protocol_versions() {
         let headers = |values: &[&'static str]| {
             let mut h = http::HeaderMap::new();
             for v in values {
-                h.append(streamable::PROTOCOL_VERSION, HeaderValue::from_static(v));
+                h.append(PROTOCOL_VERSION, HeaderValue::from_static(v));
             }
             h
         };

@@ -1264,6 +1264,7 @@ mod tests {
             max_connections: 4,
             max_connections_per_address: None,
             max_in_flight: 4,
+            max_in_flight_per_caller: 4,
             max_header_bytes: 16 * 1024,
             header_timeout: Duration::from_secs(header),
             body_timeout: Duration::from_secs(30),

@@ -41,13 +41,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::http::Body;
 use crate::mcp::{AnswerSlot, McpServer, ProgressSender};
+use crate::params::{MCP_METHOD, MCP_NAME, PROTOCOL_VERSION};
 use crate::session::{RuntimeTools, TurnSubmission};
 
 const JSON: &str = "application/json";
 const EVENT_STREAM: &str = "text/event-stream";
-pub const PROTOCOL_VERSION: &str = "mcp-protocol-version";
-const MCP_METHOD: &str = "mcp-method";
-const MCP_NAME: &str = "mcp-name";
 /// Progress notifications a call may have queued ahead of its reader.
 const PROGRESS_QUEUE: usize = 16;
 
@@ -191,12 +189,12 @@ pub fn check(
         }
     };
     let id = request.as_ref().map(|r| r.id.clone());
-    let header = headers.get(PROTOCOL_VERSION).and_then(|v| v.to_str().ok());
+    let header = headers.get(&PROTOCOL_VERSION).and_then(|v| v.to_str().ok());
     if let Some(request) = &request
         && let ClientRequest::InitializeRequest(init) = &request.request
     {
         let body_version = init.params.protocol_version.as_str();
-        if let Some(value) = headers.get(PROTOCOL_VERSION) {
+        if let Some(value) = headers.get(&PROTOCOL_VERSION) {
             let Ok(text) = value.to_str() else {
                 return Err(refusal(
                     id,
@@ -292,7 +290,7 @@ pub fn check(
 /// An `initialize` needs no SEP-2243 headers, but an `Mcp-Method` it carries must be
 /// exactly one `initialize`.
 fn initialize_method_header(headers: &HeaderMap) -> Result<(), String> {
-    let mut values = headers.get_all(MCP_METHOD).iter();
+    let mut values = headers.get_all(&MCP_METHOD).iter();
     let Some(first) = values.next() else {
         return Ok(());
     };
@@ -322,7 +320,7 @@ fn standard_headers(
         return Ok(());
     };
     let params = message.get("params");
-    match single(headers, MCP_METHOD)? {
+    match single(headers, &MCP_METHOD)? {
         None => return Err("missing required Mcp-Method header".into()),
         Some(value) if value != method => {
             return Err(format!(
@@ -338,7 +336,7 @@ fn standard_headers(
         _ => None,
     };
     if let Some(expected) = key.and_then(|k| params?.get(k)?.as_str()) {
-        match single(headers, MCP_NAME)? {
+        match single(headers, &MCP_NAME)? {
             None => return Err(format!("missing required Mcp-Name header for `{method}`")),
             Some(raw) => {
                 let decoded = crate::params::decoded(raw)
@@ -386,7 +384,10 @@ fn standard_headers(
 }
 
 /// The one value of header `name`; an error when it is there twice or not text.
-fn single<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, String> {
+fn single<K>(headers: &HeaderMap, name: K) -> Result<Option<&str>, String>
+where
+    K: http::header::AsHeaderName + std::fmt::Display + Copy,
+{
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -702,7 +703,7 @@ pub fn json(status: StatusCode, body: Bytes) -> Response<Body> {
     response
 }
 
-fn text(status: StatusCode, message: &'static str) -> Response<Body> {
+pub fn text(status: StatusCode, message: &'static str) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from_static(message.as_bytes())).boxed());
     *response.status_mut() = status;
     response

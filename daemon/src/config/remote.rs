@@ -136,6 +136,7 @@ pub(super) struct RawRemote {
     max_connections: Option<usize>,
     max_connections_per_address: Option<usize>,
     max_in_flight: Option<usize>,
+    max_in_flight_per_caller: Option<usize>,
     max_header_bytes: Option<SizeText>,
     header_timeout: Option<DurationText>,
     body_timeout: Option<DurationText>,
@@ -345,7 +346,11 @@ pub(super) fn validate_remote(r: RawRemote, issues: &mut Issues) -> Option<Remot
     let key_refresh = validate_key_refresh(&r.key_refresh, issues);
     let bounds = validate_bounds(
         "remote",
-        [r.max_connections, r.max_in_flight],
+        [
+            r.max_connections,
+            r.max_in_flight,
+            r.max_in_flight_per_caller,
+        ],
         (r.max_connections_per_address, Some(16)),
         r.max_header_bytes,
         [r.header_timeout, r.body_timeout, r.idle_timeout],

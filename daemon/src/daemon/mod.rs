@@ -113,6 +113,7 @@ const METRICS_BOUNDS: crate::config::HttpLimits = crate::config::HttpLimits {
     max_connections: 8,
     max_connections_per_address: None,
     max_in_flight: 8,
+    max_in_flight_per_caller: 8,
     max_header_bytes: 16 * 1024,
     header_timeout: std::time::Duration::from_secs(5),
     body_timeout: std::time::Duration::from_secs(5),

@@ -31,16 +31,12 @@ use super::protocol::{
 use crate::budget::{Budget, Share};
 use crate::catalog::Progress;
 use crate::config::HttpTarget;
+use crate::params::{MCP_METHOD, MCP_NAME, PROTOCOL_VERSION, SESSION_ID};
 
 /// Idle connections kept for reuse.
 const POOL: usize = 32;
 /// Longest session id kept.
 const MAX_SESSION_ID: usize = 256;
-
-const PROTOCOL_VERSION: HeaderName = HeaderName::from_static("mcp-protocol-version");
-const MCP_METHOD: HeaderName = HeaderName::from_static("mcp-method");
-const MCP_NAME: HeaderName = HeaderName::from_static("mcp-name");
-const SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 
 /// The connection's driver task, aborted when the connection is dropped.
 struct ConnTask(JoinHandle<()>);
@@ -301,7 +297,7 @@ impl HttpLink {
         };
         let status = response.status();
         if method == "initialize"
-            && let Some(id) = response.headers().get("mcp-session-id")
+            && let Some(id) = response.headers().get(SESSION_ID)
         {
             let ok = id.len() <= MAX_SESSION_ID
                 && id.as_bytes().iter().all(|b| (0x21..=0x7e).contains(b));

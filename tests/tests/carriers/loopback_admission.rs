@@ -526,6 +526,94 @@ async fn max_in_flight_overflow_gets_503_with_retry_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_stalling_its_bodies_holds_only_its_share_of_the_slots() {
+    let d = Daemon::builder()
+        .loopback("max_in_flight = 4")
+        .loopback("max_in_flight_per_caller = 2")
+        .start();
+    let addr = d.loopback_addr();
+    let port = addr.port();
+    let greedy = d.bearer_labeled("greedy");
+    let host = d.bearer();
+
+    // The greedy caller sends two heads and never the whole of their bodies.
+    let mut stalled = Vec::new();
+    for id in 1..=2 {
+        let req = Request::mcp(port, Some(&greedy), &tools_list(id));
+        let mut conn = Conn::connect(addr).await.expect("connect");
+        conn.write(&req.head_bytes()).await.expect("write head");
+        conn.write(&req.body[..5])
+            .await
+            .expect("write some of the body");
+        stalled.push(conn);
+    }
+    // Its third request waits for nothing: 503, and the text says why.
+    let third = poll_until_async(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            try_exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(3)))
+                .await
+                .is_ok_and(|r| r.status == 503)
+        },
+    )
+    .await;
+    assert!(third, "a caller holding its share (2) got a third slot");
+    let resp = exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(4))).await;
+    assert_eq!(resp.status, 503, "{}", resp.describe());
+    assert!(
+        resp.header("retry-after").is_some(),
+        "503 without Retry-After: {}",
+        resp.describe()
+    );
+    let text = String::from_utf8_lossy(&resp.body);
+    assert!(
+        text.contains("max_in_flight_per_caller"),
+        "the refusal does not say why: {text:?}"
+    );
+    // Everyone else still has the other slots.
+    for id in 5..=7 {
+        let resp = exchange(addr, &Request::mcp(port, Some(&host), &tools_list(id))).await;
+        assert_eq!(
+            resp.status,
+            200,
+            "another caller was refused: {}",
+            resp.describe()
+        );
+    }
+    let metrics = d.metrics_text().expect("metrics answer");
+    let counted = metric_sum(
+        &metrics,
+        &[
+            "robota_mcpd_http_rejections_total",
+            "listener=\"loopback\"",
+            "cause=\"caller-busy\"",
+        ],
+    );
+    assert!(
+        counted >= 2.0,
+        "caller-busy refusals counted {counted}, expected >= 2"
+    );
+    // The stalled bodies give their slots back at the body deadline or when they go.
+    drop(stalled);
+    let freed = poll_until_async(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            try_exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(8)))
+                .await
+                .is_ok_and(|r| r.status == 200)
+        },
+    )
+    .await;
+    assert!(
+        freed,
+        "the greedy caller's slots never came back after it went"
+    );
+    d.assert_no_secrets();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_request_head_is_not_served() {
     let d = Daemon::start("");
     let addr = d.loopback_addr();
