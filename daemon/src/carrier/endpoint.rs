@@ -186,10 +186,10 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 return self.reject(Rejection::Busy, busy());
             }
         }
-        if let Err(requested) = protocol_version(&parts.headers) {
+        if let Err(refused) = protocol_version(&parts.headers) {
             return self.reject(
                 Rejection::UnsupportedVersion,
-                unsupported_version(message.id.as_ref(), &requested),
+                unsupported_version(message.id.as_ref(), &refused),
             );
         }
         let parsed =
@@ -420,29 +420,45 @@ pub fn closing(mut response: Response<Body>, version: http::Version) -> Response
     response
 }
 
-/// At most one `MCP-Protocol-Version`, and a supported one; the offending text if not.
+/// Why a request's `MCP-Protocol-Version` is refused: the (first) text it named, and
+/// whether it named one more than once.
+#[derive(Debug, PartialEq)]
+struct VersionRefused {
+    requested: String,
+    repeated: bool,
+}
+
+/// At most one `MCP-Protocol-Version`, and a supported one.
 /// Absent is allowed (a 2025-11-25 `initialize` carries its version in the body).
-fn protocol_version(headers: &http::HeaderMap) -> Result<(), String> {
+fn protocol_version(headers: &http::HeaderMap) -> Result<(), VersionRefused> {
     let mut values = headers.get_all(&PROTOCOL_VERSION).iter();
-    let requested = |v: &HeaderValue| {
+    let refused = |v: &HeaderValue, repeated| {
         let text = String::from_utf8_lossy(v.as_bytes());
-        text.chars().take(64).collect::<String>()
+        VersionRefused {
+            requested: text.chars().take(64).collect(),
+            repeated,
+        }
     };
     match (values.next(), values.next()) {
         (None, _) => Ok(()),
         (Some(v), None) if v.to_str().is_ok_and(is_supported_version) => Ok(()),
-        (Some(v), None) => Err(requested(v)),
-        (Some(v), Some(_)) => Err(requested(v)),
+        (Some(v), None) => Err(refused(v, false)),
+        (Some(v), Some(_)) => Err(refused(v, true)),
     }
 }
 
 /// 400 with the JSON-RPC error rmcp uses for an unsupported protocol version (-32022),
 /// naming what was requested and what is supported, for the request's id.
-fn unsupported_version(id: Option<&Value>, requested: &str) -> Response<Body> {
+fn unsupported_version(id: Option<&Value>, refused: &VersionRefused) -> Response<Body> {
+    let message = if refused.repeated {
+        "Unsupported protocol version: the MCP-Protocol-Version header is sent more than once"
+    } else {
+        "Unsupported protocol version"
+    };
     let error = rmcp::model::ErrorData::new(
         rmcp::model::ErrorCode::UNSUPPORTED_PROTOCOL_VERSION,
-        "Unsupported protocol version",
-        Some(serde_json::json!({"requested": requested, "supported": SUPPORTED_VERSIONS})),
+        message,
+        Some(serde_json::json!({"requested": refused.requested, "supported": SUPPORTED_VERSIONS})),
     );
     let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "error": error});
     streamable::json(StatusCode::BAD_REQUEST, body.to_string().into())
@@ -504,21 +520,34 @@ mod tests {
             }
             h
         };
+        let refused = |requested: &str, repeated| {
+            Err(VersionRefused {
+                requested: requested.into(),
+                repeated,
+            })
+        };
         assert_eq!(protocol_version(&headers(&[])), Ok(()));
         assert_eq!(protocol_version(&headers(&["2025-11-25"])), Ok(()));
         assert_eq!(protocol_version(&headers(&["2026-07-28"])), Ok(()));
         assert_eq!(
             protocol_version(&headers(&["2025-06-18"])),
-            Err("2025-06-18".into())
+            refused("2025-06-18", false)
         );
         assert!(protocol_version(&headers(&["2025-03-26"])).is_err());
-        assert_eq!(protocol_version(&headers(&[""])), Err(String::new()));
-        assert!(protocol_version(&headers(&["2025-11-25", "2025-11-25"])).is_err());
+        assert_eq!(protocol_version(&headers(&[""])), refused("", false));
+        assert_eq!(
+            protocol_version(&headers(&["2025-11-25", "2025-11-25"])),
+            refused("2025-11-25", true)
+        );
     }
 
     #[test]
     fn unsupported_versions_answer_with_the_id_and_both_lists() {
-        let response = unsupported_version(Some(&serde_json::json!(42)), "1999-01-01");
+        let refused = VersionRefused {
+            requested: "1999-01-01".into(),
+            repeated: false,
+        };
+        let response = unsupported_version(Some(&serde_json::json!(42)), &refused);
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);
         let body = futures_util::FutureExt::now_or_never(response.into_body().collect())
             .unwrap()
