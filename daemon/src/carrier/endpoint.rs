@@ -17,8 +17,10 @@
 //!
 //! The memory budget (`[limits] request_memory`, per carrier): a request holds budget
 //! for twice its body (ours and the SDK's copy) while it is read, then for
-//! [`crate::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until it is
-//! answered. A body whose cost alone would exceed the budget is refused 413. A request
+//! [`crate::jsonrpc::VALUE_COST`] per JSON value before it is parsed, until its answer
+//! has left (the answer's body keeps it: [`super::streamable::answer`]). A caller not
+//! allowed every slot holds at most half of the budget ([`Slots`]). A body whose cost
+//! alone would exceed the budget, or its caller's share, is refused 413. A request
 //! waits for budget only while it holds none (for a declared body length, before its
 //! first byte); any further share must be free at once, or it gives back what it holds
 //! and is answered 503 — so no set of requests can hold the budget while waiting on each
@@ -79,14 +81,12 @@ pub struct Site {
 impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
     /// Needs a Tokio runtime.
     pub fn new(server: McpServer<S>, site: Site, bounds: &HttpLimits, limits: &Limits) -> Self {
+        let memory = Budget::new(limits.request_memory);
         Self {
             listener: site.listener,
             metrics: site.metrics,
-            slots: Arc::new(Slots::new(
-                bounds.max_in_flight,
-                bounds.max_in_flight_per_caller,
-            )),
-            memory: Budget::new(limits.request_memory),
+            slots: Arc::new(Slots::new(bounds, &memory, limits.request_body)),
+            memory,
             body_limit: limits.request_body,
             body_timeout: bounds.body_timeout,
             inflight: server.inflight().clone(),
@@ -131,23 +131,16 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
         }
-        let slot = match self.slots.take(&caller.caller) {
+        let mut slot = match self.slots.take(&caller.caller) {
             Ok(slot) => slot,
             Err(Rejection::CallerBusy) => {
-                let mut response = streamable::text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "Service Unavailable: this caller already has its share of the carrier's requests in flight (max_in_flight_per_caller); retry when one of them is answered",
-                );
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                return self.reject(Rejection::CallerBusy, response);
+                return self.reject(Rejection::CallerBusy, caller_busy());
             }
             Err(why) => return self.reject(why, busy()),
         };
         // A client that never finishes its body gives up its slot at the deadline.
         let deadline = Instant::now() + self.body_timeout;
-        let (bytes, mut held) = match self.read(body, declared, deadline).await {
+        let (bytes, mut held) = match self.read(body, declared, deadline, &mut slot).await {
             Ok(read) => read,
             Err(failure) => {
                 let (why, response) = failure.answer(parts.version);
@@ -176,6 +169,14 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         if held.num_permits() + parse > self.memory.units() {
             let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
             return self.reject(Rejection::BodyTooLarge, response);
+        }
+        if let Err(why) = slot.reserve(parse) {
+            drop(held);
+            let response = match why {
+                Rejection::CallerBusy => caller_busy(),
+                _ => server::empty(StatusCode::PAYLOAD_TOO_LARGE),
+            };
+            return self.reject(why, response);
         }
         // Never wait for more while holding some: a request that cannot have its whole
         // share at once gives back what it holds (503), so holders cannot block each other.
@@ -266,9 +267,11 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         body: B,
         declared: Option<u64>,
         deadline: Instant,
+        slot: &mut Slot,
     ) -> Result<(Bytes, Share), ReadFailure> {
         let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
         let initial = declared.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
+        slot.reserve(units(2 * initial))?;
         let mut held = self
             .memory
             .take_until(units(2 * initial), deadline)
@@ -295,6 +298,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                     .saturating_sub(held.num_permits())
                     .max(64)
                     .min((self.memory.units()).saturating_sub(held.num_permits()));
+                slot.reserve(step)?;
                 let more = self.memory.try_take(step).ok_or(ReadFailure::Busy)?;
                 held.merge(more);
             }
@@ -305,11 +309,13 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
 }
 
 /// A carrier's in-flight slots: a request holds one of `limit` until it is answered, and
-/// no caller holds more than `per_caller` of them — a caller keeping every slot it can
-/// get busy (bodies sent slowly, calls that never end) leaves the rest to the others.
+/// no caller holds more than `per_caller` of them, nor more than `memory` units of the
+/// carrier's request memory — a caller keeping every slot and every byte it can get busy
+/// (bodies sent slowly, big calls that never end) leaves the rest to the others.
 struct Slots {
     limit: usize,
     per_caller: usize,
+    memory: usize,
     /// Callers are counted by a keyed hash of who they are: nothing of theirs is kept, and
     /// nothing allocated per request; two callers would share a count only by a 64-bit
     /// collision of a key nobody outside knows.
@@ -320,20 +326,39 @@ struct Slots {
 #[derive(Default)]
 struct Taken {
     total: usize,
-    callers: HashMap<u64, usize>,
+    callers: HashMap<u64, Held>,
 }
 
-/// One slot of [`Slots`], given back when dropped.
+/// What one caller holds: slots, and memory units.
+#[derive(Default)]
+struct Held {
+    slots: usize,
+    units: usize,
+}
+
+/// One slot of [`Slots`], and the memory units reserved with it; given back when dropped.
 struct Slot {
     slots: Arc<Slots>,
     key: u64,
+    units: usize,
 }
 
 impl Slots {
-    fn new(limit: usize, per_caller: usize) -> Self {
+    /// The slots of a carrier with `bounds`, whose requests share `memory` (of which a
+    /// caller not allowed every slot may hold half, and at least twice `request_body`,
+    /// enough for a whole body as it is read).
+    fn new(bounds: &HttpLimits, memory: &Budget, request_body: u64) -> Self {
+        let all = memory.units();
+        let per_caller_memory = if bounds.max_in_flight_per_caller >= bounds.max_in_flight {
+            all
+        } else {
+            let body = usize::try_from(request_body).unwrap_or(usize::MAX / 2);
+            (all / 2).max(units(2 * body)).min(all)
+        };
         Self {
-            limit,
-            per_caller,
+            limit: bounds.max_in_flight,
+            per_caller: bounds.max_in_flight_per_caller,
+            memory: per_caller_memory,
             keys: std::hash::RandomState::new(),
             taken: Mutex::default(),
         }
@@ -347,16 +372,41 @@ impl Slots {
         if taken.total >= self.limit {
             return Err(Rejection::Busy);
         }
-        let held = taken.callers.entry(key).or_insert(0);
-        if *held >= self.per_caller {
+        let held = taken.callers.entry(key).or_default();
+        if held.slots >= self.per_caller {
             return Err(Rejection::CallerBusy);
         }
-        *held += 1;
+        held.slots += 1;
         taken.total += 1;
         Ok(Slot {
             slots: self.clone(),
             key,
+            units: 0,
         })
+    }
+}
+
+impl Slot {
+    /// `units` more of the carrier's request memory for this request, as its caller's
+    /// share allows: [`Rejection::BodyTooLarge`] when this request alone would pass the
+    /// share, [`Rejection::CallerBusy`] when the caller's other requests hold the rest.
+    fn reserve(&mut self, units: usize) -> Result<(), Rejection> {
+        let share = self.slots.memory;
+        if self.units.saturating_add(units) > share {
+            return Err(Rejection::BodyTooLarge);
+        }
+        let mut taken = self
+            .slots
+            .taken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let held = taken.callers.entry(self.key).or_default();
+        if held.units.saturating_add(units) > share {
+            return Err(Rejection::CallerBusy);
+        }
+        held.units += units;
+        self.units += units;
+        Ok(())
     }
 }
 
@@ -369,8 +419,9 @@ impl Drop for Slot {
             .unwrap_or_else(PoisonError::into_inner);
         taken.total -= 1;
         if let Some(held) = taken.callers.get_mut(&self.key) {
-            *held -= 1;
-            if *held == 0 {
+            held.slots -= 1;
+            held.units -= self.units;
+            if held.slots == 0 {
                 taken.callers.remove(&self.key);
             }
         }
@@ -383,6 +434,17 @@ enum ReadFailure {
     Timeout,
     Broken,
     Busy,
+    CallerBusy,
+}
+
+impl From<Rejection> for ReadFailure {
+    /// A caller's memory share refused ([`Slot::reserve`]).
+    fn from(why: Rejection) -> Self {
+        match why {
+            Rejection::CallerBusy => ReadFailure::CallerBusy,
+            _ => ReadFailure::TooLarge,
+        }
+    }
 }
 
 impl ReadFailure {
@@ -398,12 +460,25 @@ impl ReadFailure {
             ),
             ReadFailure::Broken => (Rejection::BodyError, server::empty(StatusCode::BAD_REQUEST)),
             ReadFailure::Busy => (Rejection::Busy, closing(busy(), version)),
+            ReadFailure::CallerBusy => (Rejection::CallerBusy, closing(caller_busy(), version)),
         }
     }
 }
 
 fn busy() -> Response<Body> {
     let mut response = server::empty(StatusCode::SERVICE_UNAVAILABLE);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+/// 503 for a caller holding its share of the carrier (slots or memory), saying so.
+fn caller_busy() -> Response<Body> {
+    let mut response = streamable::text(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Service Unavailable: this caller already has its share of the carrier's requests in flight (max_in_flight_per_caller) or of their memory (half of request_memory); retry when one of them is answered",
+    );
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -483,9 +558,56 @@ fn cancelled_request_id(body: &[u8]) -> Option<RequestId> {
 mod tests {
     use super::*;
 
+    fn slots(limit: usize, per_caller: usize, memory: u64, request_body: u64) -> Arc<Slots> {
+        let bounds = HttpLimits {
+            max_connections: 64,
+            max_connections_per_address: None,
+            max_in_flight: limit,
+            max_in_flight_per_caller: per_caller,
+            max_header_bytes: 16 * 1024,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+        };
+        Arc::new(Slots::new(&bounds, &Budget::new(memory), request_body))
+    }
+
+    #[test]
+    fn a_caller_holds_at_most_half_the_memory_and_never_more_than_its_requests_reserved() {
+        const MIB: u64 = 1024 * 1024;
+        let slots = slots(8, 4, 128 * MIB, MIB);
+        assert_eq!(slots.memory, units(64 * 1024 * 1024));
+        let a = Caller::Bearer("a".into());
+        let b = Caller::Bearer("b".into());
+        let mut a1 = slots.take(&a).unwrap();
+        let mut a2 = slots.take(&a).unwrap();
+        assert_eq!(a1.reserve(slots.memory + 1), Err(Rejection::BodyTooLarge));
+        a1.reserve(slots.memory - 10).unwrap();
+        assert_eq!(a2.reserve(11), Err(Rejection::CallerBusy));
+        a2.reserve(10).unwrap();
+        // Another caller has its own half.
+        let mut b1 = slots.take(&b).unwrap();
+        b1.reserve(slots.memory).unwrap();
+        drop(a1);
+        a2.reserve(slots.memory - 10).unwrap();
+        drop((a2, b1));
+        assert!(slots.taken.lock().unwrap().callers.is_empty());
+        // Every slot to one caller: every byte too; never less than two bodies.
+        assert_eq!(slots_memory(8, 8, 128 * MIB, MIB), units(128 * 1024 * 1024));
+        assert_eq!(
+            slots_memory(8, 4, 4 * MIB, 3 * MIB / 2),
+            units(3 * 1024 * 1024)
+        );
+        assert_eq!(slots_memory(8, 4, 2 * MIB, MIB), units(2 * 1024 * 1024));
+    }
+
+    fn slots_memory(limit: usize, per_caller: usize, memory: u64, body: u64) -> usize {
+        slots(limit, per_caller, memory, body).memory
+    }
+
     #[test]
     fn a_caller_holds_at_most_its_share_of_the_slots_and_the_rest_stay_free() {
-        let slots = Arc::new(Slots::new(4, 2));
+        let slots = slots(4, 2, 1 << 20, 1 << 10);
         let a = Caller::Bearer("a".into());
         let b = Caller::Bearer("b".into());
         let c = Caller::Bearer("c".into());

@@ -471,7 +471,7 @@ impl Transport<RoleServer> for Nothing {
 /// Answers a checked request: rmcp's dispatch over `server`, as `parts`' caller (the
 /// request's HTTP parts go into the context's extensions as rmcp's service puts them);
 /// `(negotiated, malformed)` as [`Checked::Request`] says; `held` is kept until the
-/// answer is whole (the last event of a stream sent, or the stream dropped).
+/// connection has taken the whole answer, or dropped it ([`holding`]).
 pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + 'static>(
     server: &McpServer<S>,
     peer: &Peer,
@@ -522,7 +522,10 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
     let Some(mut notes) = notes else {
         let Finished(message) = handled.await;
         guard.disarm();
-        return single_answer(message, slot.as_ref(), &id, negotiated, malformed);
+        return holding(
+            single_answer(message, slot.as_ref(), &id, negotiated, malformed),
+            held,
+        );
     };
     // The answer is a stream once progress comes before the result.
     let first = tokio::select! {
@@ -539,24 +542,26 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
                     queued.push_back(more);
                 }
                 guard.disarm();
-                drop(held);
                 let result = final_message(message, slot.as_ref(), &id);
                 let events = queued
                     .into_iter()
                     .map(progress_event)
                     .chain(std::iter::once(event(&result)))
                     .map(|bytes| Ok::<_, Infallible>(hyper::body::Frame::data(bytes)));
-                return event_stream(StreamBody::new(futures_util::stream::iter(events)).boxed());
+                let events = StreamBody::new(futures_util::stream::iter(events)).boxed();
+                return holding(event_stream(events), held);
             }
             Err(_) => {
                 guard.disarm();
-                return single_answer(message, slot.as_ref(), &id, negotiated, malformed);
+                return holding(
+                    single_answer(message, slot.as_ref(), &id, negotiated, malformed),
+                    held,
+                );
             }
         },
         Ok(note) => note,
     };
     let stream = Streamed {
-        held: Some(held),
         first: Some(first),
         notes: Some(notes),
         handled: Some(std::sync::Mutex::new(handled)),
@@ -564,7 +569,78 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
         id,
         guard: Some(guard),
     };
-    event_stream(StreamBody::new(stream).boxed())
+    holding(event_stream(StreamBody::new(stream).boxed()), held)
+}
+
+/// Largest piece of an answer's body handed to the connection at a time.
+const PIECE: usize = 64 * 1024;
+
+/// `response`, its body keeping `held` (the request's in-flight slot and memory share)
+/// until the connection has taken the last of it: an answer is counted against its caller
+/// and the carrier until it has left, not just until it is made. The body is given out in
+/// pieces of at most [`PIECE`] bytes, as the connection asks for more — so a peer that
+/// does not read (an HTTP/2 window left at zero, an HTTP/1.1 socket never drained) leaves
+/// the rest here, still held, instead of in the connection's buffers, free of any count.
+fn holding<H: Send + Sync + Unpin + 'static>(response: Response<Body>, held: H) -> Response<Body> {
+    response.map(|body| {
+        Holding {
+            body,
+            rest: Bytes::new(),
+            held: Some(held),
+        }
+        .boxed()
+    })
+}
+
+struct Holding<H> {
+    body: Body,
+    /// What the body gave and the connection has not taken yet.
+    rest: Bytes,
+    held: Option<H>,
+}
+
+impl<H: Unpin> hyper::body::Body for Holding<H> {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        let this = &mut *self;
+        loop {
+            if !this.rest.is_empty() {
+                let piece = this.rest.split_to(this.rest.len().min(PIECE));
+                return Poll::Ready(Some(Ok(hyper::body::Frame::data(piece))));
+            }
+            match std::task::ready!(Pin::new(&mut this.body).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => this.rest = data,
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                },
+                Some(Err(never)) => match never {},
+                None => {
+                    this.held = None;
+                    return Poll::Ready(None);
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty() && self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        let inner = self.body.size_hint();
+        let rest = self.rest.len() as u64;
+        let mut hint = hyper::body::SizeHint::new();
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + rest);
+        }
+        hint.set_lower(inner.lower() + rest);
+        hint
+    }
 }
 
 /// The handler's answer to a request.
@@ -608,9 +684,7 @@ fn single_answer(
 
 /// A call's event stream: its progress as it comes, then its answer; the call runs as the
 /// stream is read.
-struct Streamed<H> {
-    /// What the request holds until it is answered (its in-flight slot, its memory).
-    held: Option<H>,
+struct Streamed {
     first: Option<ProgressNotificationParam>,
     notes: Option<mpsc::Receiver<ProgressNotificationParam>>,
     /// In a mutex only to be `Sync`, as a response body must: it is only ever reached
@@ -621,7 +695,7 @@ struct Streamed<H> {
     guard: Option<tokio_util::sync::DropGuard>,
 }
 
-impl<H: Unpin> futures_util::Stream for Streamed<H> {
+impl futures_util::Stream for Streamed {
     type Item = Result<hyper::body::Frame<Bytes>, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -644,7 +718,6 @@ impl<H: Unpin> futures_util::Stream for Streamed<H> {
             return Poll::Pending;
         };
         this.handled = None;
-        this.held = None;
         if let Some(guard) = this.guard.take() {
             guard.disarm();
         }
@@ -712,6 +785,45 @@ pub fn text(status: StatusCode, message: &'static str) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_keeps_what_its_request_holds_until_the_connection_took_all_of_it() {
+        use hyper::body::Body as _;
+        let held = std::sync::Arc::new(());
+        let answer = Bytes::from(vec![b'x'; 2 * PIECE + 10]);
+        let response = holding(json(StatusCode::OK, answer.clone()), held.clone());
+        let mut body = response.into_body();
+        assert_eq!(body.size_hint().exact(), Some(answer.len() as u64));
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut taken = Vec::new();
+        loop {
+            let Poll::Ready(frame) = Pin::new(&mut body).poll_frame(&mut cx) else {
+                panic!("a whole answer is never pending");
+            };
+            let Some(frame) = frame else { break };
+            let data = frame.unwrap().into_data().unwrap();
+            assert!(data.len() <= PIECE, "a piece of {} bytes", data.len());
+            assert_eq!(
+                std::sync::Arc::strong_count(&held),
+                2,
+                "released with {} of {} bytes taken",
+                taken.len() + data.len(),
+                answer.len()
+            );
+            taken.extend_from_slice(&data);
+            assert_eq!(
+                body.size_hint().exact(),
+                Some((answer.len() - taken.len()) as u64)
+            );
+        }
+        assert_eq!(taken, answer);
+        assert_eq!(std::sync::Arc::strong_count(&held), 1, "kept after the end");
+        // A connection that goes away gives it back too.
+        let response = holding(json(StatusCode::OK, answer), held.clone());
+        drop(response);
+        assert_eq!(std::sync::Arc::strong_count(&held), 1);
+    }
 
     fn ranges(values: &[&'static str]) -> Vec<String> {
         let mut headers = HeaderMap::new();

@@ -574,7 +574,12 @@ async fn post_raw(addr: SocketAddr, bearer: &str, body: Vec<u8>) -> Response {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_built_to_amplify_cost_at_most_the_memory_budget() {
-    let d = Daemon::builder().loopback("max_in_flight = 64").start();
+    // One caller sends them all: it is allowed the whole carrier (the budget is what is
+    // tested here, not a caller's share of it).
+    let d = Daemon::builder()
+        .loopback("max_in_flight = 64")
+        .loopback("max_in_flight_per_caller = 64")
+        .start();
     let addr = d.loopback_addr();
     let bearer = d.bearer();
     let before = procs::rss_kib(d.pid());
@@ -649,6 +654,7 @@ async fn requests_never_hold_the_memory_budget_waiting_for_each_other() {
     // at the body deadline; a small request meanwhile is served.
     let d = Daemon::builder()
         .loopback("max_in_flight = 64")
+        .loopback("max_in_flight_per_caller = 64")
         .loopback("body_timeout = \"20s\"")
         .start();
     let addr = d.loopback_addr();
@@ -793,6 +799,7 @@ async fn a_scrape_under_a_foreign_host_name_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_16_mib_ceiling_an_amplifying_body_is_refused_not_parsed() {
     let d = Daemon::builder()
+        .loopback("max_in_flight_per_caller = 32")
         .extra("[limits]\nrequest_body = \"16MiB\"\n")
         .start();
     let addr = d.loopback_addr();
