@@ -399,8 +399,11 @@ closed_set! {
         InvalidRequest = "invalid-request",
         /// 400, JSON-RPC -32602: `params` that is not an object.
         InvalidParams = "invalid-params",
-        /// 503: every in-flight slot or the request-memory budget is taken.
+        /// 503: every in-flight slot is taken.
         Busy = "busy",
+        /// 503: the request-memory share a request needs is not free (at once, or for a
+        /// declared body within `body_timeout`).
+        MemoryBusy = "memory-busy",
         /// 503: the caller already holds its share of the in-flight slots
         /// (`max_in_flight_per_caller`).
         CallerBusy = "caller-busy",

@@ -134,9 +134,9 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         let mut slot = match self.slots.take(&caller.caller) {
             Ok(slot) => slot,
             Err(Rejection::CallerBusy) => {
-                return self.reject(Rejection::CallerBusy, caller_busy());
+                return self.reject(Rejection::CallerBusy, unavailable(CALLER_BUSY));
             }
-            Err(why) => return self.reject(why, busy()),
+            Err(why) => return self.reject(why, unavailable(BUSY)),
         };
         // A client that never finishes its body gives up its slot at the deadline.
         let deadline = Instant::now() + self.body_timeout;
@@ -173,7 +173,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         if let Err(why) = slot.reserve(parse) {
             drop(held);
             let response = match why {
-                Rejection::CallerBusy => caller_busy(),
+                Rejection::CallerBusy => unavailable(CALLER_BUSY),
                 _ => server::empty(StatusCode::PAYLOAD_TOO_LARGE),
             };
             return self.reject(why, response);
@@ -184,7 +184,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             Some(more) => held.merge(more),
             None => {
                 drop(held);
-                return self.reject(Rejection::Busy, busy());
+                return self.reject(Rejection::MemoryBusy, unavailable(MEMORY_BUSY));
             }
         }
         if let Err(refused) = protocol_version(&parts.headers) {
@@ -459,26 +459,26 @@ impl ReadFailure {
                 closing(server::empty(StatusCode::REQUEST_TIMEOUT), version),
             ),
             ReadFailure::Broken => (Rejection::BodyError, server::empty(StatusCode::BAD_REQUEST)),
-            ReadFailure::Busy => (Rejection::Busy, closing(busy(), version)),
-            ReadFailure::CallerBusy => (Rejection::CallerBusy, closing(caller_busy(), version)),
+            ReadFailure::Busy => (
+                Rejection::MemoryBusy,
+                closing(unavailable(MEMORY_BUSY), version),
+            ),
+            ReadFailure::CallerBusy => (
+                Rejection::CallerBusy,
+                closing(unavailable(CALLER_BUSY), version),
+            ),
         }
     }
 }
 
-fn busy() -> Response<Body> {
-    let mut response = server::empty(StatusCode::SERVICE_UNAVAILABLE);
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    response
-}
+/// Why a request is answered 503, as its text says it.
+const BUSY: &str = "Service Unavailable: every in-flight slot of this carrier is taken (max_in_flight); retry when one of the requests in flight is answered";
+const MEMORY_BUSY: &str = "Service Unavailable: the memory this carrier's requests may hold (request_memory) is in use; retry when one of the requests in flight is answered";
+const CALLER_BUSY: &str = "Service Unavailable: this caller already has its share of the carrier's requests in flight (max_in_flight_per_caller) or of their memory (half of request_memory); retry when one of them is answered";
 
-/// 503 for a caller holding its share of the carrier (slots or memory), saying so.
-fn caller_busy() -> Response<Body> {
-    let mut response = streamable::text(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "Service Unavailable: this caller already has its share of the carrier's requests in flight (max_in_flight_per_caller) or of their memory (half of request_memory); retry when one of them is answered",
-    );
+/// 503 with `Retry-After: 1` and `why`.
+fn unavailable(why: &'static str) -> Response<Body> {
+    let mut response = streamable::text(StatusCode::SERVICE_UNAVAILABLE, why);
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

@@ -489,7 +489,12 @@ async fn max_in_flight_overflow_gets_503_with_retry_after() {
         .expect("the turn never started (no turn.pid)");
 
     let resp = exchange(addr, &Request::mcp(port, Some(&bearer), &tools_list(8))).await;
-    resp.assert_empty_refusal(503, "second admitted request over max_in_flight = 1");
+    assert_eq!(resp.status, 503, "{}", resp.describe());
+    assert!(
+        String::from_utf8_lossy(&resp.body).contains("(max_in_flight)"),
+        "the 503 does not say which limit: {}",
+        resp.describe()
+    );
     let retry = resp
         .header("retry-after")
         .unwrap_or_else(|| panic!("503 without Retry-After: {}", resp.describe()));
@@ -536,9 +541,20 @@ async fn a_caller_stalling_its_bodies_holds_only_its_share_of_the_slots() {
     let greedy = d.bearer_labeled("greedy");
     let host = d.bearer();
 
-    // The greedy caller sends two heads and never the whole of their bodies.
+    // The greedy caller sends two heads and never the whole of their bodies, each
+    // admitted (and so holding its slot) before anything else is sent.
+    let admitted = || {
+        metric_sum(
+            &d.metrics_text().expect("metrics answer"),
+            &[
+                "robota_mcpd_admitted_requests_total",
+                "carrier=\"loopback\"",
+            ],
+        )
+    };
     let mut stalled = Vec::new();
     for id in 1..=2 {
+        let before = admitted();
         let req = Request::mcp(port, Some(&greedy), &tools_list(id));
         let mut conn = Conn::connect(addr).await.expect("connect");
         conn.write(&req.head_bytes()).await.expect("write head");
@@ -546,6 +562,11 @@ async fn a_caller_stalling_its_bodies_holds_only_its_share_of_the_slots() {
             .await
             .expect("write some of the body");
         stalled.push(conn);
+        let seen = poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+            admitted() > before
+        })
+        .await;
+        assert!(seen, "stalled request {id} was never admitted");
     }
     // Its third request waits for nothing: 503, and the text says why.
     let third = poll_until_async(
