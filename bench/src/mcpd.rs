@@ -31,6 +31,13 @@ pub const ISSUER: &str = "https://auth.example.com";
 /// default: the cap is part of what it measures.)
 pub const MATRIX_PER_ADDRESS: &str = "max_connections_per_address = 64";
 
+/// The carriers' line for every daemon whose cells run many clients as one caller (the
+/// host bearer, or alice's token): the default share of a caller, half the in-flight
+/// slots, would answer a 32-client cell's 17th request 503 `caller-busy`. 32 is the
+/// default `max_in_flight`, so the share is the whole carrier: the carrier's speed is
+/// measured here, not one caller's share of it.
+pub const MATRIX_PER_CALLER: &str = "max_in_flight_per_caller = 32";
+
 /// Fails early, with the command to run, when the daemon binaries are missing.
 pub fn check_binaries() -> Result<(), String> {
     let dir = robota_e2e::bin_dir();
@@ -50,14 +57,15 @@ pub fn binary_dir() -> PathBuf {
     robota_e2e::bin_dir()
 }
 
-/// A daemon with the harness's config: the loopback carrier only.
+/// A daemon with the harness's config, the loopback carrier only, and
+/// [`MATRIX_PER_CALLER`].
 pub fn loopback_daemon() -> Daemon {
     loopback_daemon_with(&[])
 }
 
 /// [`loopback_daemon`] with extra environment variables (experiments: allocator tunables).
 pub fn loopback_daemon_with(env: &[(String, String)]) -> Daemon {
-    with_env(Daemon::builder(), env).start()
+    with_env(Daemon::builder().loopback(MATRIX_PER_CALLER), env).start()
 }
 
 fn with_env(builder: DaemonBuilder, env: &[(String, String)]) -> DaemonBuilder {
@@ -111,10 +119,13 @@ impl KeySet {
     }
 
     /// The throughput matrix's remote daemon: the remote carrier (and the harness's loopback carrier) with
-    /// [`MATRIX_PER_ADDRESS`] and extra environment variables.
+    /// [`MATRIX_PER_ADDRESS`], [`MATRIX_PER_CALLER`] and extra environment variables.
     pub fn matrix_remote_daemon(&self, env: &[(String, String)]) -> Daemon {
-        let config = self.remote_config(&[]).line(MATRIX_PER_ADDRESS);
-        with_env(config.builder(), env).start()
+        let config = self
+            .remote_config(&[])
+            .line(MATRIX_PER_ADDRESS)
+            .line(MATRIX_PER_CALLER);
+        with_env(config.builder().loopback(MATRIX_PER_CALLER), env).start()
     }
 
     /// The flood's remote daemon: the remote listener's defaults but [`MATRIX_PER_ADDRESS`]
@@ -215,7 +226,7 @@ pub fn opaque_daemon(oidc: &Oidc, cache: &str, env: &[(String, String)]) -> Daem
     let config = RemoteConfig {
         allowed_subjects: Vec::new(),
         allowed_clients: vec![OPAQUE_CLIENT.id.into()],
-        lines: vec![MATRIX_PER_ADDRESS.into()],
+        lines: vec![MATRIX_PER_ADDRESS.into(), MATRIX_PER_CALLER.into()],
         ..RemoteConfig::for_issuer(oidc.issuer(), Some(&oidc.ca_file()))
     };
     let builder = config

@@ -105,6 +105,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
     let server = HttpServer::spawn(cmd);
     let hello = ChildServer::spawn("hello", &["serve-hello"], &[]);
     let d = Daemon::builder()
+        .loopback(crate::mcpd::MATRIX_PER_CALLER)
         .extra(format!(
             "[upstreams.rh]\nurl = \"{}\"\n\n[upstreams.rs]\ncommand = {}\n\n\
              [[policy]]\ncallers = [\"bearer:*\"]\ntools = [\"rh.*\", \"rs.*\"]\ndecision = \"allow\"\n",
