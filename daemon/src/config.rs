@@ -1330,26 +1330,12 @@ mod tests {
 
     #[test]
     fn a_callers_share_of_the_slots_is_half_by_default_and_never_more_than_all() {
-        let config = parse("[loopback]\nmax_in_flight = 7\n", &env()).unwrap();
-        assert_eq!(
-            config
-                .loopback
-                .as_ref()
-                .unwrap()
-                .bounds
-                .max_in_flight_per_caller,
-            4
-        );
-        let config = parse("[loopback]\nmax_in_flight_per_caller = 32\n", &env()).unwrap();
-        assert_eq!(
-            config
-                .loopback
-                .as_ref()
-                .unwrap()
-                .bounds
-                .max_in_flight_per_caller,
-            32
-        );
+        let share = |text: &str| {
+            let config = parse(text, &env()).unwrap();
+            config.loopback.unwrap().bounds.max_in_flight_per_caller
+        };
+        assert_eq!(share("[loopback]\nmax_in_flight = 7\n"), 4);
+        assert_eq!(share("[loopback]\nmax_in_flight_per_caller = 32\n"), 32);
         let found = issues("[loopback]\nmax_in_flight = 8\nmax_in_flight_per_caller = 9\n");
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].path, "loopback.max_in_flight_per_caller");
