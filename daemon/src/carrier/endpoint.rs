@@ -176,7 +176,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                 Rejection::CallerBusy => unavailable(CALLER_BUSY),
                 _ => server::empty(StatusCode::PAYLOAD_TOO_LARGE),
             };
-            return self.reject(why, response);
+            return self.reject(why, closing(response, parts.version));
         }
         // Never wait for more while holding some: a request that cannot have its whole
         // share at once gives back what it holds (503), so holders cannot block each other.
