@@ -100,6 +100,11 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         response
     }
 
+    /// [`Self::reject`] with the answer a limit or an unreadable body gets ([`refused`]).
+    fn refuse(&self, why: Rejection, version: http::Version) -> Response<Body> {
+        self.reject(why, refused(why, version))
+    }
+
     /// Serve a request admitted as `caller`, with the carrier's `gate` (if any) asked
     /// about every call before it runs.
     pub async fn serve<B>(
@@ -128,24 +133,17 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > self.body_limit) {
-            let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
-            return self.reject(Rejection::BodyTooLarge, response);
+            return self.refuse(Rejection::BodyTooLarge, parts.version);
         }
         let mut slot = match self.slots.take(&caller.caller) {
             Ok(slot) => slot,
-            Err(Rejection::CallerBusy) => {
-                return self.reject(Rejection::CallerBusy, unavailable(CALLER_BUSY));
-            }
-            Err(why) => return self.reject(why, unavailable(BUSY)),
+            Err(why) => return self.refuse(why, parts.version),
         };
         // A client that never finishes its body gives up its slot at the deadline.
         let deadline = Instant::now() + self.body_timeout;
         let (bytes, mut held) = match self.read(body, declared, deadline, &mut slot).await {
             Ok(read) => read,
-            Err(failure) => {
-                let (why, response) = failure.answer(parts.version);
-                return self.reject(why, response);
-            }
+            Err(why) => return self.refuse(why, parts.version),
         };
         let message = match jsonrpc::inspect(&bytes) {
             Ok(message) => message,
@@ -167,16 +165,11 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         // The parse to come: its values, beyond the bytes already held for.
         let parse = units(message.cost.saturating_sub(bytes.len()));
         if held.num_permits() + parse > self.memory.units() {
-            let response = closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), parts.version);
-            return self.reject(Rejection::BodyTooLarge, response);
+            return self.refuse(Rejection::BodyTooLarge, parts.version);
         }
         if let Err(why) = slot.reserve(parse) {
             drop(held);
-            let response = match why {
-                Rejection::CallerBusy => unavailable(CALLER_BUSY),
-                _ => server::empty(StatusCode::PAYLOAD_TOO_LARGE),
-            };
-            return self.reject(why, closing(response, parts.version));
+            return self.refuse(why, parts.version);
         }
         // Never wait for more while holding some: a request that cannot have its whole
         // share at once gives back what it holds (503), so holders cannot block each other.
@@ -184,7 +177,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             Some(more) => held.merge(more),
             None => {
                 drop(held);
-                return self.reject(Rejection::MemoryBusy, unavailable(MEMORY_BUSY));
+                return self.refuse(Rejection::MemoryBusy, parts.version);
             }
         }
         if let Err(refused) = protocol_version(&parts.headers) {
@@ -268,7 +261,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
         declared: Option<u64>,
         deadline: Instant,
         slot: &mut Slot,
-    ) -> Result<(Bytes, Share), ReadFailure> {
+    ) -> Result<(Bytes, Share), Rejection> {
         let limit = usize::try_from(self.body_limit).unwrap_or(usize::MAX);
         let initial = declared.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
         slot.reserve(units(2 * initial))?;
@@ -276,20 +269,20 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
             .memory
             .take_until(units(2 * initial), deadline)
             .await
-            .ok_or(ReadFailure::Busy)?;
+            .ok_or(Rejection::MemoryBusy)?;
         let mut collected = BytesMut::with_capacity(initial);
         let mut body = std::pin::pin!(body);
         loop {
             let frame = tokio::time::timeout_at(deadline, body.frame())
                 .await
-                .map_err(|_| ReadFailure::Timeout)?;
+                .map_err(|_| Rejection::BodyTimeout)?;
             let Some(frame) = frame else { break };
-            let frame = frame.map_err(|_| ReadFailure::Broken)?;
+            let frame = frame.map_err(|_| Rejection::BodyError)?;
             let Ok(data) = frame.into_data() else {
                 continue;
             };
             if data.len() > limit - collected.len() {
-                return Err(ReadFailure::TooLarge);
+                return Err(Rejection::BodyTooLarge);
             }
             let needed = units(2 * (collected.len() + data.len()));
             if needed > held.num_permits() {
@@ -299,7 +292,7 @@ impl<S: RuntimeTools + TurnSubmission> Endpoint<S> {
                     .max(64)
                     .min((self.memory.units()).saturating_sub(held.num_permits()));
                 slot.reserve(step)?;
-                let more = self.memory.try_take(step).ok_or(ReadFailure::Busy)?;
+                let more = self.memory.try_take(step).ok_or(Rejection::MemoryBusy)?;
                 held.merge(more);
             }
             collected.extend_from_slice(&data);
@@ -428,47 +421,20 @@ impl Drop for Slot {
     }
 }
 
-/// Why a body could not be read.
-enum ReadFailure {
-    TooLarge,
-    Timeout,
-    Broken,
-    Busy,
-    CallerBusy,
-}
-
-impl From<Rejection> for ReadFailure {
-    /// A caller's memory share refused ([`Slot::reserve`]).
-    fn from(why: Rejection) -> Self {
-        match why {
-            Rejection::CallerBusy => ReadFailure::CallerBusy,
-            _ => ReadFailure::TooLarge,
-        }
-    }
-}
-
-impl ReadFailure {
-    fn answer(self, version: http::Version) -> (Rejection, Response<Body>) {
-        match self {
-            ReadFailure::TooLarge => (
-                Rejection::BodyTooLarge,
-                closing(server::empty(StatusCode::PAYLOAD_TOO_LARGE), version),
-            ),
-            ReadFailure::Timeout => (
-                Rejection::BodyTimeout,
-                closing(server::empty(StatusCode::REQUEST_TIMEOUT), version),
-            ),
-            ReadFailure::Broken => (Rejection::BodyError, server::empty(StatusCode::BAD_REQUEST)),
-            ReadFailure::Busy => (
-                Rejection::MemoryBusy,
-                closing(unavailable(MEMORY_BUSY), version),
-            ),
-            ReadFailure::CallerBusy => (
-                Rejection::CallerBusy,
-                closing(unavailable(CALLER_BUSY), version),
-            ),
-        }
-    }
+/// The answer to a request refused by a limit or a body that could not be read:
+/// `BodyError` 400, `BodyTimeout` 408, `Busy`, `MemoryBusy` and `CallerBusy` 503 each
+/// naming its limit, anything else (`BodyTooLarge`) 413. On HTTP/1 the connection is closed
+/// after it (the body may be unread), but after a broken body.
+fn refused(why: Rejection, version: http::Version) -> Response<Body> {
+    let response = match why {
+        Rejection::BodyError => return server::empty(StatusCode::BAD_REQUEST),
+        Rejection::BodyTimeout => server::empty(StatusCode::REQUEST_TIMEOUT),
+        Rejection::Busy => unavailable(BUSY),
+        Rejection::MemoryBusy => unavailable(MEMORY_BUSY),
+        Rejection::CallerBusy => unavailable(CALLER_BUSY),
+        _ => server::empty(StatusCode::PAYLOAD_TOO_LARGE),
+    };
+    closing(response, version)
 }
 
 /// Why a request is answered 503, as its text says it.
