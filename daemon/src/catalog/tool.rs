@@ -213,7 +213,7 @@ pub const UPSTREAM_META: &str = "io.robota/upstream";
 pub const ERROR_META: &str = "io.robota/error";
 
 /// The prefix of the daemon's own `_meta` keys.
-pub const OWN_META_PREFIX: &str = "io.robota/";
+const OWN_META_PREFIX: &str = "io.robota/";
 
 /// Whether `key` is in the daemon's own `_meta` namespace, in any case: such keys are
 /// taken out of what an upstream sends (a result's `_meta`, a listed tool's), so that

@@ -226,7 +226,7 @@ impl HttpLink {
                 HeaderValue::from_static(negotiated.version),
             );
         }
-        if negotiated.modern {
+        if negotiated.is_modern() {
             request = request.header(MCP_METHOD, HeaderValue::from_static(method));
             if let Some(name) = message.params.get("name").and_then(Value::as_str)
                 && method == "tools/call"
@@ -362,7 +362,7 @@ impl HttpLink {
         let mut renewed = false;
         loop {
             let Some((answer, conn)) = self.post(negotiated, message, true).await? else {
-                if renewed || negotiated.modern {
+                if renewed || negotiated.is_modern() {
                     // Sent twice, answered 404 twice: the backend may have acted on it.
                     return Err(CallError::Lost(
                         "the backend does not know the session it just created".into(),

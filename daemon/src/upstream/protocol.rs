@@ -34,21 +34,21 @@ pub struct Negotiated {
     /// The protocol version in force (`MCP-Protocol-Version`): one of the revisions the
     /// daemon knows, never the upstream's own text.
     pub version: &'static str,
-    /// 2026-07-28 or later: no session, every request carries its own `_meta`.
-    pub modern: bool,
 }
 
 impl Negotiated {
     pub fn modern() -> Self {
-        Self {
-            version: MODERN,
-            modern: true,
-        }
+        Self { version: MODERN }
+    }
+
+    /// 2026-07-28 or later: no session, every request carries its own `_meta`.
+    pub fn is_modern(&self) -> bool {
+        self.version >= MODERN
     }
 
     /// `params` as sent: with the per-request `_meta` of the modern revision.
     pub fn params(&self, mut params: Map<String, Value>) -> Map<String, Value> {
-        if self.modern {
+        if self.is_modern() {
             let meta = params
                 .entry("_meta")
                 .or_insert_with(|| Value::Object(Map::new()));
@@ -436,10 +436,7 @@ async fn initialize(
     cancel: &CancellationToken,
     limit: Duration,
 ) -> Result<Negotiated, String> {
-    let legacy = Negotiated {
-        version: LEGACY,
-        modern: false,
-    };
+    let legacy = Negotiated { version: LEGACY };
     let params = json!({
         "protocolVersion": LEGACY,
         "capabilities": {},
@@ -462,7 +459,6 @@ async fn initialize(
         .result;
     let negotiated = Negotiated {
         version: initialize_version(result.get("protocolVersion"))?,
-        modern: false,
     };
     rpc.notify(&negotiated, "notifications/initialized", Map::new())
         .await
@@ -578,10 +574,7 @@ mod tests {
         let meta = &p["_meta"];
         assert_eq!(meta["io.modelcontextprotocol/protocolVersion"], MODERN);
         assert!(meta["io.modelcontextprotocol/clientCapabilities"].is_object());
-        let legacy = Negotiated {
-            version: LEGACY,
-            modern: false,
-        };
+        let legacy = Negotiated { version: LEGACY };
         assert!(legacy.params(Map::new()).is_empty());
         // A `_meta` the request already has keeps its own members beside the context.
         let mut params = Map::new();
