@@ -465,6 +465,22 @@ decision = "allow"
     )
 }
 
+/// Whether `bearer`'s `tools/list` is answered `status` within 10 s, asked again every
+/// 50 ms.
+async fn comes_to(addr: std::net::SocketAddr, bearer: &str, status: u16) -> bool {
+    poll_until_async(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let request = Request::mcp(addr.port(), Some(bearer), &tools_list(9));
+            try_exchange(addr, &request)
+                .await
+                .is_ok_and(|r| r.status == status)
+        },
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_in_flight_overflow_gets_503_with_retry_after() {
     let d = slow_turn_config("max_in_flight = 1").start();
@@ -513,16 +529,7 @@ async fn max_in_flight_overflow_gets_503_with_retry_after() {
         ended,
         "disconnecting the client did not end its turn (pid {turn} alive)"
     );
-    let served = poll_until_async(
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || async {
-            try_exchange(addr, &Request::mcp(port, Some(&bearer), &tools_list(9)))
-                .await
-                .is_ok_and(|r| r.status == 200)
-        },
-    )
-    .await;
+    let served = comes_to(addr, &bearer, 200).await;
     assert!(
         served,
         "the in-flight slot never freed after the client disconnected"
@@ -569,16 +576,7 @@ async fn a_caller_stalling_its_bodies_holds_only_its_share_of_the_slots() {
         assert!(seen, "stalled request {id} was never admitted");
     }
     // Its third request waits for nothing: 503, and the text says why.
-    let third = poll_until_async(
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || async {
-            try_exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(3)))
-                .await
-                .is_ok_and(|r| r.status == 503)
-        },
-    )
-    .await;
+    let third = comes_to(addr, &greedy, 503).await;
     assert!(third, "a caller holding its share (2) got a third slot");
     let resp = exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(4))).await;
     assert_eq!(resp.status, 503, "{}", resp.describe());
@@ -617,16 +615,7 @@ async fn a_caller_stalling_its_bodies_holds_only_its_share_of_the_slots() {
     );
     // The stalled bodies give their slots back at the body deadline or when they go.
     drop(stalled);
-    let freed = poll_until_async(
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || async {
-            try_exchange(addr, &Request::mcp(port, Some(&greedy), &tools_list(8)))
-                .await
-                .is_ok_and(|r| r.status == 200)
-        },
-    )
-    .await;
+    let freed = comes_to(addr, &greedy, 200).await;
     assert!(
         freed,
         "the greedy caller's slots never came back after it went"
