@@ -1082,19 +1082,34 @@ fn validate_bounds(
     };
     let max_connections = count("max_connections", counts[0], 64);
     let max_in_flight = count("max_in_flight", counts[1], 32);
+    // A share of another bound, 1 to all of it: the value given, if it is one.
+    let mut share = |key: &str, value: Option<usize>, of: &str, bound: usize| {
+        let n = value?;
+        if n == 0 || n > bound {
+            issues.add(
+                format!("{section}.{key}"),
+                format!("must be between 1 and {of} ({bound}), got {n}"),
+            );
+            return None;
+        }
+        Some(n)
+    };
     // Half by default: a caller that keeps every slot it can get busy (bodies sent
     // slowly, calls that never end) leaves the other half to everyone else.
-    let max_in_flight_per_caller = match counts[2] {
-        Some(n) if n == 0 || n > max_in_flight => {
-            issues.add(
-                format!("{section}.max_in_flight_per_caller"),
-                format!("must be between 1 and max_in_flight ({max_in_flight}), got {n}"),
-            );
-            max_in_flight
-        }
-        Some(n) => n,
-        None => max_in_flight.div_ceil(2),
-    };
+    let max_in_flight_per_caller = share(
+        "max_in_flight_per_caller",
+        counts[2],
+        "max_in_flight",
+        max_in_flight,
+    )
+    .unwrap_or(max_in_flight.div_ceil(2));
+    let max_connections_per_address = share(
+        "max_connections_per_address",
+        per_address,
+        "max_connections",
+        max_connections,
+    )
+    .or(per_address_default.map(|n| n.min(max_connections)));
     let max_header_bytes = max_header_bytes.map_or(16 * 1024, |s| s.0);
     if !(8 * 1024..=1024 * 1024).contains(&max_header_bytes) {
         issues.add(
@@ -1112,17 +1127,6 @@ fn validate_bounds(
     let header_timeout = deadline("header_timeout", header_timeout, 5);
     let body_timeout = deadline("body_timeout", body_timeout, 30);
     let idle_timeout = deadline("idle_timeout", idle_timeout, 30);
-    let max_connections_per_address = match per_address {
-        Some(n) if n == 0 || n > max_connections => {
-            issues.add(
-                format!("{section}.max_connections_per_address"),
-                format!("must be between 1 and max_connections ({max_connections}), got {n}"),
-            );
-            None
-        }
-        Some(n) => Some(n),
-        None => per_address_default.map(|n| n.min(max_connections)),
-    };
     HttpLimits {
         max_connections,
         max_connections_per_address,
@@ -1345,6 +1349,14 @@ mod tests {
                 .contains("between 1 and max_in_flight (8), got 9"),
             "{}",
             found[0].problem
+        );
+        // The per-address cap is such a share of the connections.
+        let found = issues("[loopback]\nmax_connections = 8\nmax_connections_per_address = 9\n");
+        assert_eq!(found[0].path, "loopback.max_connections_per_address");
+        assert!(
+            found[0]
+                .problem
+                .contains("between 1 and max_connections (8), got 9")
         );
         assert_eq!(
             issues("[loopback]\nmax_in_flight_per_caller = 0\n").len(),
