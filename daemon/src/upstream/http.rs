@@ -339,10 +339,21 @@ impl HttpLink {
                     "the backend refused the daemon's credential ({s}) after receiving the request"
                 )));
             }
+            // A server that could not accept the request may say why in a JSON-RPC
+            // error: that is its answer, as it would be under a 200. Without one, the
+            // status may come from a front that let the request through first.
             s if s.is_client_error() => {
-                return Err(CallError::Lost(format!(
-                    "the backend refused the request ({s}) after receiving it"
-                )));
+                let said = match message.id {
+                    Some(id) if kind.starts_with("application/json") => {
+                        self.refusal(body, id).await
+                    }
+                    _ => None,
+                };
+                return Err(said.unwrap_or_else(|| {
+                    CallError::Lost(format!(
+                        "the backend refused the request ({s}) after receiving it"
+                    ))
+                }));
             }
             s => return Err(CallError::Lost(format!("the backend failed ({s})"))),
         };
@@ -458,6 +469,15 @@ impl HttpLink {
                 CallError::TooLarge(format!("the backend's answer cannot be read now: {why}"))
             }
         })
+    }
+
+    /// The JSON-RPC error in the body of an HTTP error status answering our request
+    /// `id` ([`protocol::refusal`]), read within the response limit and the memory budget;
+    /// `None` if there is none (or it cannot be read).
+    async fn refusal(&self, body: Incoming, id: u64) -> Option<CallError> {
+        let bytes = read_body(body, self.bounds.response_limit).await.ok()?;
+        let (message, _held) = self.parse(&bytes).ok()?;
+        protocol::refusal(message, id)
     }
 
     /// A new session for a stateful backend that forgot its own: `initialize` again.

@@ -318,6 +318,36 @@ pub fn classify(message: Value) -> Incoming {
     }
 }
 
+/// The JSON-RPC error a server sent with an HTTP error status for our request `sent`: the
+/// transport lets a server that cannot accept a message answer with an error response
+/// whose id is null or absent; ours is accepted too. Anything else — a well-formed error
+/// object (an integer `code`, a text `message`) is needed — is not its refusal.
+pub fn refusal(message: Value, sent: u64) -> Option<CallError> {
+    let Value::Object(mut message) = message else {
+        return None;
+    };
+    let error = message.get("error")?;
+    if error.get("code").and_then(Value::as_i64).is_none()
+        || !error.get("message").is_some_and(Value::is_string)
+    {
+        return None;
+    }
+    match message.get("id") {
+        None | Some(Value::Null) => {
+            message.insert("id".into(), sent.into());
+        }
+        Some(id) if id.as_u64() == Some(sent) => {}
+        Some(_) => return None,
+    }
+    match classify(Value::Object(message)) {
+        Incoming::Response {
+            result: Err(error @ CallError::Rpc { .. }),
+            ..
+        } => Some(error),
+        _ => None,
+    }
+}
+
 /// The answer we give to a server's own request: `ping` is answered, nothing else is
 /// offered (we declare no client capabilities).
 pub fn answer_server_request(id: Value, method: &str) -> Vec<u8> {
@@ -632,6 +662,36 @@ mod tests {
             json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}})
         );
         assert!(note.get("id").is_none());
+    }
+
+    #[test]
+    fn a_refusal_is_a_json_rpc_error_for_our_request_or_for_none() {
+        let error = json!({"code": -32602, "message": "n is not a number"});
+        let heard = |v: Value| refusal(v, 9);
+        for id in [json!(null), json!(9)] {
+            assert_eq!(
+                heard(json!({"jsonrpc": "2.0", "id": id, "error": error})),
+                Some(CallError::Rpc {
+                    code: -32602,
+                    message: "n is not a number".into()
+                }),
+                "id {id}"
+            );
+        }
+        assert!(heard(json!({"jsonrpc": "2.0", "error": error})).is_some());
+        // Someone else's id, a result, a request, or no JSON-RPC at all: not a refusal.
+        for not in [
+            json!({"jsonrpc": "2.0", "id": 8, "error": error}),
+            json!({"jsonrpc": "2.0", "id": "9", "error": error}),
+            json!({"jsonrpc": "2.0", "id": null, "result": {}}),
+            json!({"jsonrpc": "2.0", "id": null, "method": "x", "error": error}),
+            json!({"error": "Bad Request"}),
+            json!({"id": null, "error": {"message": "no code"}}),
+            json!({"id": null, "error": {"code": 1.5, "message": "not an integer"}}),
+            json!(["error"]),
+        ] {
+            assert_eq!(heard(not.clone()), None, "{not}");
+        }
     }
 
     #[test]

@@ -1457,11 +1457,13 @@ async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable(
 }
 
 /// A Streamable HTTP backend that initializes and lists like any, then answers every
-/// `tools/call` it receives with `status` (and nothing else); the calls it received are
-/// counted. Plain HTTP/1.1 on loopback, one request per connection; bounded: it serves
-/// `max` requests, then stops.
+/// `tools/call` it receives with `status` and, if `error` is given, a JSON-RPC error
+/// response with that error and the id `error_id` (an empty body otherwise); the calls it
+/// received are counted. Plain HTTP/1.1 on loopback, one request per connection; bounded:
+/// it serves `max` requests, then stops.
 async fn refusing_backend(
     status: u16,
+    error: Option<(Value, Value)>,
     max: usize,
 ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::Arc;
@@ -1527,7 +1529,10 @@ async fn refusing_backend(
                 ),
                 "tools/call" => {
                     seen.fetch_add(1, Ordering::SeqCst);
-                    (status, String::new())
+                    let text = error.as_ref().map_or_else(String::new, |(id, error)| {
+                        json!({"jsonrpc": "2.0", "id": id, "error": error}).to_string()
+                    });
+                    (status, text)
                 }
                 _ => (202, String::new()),
             };
@@ -1557,7 +1562,7 @@ async fn refusing_backend(
 async fn a_call_the_backend_received_is_never_nothing_was_sent() {
     use std::sync::atomic::Ordering;
     for status in [307u16, 403, 404, 429] {
-        let (url, calls) = refusing_backend(status, 64).await;
+        let (url, calls) = refusing_backend(status, None, 64).await;
         let d = Daemon::start(&format!(
             "[upstreams.web]\nurl = \"{url}\"\n\n{}",
             allow(&["web"])
@@ -1573,6 +1578,51 @@ async fn a_call_the_backend_received_is_never_nothing_was_sent() {
             "{status}: the backend never saw the call"
         );
         assert!(!message.contains("nothing was sent"), "{status}: {message}");
+        client.close().await;
+    }
+}
+
+/// A backend that cannot accept a call and says why in a JSON-RPC error (the transport's
+/// 4xx with an error response whose id is null) is heard: the caller gets its words under
+/// its name and a refusal, not "outcome unknown". The same error under a 5xx (the server
+/// failed, maybe after acting), or carrying another request's id, stays outcome unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_refusing_a_call_in_json_rpc_is_heard() {
+    let refused = json!({"code": -32602, "message": "Bad Request: n must be a number"});
+    let cases = [
+        (400, json!(null), Some("invalid_arguments")),
+        (422, json!(null), Some("invalid_arguments")),
+        (400, json!(7777), None),
+        (500, json!(null), None),
+    ];
+    for (status, id, heard) in cases {
+        let (url, calls) = refusing_backend(status, Some((id.clone(), refused.clone())), 64).await;
+        let d = Daemon::start(&format!(
+            "[upstreams.web]\nurl = \"{url}\"\n\n{}",
+            allow(&["web"])
+        ));
+        wait_state(&d, "web", "up");
+        let client = McpClient::connect(&d, &d.bearer()).await;
+        let what = format!("a call answered {status} with a JSON-RPC error of id {id}");
+        let outcome = client.call("web.act", json!({})).await;
+        match heard {
+            Some(code) => {
+                let message = outcome.err(code, &what);
+                assert!(
+                    message.contains("\"web\"") && message.contains("n must be a number"),
+                    "{what}: {message}"
+                );
+            }
+            None => {
+                let message = outcome.err("outcome_unknown", &what);
+                assert!(!message.contains("n must be a number"), "{what}: {message}");
+            }
+        }
+        assert_eq!(
+            calls.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "{what}: the backend was called once"
+        );
         client.close().await;
     }
 }
