@@ -374,6 +374,8 @@ closed_set! {
         HeadTimeout = "head-timeout",
         /// No new request within the idle deadline after an answer.
         IdleTimeout = "idle-timeout",
+        /// The peer took no byte of what it was sent for `idle_timeout`: closed.
+        SendTimeout = "send-timeout",
     }
 }
 

@@ -244,6 +244,14 @@ impl Conn {
         Conn::over(socket.connect(addr).await?)
     }
 
+    /// A connection whose receive buffer is `bytes` (the kernel's least if smaller): a
+    /// peer that does not read fills it fast.
+    pub async fn connect_small_window(addr: SocketAddr, bytes: u32) -> io::Result<Conn> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_recv_buffer_size(bytes)?;
+        Conn::over(socket.connect(addr).await?)
+    }
+
     pub async fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.stream.write_all(bytes).await?;
         self.stream.flush().await

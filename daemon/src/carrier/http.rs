@@ -25,7 +25,9 @@
 //!   itself — is under `header_timeout`, counted from accept. After an answer, an HTTP/1.1
 //!   connection must start its next head within `header_timeout` (hyper's own timer), an
 //!   HTTP/2 connection with no open stream is closed (GOAWAY) after `idle_timeout`; long
-//!   requests on HTTP/2 are kept honest by pings.
+//!   requests on HTTP/2 are kept honest by pings. A write that waits `idle_timeout` for a
+//!   peer that takes nothing ends the connection ([`Watched`]): an unread answer does not
+//!   keep its slot for ever.
 //! - **Heads.** Header bytes and count are capped on both protocols; an answer of 431 is
 //!   booked through [`Handler::head_refused`].
 //!
@@ -275,11 +277,27 @@ enum Expired {
 
 impl<H: Handler> Conn<H> {
     async fn run(self, stream: TcpStream, tls: Option<tokio_rustls::TlsAcceptor>, drain: &Drain) {
-        let kill = self.ticket.kill.clone();
+        let stalled_out = Arc::new(AtomicBool::new(false));
         let stream = Watched {
             io: stream,
             waiting: self.ticket.waiting.clone(),
+            send_limit: self.bounds.idle_timeout,
+            stalled: None,
+            stalled_out: stalled_out.clone(),
         };
+        self.serve_stream(stream, tls, drain).await;
+        if stalled_out.load(Ordering::Relaxed) {
+            self.metrics.connection(self.name, ConnOutcome::SendTimeout);
+        }
+    }
+
+    async fn serve_stream(
+        &self,
+        stream: Watched<TcpStream>,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        drain: &Drain,
+    ) {
+        let kill = self.ticket.kill.clone();
         match tls {
             None => {
                 tokio::select! {
@@ -954,10 +972,46 @@ async fn phase_change(
     }
 }
 
-/// A connection's stream, noting whether our last read found nothing more to read.
+/// A connection's stream, noting whether our last read found nothing more to read, and
+/// ending the connection when its peer takes no byte of what it is sent for `send_limit`
+/// (`stalled_out` says so afterwards): an answer nobody reads would otherwise keep its
+/// request's slot and memory share for ever. The timer exists only while a write waits.
 struct Watched<T> {
     io: T,
     waiting: Arc<AtomicBool>,
+    send_limit: Duration,
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    stalled_out: Arc<AtomicBool>,
+}
+
+impl<T> Watched<T> {
+    /// `polled`, a write's outcome, judged against the send limit: a write that has waited
+    /// `send_limit` since the peer last took a byte fails.
+    fn judge<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<std::io::Result<R>>,
+    ) -> Poll<std::io::Result<R>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let limit = self.send_limit;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if stalled.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.stalled_out.store(true, Ordering::Relaxed);
+        Poll::Ready(Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the peer took nothing of its answer for {}",
+                humantime::format_duration(limit)
+            ),
+        )))
+    }
 }
 
 impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<T> {
@@ -985,11 +1039,13 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.judge(cx, polled)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.judge(cx, polled)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -1001,7 +1057,8 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.judge(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {

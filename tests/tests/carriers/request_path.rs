@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use robota_e2e::h2::{H2Conn, TestBody};
 use robota_e2e::http::{Conn, Request, Response, exchange, tools_call, tools_list, try_exchange};
-use robota_e2e::{Daemon, mcpctl_bin, mcpd_bin, metric_sum, poll_until, procs, within};
+use robota_e2e::{
+    Daemon, mcpctl_bin, mcpd_bin, metric_sum, poll_until, poll_until_async, procs, within,
+};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -145,6 +147,79 @@ async fn an_idle_http2_connection_is_closed_and_an_open_stream_keeps_it() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// A peer that asks for a large answer and never reads it loses its connection once the
+/// daemon's writes have waited `idle_timeout` for it, and with it the slot it held: its
+/// caller, at its share of one, is served again. The stall is booked `send-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_nobody_reads_gives_its_slot_back_at_the_idle_deadline() {
+    let root = tempfile::tempdir().expect("tempdir");
+    // 4 MiB of text, sent twice in the answer (text and structured content): more than
+    // the daemon's send buffer (at most 4 MiB here) and the peer's small window together.
+    std::fs::write(
+        root.path().join("big.txt"),
+        "f".repeat(4 * 1024 * 1024 - 1024),
+    )
+    .expect("seed");
+    let d = Daemon::builder()
+        .loopback("idle_timeout = \"1s\"")
+        .loopback("max_in_flight_per_caller = 1")
+        .extra(format!(
+            "[tools.file]\nread_roots = [\"{}\"]\n\n[limits]\ntool_result = \"16MiB\"\n",
+            root.path().display()
+        ))
+        .start();
+    let addr = d.loopback_addr();
+    let bearer = d.bearer();
+    let path = root.path().join("big.txt").display().to_string();
+    let read = tools_call(1, "file.read", json!({"path": path}));
+    let mut stalled = Conn::connect_small_window(addr, 4096)
+        .await
+        .expect("connect");
+    stalled
+        .write(&Request::mcp(addr.port(), Some(&bearer), &read).to_bytes())
+        .await
+        .expect("write the request");
+    // While the answer waits for its reader, the caller's one slot is taken.
+    let probe = Request::mcp(addr.port(), Some(&bearer), &tools_list(2));
+    let held = poll_until_async(QUICK, Duration::from_millis(20), || {
+        let probe = &probe;
+        async move { exchange(addr, probe).await.status == 503 }
+    })
+    .await;
+    assert!(held, "the unread answer never held its caller's slot");
+    let started = Instant::now();
+    let freed = poll_until_async(QUICK, Duration::from_millis(50), || {
+        let probe = &probe;
+        async move { exchange(addr, probe).await.status == 200 }
+    })
+    .await;
+    assert!(
+        freed,
+        "the slot of an answer nobody reads was never given back"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "given back after {:?}, before the idle deadline",
+        started.elapsed()
+    );
+    assert_eq!(
+        metric(
+            &d,
+            &[
+                "robota_mcpd_connections_total",
+                "listener=\"loopback\"",
+                "outcome=\"send-timeout\""
+            ]
+        ),
+        1.0
+    );
+    // What the peer gets is a cut answer, never a whole one.
+    let got = tokio::time::timeout(QUICK, stalled.read_to_close())
+        .await
+        .expect("the stalled connection was closed");
+    assert!(got.len() < 8 * 1024 * 1024, "{} bytes", got.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
