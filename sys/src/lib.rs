@@ -1,9 +1,11 @@
 //! Process-hardening system calls no safe wrapper offers: dropping every capability,
 //! closing the process's `/proc` files to its own user, W^X memory that children do not
-//! inherit, and the system-call filter that marks a confined upstream. Each is one system
+//! inherit, and the system-call filter that marks a confined upstream; and one question
+//! to a socket (how much of what was written its peer has not taken). Each is one system
 //! call; nothing here allocates or keeps state.
 
 use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 fn check(ret: libc::c_long) -> io::Result<()> {
     if ret == 0 {
@@ -11,6 +13,15 @@ fn check(ret: libc::c_long) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// The bytes written to the stream socket `socket` that its peer has not acknowledged
+/// yet, sent or not (`SIOCOUTQ`): it falls only as the peer takes data.
+pub fn unsent_bytes(socket: BorrowedFd<'_>) -> io::Result<usize> {
+    let mut queued: libc::c_int = 0;
+    // SIOCOUTQ has the value of TIOCOUTQ on Linux; it writes one int.
+    check(unsafe { libc::ioctl(socket.as_raw_fd(), libc::TIOCOUTQ, &mut queued) }.into())?;
+    usize::try_from(queued).map_err(|_| io::Error::other("a negative send queue"))
 }
 
 /// Gives up every capability — ambient, bounding (where this process may), effective,
@@ -254,4 +265,46 @@ pub fn seccomp_filters(pid: &str) -> Option<u32> {
         return None;
     }
     field("Seccomp_filters:").and_then(|v| v.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsFd;
+    use std::time::{Duration, Instant};
+
+    use super::unsent_bytes;
+
+    #[test]
+    fn the_send_queue_holds_what_the_peer_has_not_taken() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut ours = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (mut theirs, _) = listener.accept().expect("accept");
+        assert_eq!(unsent_bytes(ours.as_fd()).expect("ioctl"), 0);
+        // Written until the kernel takes no more: the peer's window is full, the rest
+        // waits in our queue.
+        ours.set_nonblocking(true).expect("nonblocking");
+        let mut written = 0usize;
+        while written < 256 << 20 {
+            match ours.write(&[7; 65536]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+        let queued = unsent_bytes(ours.as_fd()).expect("ioctl");
+        assert!(queued > 0 && queued <= written, "{queued} of {written}");
+        // The peer takes it all: the queue empties.
+        let mut got = vec![0; written];
+        theirs.read_exact(&mut got).expect("read");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while unsent_bytes(ours.as_fd()).expect("ioctl") != 0 {
+            assert!(Instant::now() < deadline, "the queue never emptied");
+            std::thread::yield_now();
+        }
+        // Not a socket: the kernel says so.
+        let file = std::fs::File::open("/dev/null").expect("open");
+        assert!(unsent_bytes(file.as_fd()).is_err());
+    }
 }

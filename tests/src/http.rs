@@ -279,6 +279,21 @@ impl Conn {
         }
     }
 
+    /// [`Self::read_to_close`] at a steady pace: about `bytes` every `every`.
+    pub async fn read_to_close_slowly(&mut self, bytes: usize, every: Duration) -> Vec<u8> {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            let mut took = 0;
+            while took < bytes {
+                match self.fill().await {
+                    Ok(0) | Err(_) => return std::mem::take(&mut self.buf),
+                    Ok(n) => took += n,
+                }
+            }
+        }
+    }
+
     /// Reads a response head (skipping 1xx interim responses); the body is left unread.
     pub async fn read_head(&mut self) -> io::Result<Response> {
         loop {

@@ -980,13 +980,28 @@ struct Watched<T> {
     io: T,
     waiting: Arc<AtomicBool>,
     send_limit: Duration,
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    stalled: Option<Stall>,
     stalled_out: Arc<AtomicBool>,
 }
 
-impl<T> Watched<T> {
-    /// `polled`, a write's outcome, judged against the send limit: a write that has waited
-    /// `send_limit` since the peer last took a byte fails.
+/// A write waiting on the peer: since when, and how much the peer had not yet taken then.
+struct Stall {
+    timer: Pin<Box<tokio::time::Sleep>>,
+    queued: Option<usize>,
+}
+
+/// What the peer of `socket` has not taken of what was written (`None`: the kernel would
+/// not say).
+fn queued(socket: &impl std::os::fd::AsFd) -> Option<usize> {
+    robota_sys::unsent_bytes(socket.as_fd()).ok()
+}
+
+impl<T: std::os::fd::AsFd> Watched<T> {
+    /// `polled`, a write's outcome, judged against the send limit: a write fails once it
+    /// has waited `send_limit` during which the peer took no byte. Progress is the
+    /// kernel's send queue shrinking, not our writes coming back: the kernel wakes a
+    /// writer only once a good part of its buffer is free, which a slow but steady reader
+    /// may take longer than the limit to free.
     fn judge<R>(
         &mut self,
         cx: &mut Context<'_>,
@@ -997,11 +1012,26 @@ impl<T> Watched<T> {
             return polled;
         }
         let limit = self.send_limit;
-        let stalled = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if stalled.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
+        let Self { io, stalled, .. } = self;
+        let stall = stalled.get_or_insert_with(|| Stall {
+            timer: Box::pin(tokio::time::sleep(limit)),
+            queued: queued(io),
+        });
+        loop {
+            if stall.timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            match (stall.queued, queued(io)) {
+                // The peer took something during the window: a new window starts.
+                (Some(before), Some(after)) if after < before => {
+                    stall.queued = Some(after);
+                    stall
+                        .timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + limit);
+                }
+                _ => break,
+            }
         }
         self.stalled_out.store(true, Ordering::Relaxed);
         Poll::Ready(Err(std::io::Error::new(
@@ -1033,7 +1063,7 @@ impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<T> {
     }
 }
 
-impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<T> {
+impl<T: tokio::io::AsyncWrite + std::os::fd::AsFd + Unpin> tokio::io::AsyncWrite for Watched<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

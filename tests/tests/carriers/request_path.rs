@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use robota_e2e::h2::{H2Conn, TestBody};
-use robota_e2e::http::{Conn, Request, Response, exchange, tools_call, tools_list, try_exchange};
+use robota_e2e::http::{
+    Conn, Request, Response, exchange, tool_error_code, tools_call, tools_list, try_exchange,
+};
 use robota_e2e::{
     Daemon, mcpctl_bin, mcpd_bin, metric_sum, poll_until, poll_until_async, procs, within,
 };
@@ -220,6 +222,69 @@ async fn an_answer_nobody_reads_gives_its_slot_back_at_the_idle_deadline() {
         .await
         .expect("the stalled connection was closed");
     assert!(got.len() < 8 * 1024 * 1024, "{} bytes", got.len());
+}
+
+/// A peer that reads its large answer slowly but steadily is never cut by the send limit,
+/// however long the kernel lets the daemon's writes wait between wake-ups (it wakes a
+/// writer only once a good part of a send buffer of up to 4 MiB is free: here about once
+/// a second, twice the limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_steady_reader_gets_its_whole_answer() {
+    let root = tempfile::tempdir().expect("tempdir");
+    std::fs::write(
+        root.path().join("big.txt"),
+        "f".repeat(4 * 1024 * 1024 - 1024),
+    )
+    .expect("seed");
+    let d = Daemon::builder()
+        .loopback("idle_timeout = \"500ms\"")
+        .extra(format!(
+            "[tools.file]\nread_roots = [\"{}\"]\n\n[limits]\ntool_result = \"16MiB\"\n",
+            root.path().display()
+        ))
+        .start();
+    let addr = d.loopback_addr();
+    let path = root.path().join("big.txt").display().to_string();
+    let read = tools_call(1, "file.read", json!({"path": path}));
+    let mut reader = Conn::connect_small_window(addr, 4096)
+        .await
+        .expect("connect");
+    reader
+        .write(
+            &Request::mcp(addr.port(), Some(&d.bearer()), &read)
+                .header("Connection", "close")
+                .to_bytes(),
+        )
+        .await
+        .expect("write the request");
+    // About 1.3 MB/s: the 8 MiB answer takes about six seconds.
+    let got = tokio::time::timeout(
+        Duration::from_secs(60),
+        reader.read_to_close_slowly(128 * 1024, Duration::from_millis(100)),
+    )
+    .await
+    .expect("the answer ended");
+    let text = String::from_utf8_lossy(&got);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let rpc: Value = serde_json::from_str(body).unwrap_or_else(|e| {
+        panic!(
+            "the slow reader got {} bytes, not a whole answer: {e}",
+            got.len()
+        )
+    });
+    assert_eq!(
+        tool_error_code(&rpc),
+        None,
+        "{}",
+        &text[..text.len().min(300)]
+    );
+    assert_eq!(
+        metric(
+            &d,
+            &["robota_mcpd_connections_total", "outcome=\"send-timeout\""]
+        ),
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
