@@ -360,10 +360,37 @@ impl HttpLink {
         Ok(Some((answer, conn)))
     }
 
+    /// [`Self::exchange_as_said`], with the daemon's credential cut out of whatever the
+    /// backend said in an error (a backend that echoes the `Authorization` it refused
+    /// would hand it to the caller, the log and the status).
+    async fn exchange(
+        &self,
+        negotiated: &Negotiated,
+        message: &Outgoing<'_>,
+        progress: &Progress,
+    ) -> Result<protocol::Answer, CallError> {
+        let answer = self.exchange_as_said(negotiated, message, progress).await;
+        answer.map_err(|e| match (e, &self.authorization) {
+            (CallError::Rpc { code, message }, Some(auth)) => {
+                let token = auth.as_bytes().strip_prefix(b"Bearer ").unwrap_or_default();
+                let token = std::str::from_utf8(token).unwrap_or_default();
+                CallError::Rpc {
+                    code,
+                    message: if token.is_empty() {
+                        message
+                    } else {
+                        message.replace(token, "[redacted]")
+                    },
+                }
+            }
+            (e, _) => e,
+        })
+    }
+
     /// One request and its answer (JSON or the event that answers it), renewing a
     /// forgotten session once; `id` is the request's (none for a notification) with where
     /// its progress goes.
-    async fn exchange(
+    async fn exchange_as_said(
         &self,
         negotiated: &Negotiated,
         message: &Outgoing<'_>,

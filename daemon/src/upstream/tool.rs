@@ -240,7 +240,21 @@ impl HostTool for ImportedTool {
                     result,
                     held: _held,
                 }) => passthrough(result, imported),
-                Err(e) => Err(tool_error(&name, e)),
+                Err(e) => {
+                    // The upstream's own answers (a JSON-RPC error) and the caller's doing
+                    // (cancelled) are the caller's business; a failure of the link is
+                    // the operator's too. The text is the daemon's, never the upstream's.
+                    if matches!(
+                        e,
+                        CallError::NotSent(_)
+                            | CallError::Lost(_)
+                            | CallError::TooLarge(_)
+                            | CallError::Timeout(_)
+                    ) {
+                        tracing::warn!(upstream = %name, tool = %self.original, error = %e.describe(), "an upstream call failed");
+                    }
+                    Err(tool_error(&name, e))
+                }
             }
         })
     }
@@ -306,7 +320,7 @@ pub fn tool_error(upstream: &str, e: CallError) -> ToolError {
         CallError::Lost(_) => ToolError::new(
             ToolErrorCode::OutcomeUnknown,
             format!(
-                "the upstream {upstream:?} broke off mid-call: whether the call took effect is unknown, and it is not retried"
+                "the upstream {upstream:?} received the call but gave no usable answer (it failed, refused it without saying why, or broke off): whether the call took effect is unknown, and it is not retried"
             ),
         ),
         CallError::TooLarge(why) => ToolError::new(ToolErrorCode::ResultTooLarge, why),

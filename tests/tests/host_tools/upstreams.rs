@@ -1458,7 +1458,8 @@ async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable(
 
 /// A Streamable HTTP backend that initializes and lists like any, then answers every
 /// `tools/call` it receives with `status` and, if `error` is given, a JSON-RPC error
-/// response with that error and the id `error_id` (an empty body otherwise); the calls it
+/// response with that error and the id `error_id` (an empty body otherwise; `$AUTH` in
+/// the error becomes the request's `Authorization`, as a careless server echoes it); the calls it
 /// received are counted. Plain HTTP/1.1 on loopback, one request per connection; bounded:
 /// it serves `max` requests, then stops.
 async fn refusing_backend(
@@ -1501,11 +1502,19 @@ async fn refusing_backend(
                         .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
                         .unwrap_or(0usize);
                     if buf.len() >= head + length {
-                        break Some(buf[head..head + length].to_vec());
+                        let authorization = req
+                            .headers
+                            .iter()
+                            .find(|h| h.name.eq_ignore_ascii_case("authorization"))
+                            .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                            .unwrap_or_default();
+                        break Some((buf[head..head + length].to_vec(), authorization));
                     }
                 }
             };
-            let Some(body) = body else { continue };
+            let Some((body, authorization)) = body else {
+                continue;
+            };
             let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let answer = |result: Value| {
                 json!({"jsonrpc": "2.0", "id": msg["id"], "result": result}).to_string()
@@ -1529,8 +1538,11 @@ async fn refusing_backend(
                 ),
                 "tools/call" => {
                     seen.fetch_add(1, Ordering::SeqCst);
+                    // `$AUTH` in the error is what the request's Authorization said.
                     let text = error.as_ref().map_or_else(String::new, |(id, error)| {
-                        json!({"jsonrpc": "2.0", "id": id, "error": error}).to_string()
+                        json!({"jsonrpc": "2.0", "id": id, "error": error})
+                            .to_string()
+                            .replace("$AUTH", &authorization)
                     });
                     (status, text)
                 }
@@ -1579,6 +1591,16 @@ async fn a_call_the_backend_received_is_never_nothing_was_sent() {
         );
         assert!(!message.contains("nothing was sent"), "{status}: {message}");
         client.close().await;
+        // The operator reads what happened, the status among it.
+        let logged = poll_until(LIMIT, Duration::from_millis(20), || {
+            d.stderr_text().lines().any(|l| {
+                l.contains("an upstream call failed")
+                    && l.contains("upstream=web")
+                    && l.contains(&format!("{status} "))
+            })
+        })
+        .await;
+        assert!(logged, "{status}: not logged: {}", d.stderr_text());
     }
 }
 
@@ -1625,6 +1647,33 @@ async fn a_backend_refusing_a_call_in_json_rpc_is_heard() {
         );
         client.close().await;
     }
+    // A backend that echoes the credential it refused: the daemon's token is cut out of
+    // its words before they reach the caller, the log or the status.
+    let echoed = json!({"code": -32001, "message": "bad token: $AUTH"});
+    let (url, _) = refusing_backend(400, Some((json!(null), echoed)), 64).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = "upstream-bearer-0d9c8b7a6f";
+    let file = dir.path().join("web.token");
+    std::fs::write(&file, format!("{token}\n")).expect("token file");
+    let d = Daemon::start(&format!(
+        "[upstreams.web]\nurl = \"{url}\"\nbearer_file = \"{}\"\n\n{}",
+        file.display(),
+        allow(&["web"])
+    ));
+    d.register_secret(token);
+    wait_state(&d, "web", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    let message = client
+        .call("web.act", json!({}))
+        .await
+        .err("internal", "a refusal echoing the credential");
+    assert!(
+        message.contains("bad token: Bearer [redacted]") && !message.contains(token),
+        "{message}"
+    );
+    client.close().await;
+    d.ctl_ok(&["--json", "upstreams"]);
+    d.assert_no_secrets();
 }
 
 /// The official Python SDK's client (`tests/fixtures/progress_client.py`) calling `tool`:
