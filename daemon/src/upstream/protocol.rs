@@ -134,7 +134,8 @@ pub enum Unread {
 /// message the budget cannot hold now is never parsed — a few megabytes of `[[],[],…]`
 /// would otherwise take gigabytes.
 pub fn parse(bytes: &[u8], budget: &Budget) -> Result<(Value, Share), Unread> {
-    let cost = jsonrpc::parse_cost(bytes).map_err(Unread::NotJson)?;
+    let not_json = |why: &str| Unread::NotJson(unquoted(why));
+    let cost = jsonrpc::parse_cost(bytes).map_err(|e| not_json(&e))?;
     let need = budget::units(cost);
     let Some(held) = budget.try_take(need) else {
         let whole = budget.units();
@@ -151,8 +152,34 @@ pub fn parse(bytes: &[u8], budget: &Budget) -> Result<(Value, Share), Unread> {
             )
         }));
     };
-    let value = serde_json::from_slice(bytes).map_err(|e| Unread::NotJson(e.to_string()))?;
+    let value = serde_json::from_slice(bytes).map_err(|e| not_json(&e.to_string()))?;
     Ok((value, held))
+}
+
+/// A parser's complaint about an upstream's message without the message's own words:
+/// what it quotes (a duplicate key, a string) becomes `"…"`, so the upstream cannot
+/// write into the daemon's log, status or callers' errors through it — not even a
+/// credential it was sent. What remains is the parser's: the kind of fault and where.
+fn unquoted(why: &str) -> String {
+    let mut out = String::with_capacity(why.len());
+    let mut chars = why.chars();
+    while let Some(c) = chars.next() {
+        if c != '"' {
+            out.push(c);
+            continue;
+        }
+        out.push_str("\"…\"");
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => {
+                    chars.next();
+                }
+                '"' => break,
+                _ => {}
+            }
+        }
+    }
+    out
 }
 
 pub type RpcFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, CallError>> + Send + 'a>>;
@@ -662,6 +689,31 @@ mod tests {
             json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}})
         );
         assert!(note.get("id").is_none());
+    }
+
+    #[test]
+    fn a_parse_error_keeps_none_of_the_upstreams_words() {
+        let budget = Budget::new(1 << 20);
+        let secret = "tok-9f8e7d6c";
+        for bytes in [
+            format!(r#"{{"{secret}": 1, "{secret}": 2}}"#),
+            format!(r#"{{"a\"{secret}": 1, "a\"{secret}": 2}}"#),
+            format!(r#"{{"a": "{secret}" x}}"#),
+            format!(r#"{{"a": 1}} "{secret}""#),
+        ] {
+            let Err(Unread::NotJson(why)) = parse(bytes.as_bytes(), &budget) else {
+                panic!("{bytes} was read");
+            };
+            assert!(
+                !why.contains(secret) && !why.contains("tok-"),
+                "{bytes}: {why}"
+            );
+            assert!(why.contains("line 1"), "{bytes}: {why}");
+        }
+        assert_eq!(
+            unquoted(r#"duplicate object key "a\"b" at line 1"#),
+            r#"duplicate object key "…" at line 1"#
+        );
     }
 
     #[test]
