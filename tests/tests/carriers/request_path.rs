@@ -151,38 +151,58 @@ async fn an_idle_http2_connection_is_closed_and_an_open_stream_keeps_it() {
     );
 }
 
-/// A peer that asks for a large answer and never reads it loses its connection once the
-/// daemon's writes have waited `idle_timeout` for it, and with it the slot it held: its
-/// caller, at its share of one, is served again. The stall is booked `send-timeout`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_nobody_reads_gives_its_slot_back_at_the_idle_deadline() {
+/// A daemon with `loopback` lines whose `file.read` of a 4 MiB file gives an answer of
+/// about 8.4 MB (the text twice: content and structured content) — more than the
+/// daemon's send buffer (at most 4 MiB here) and a small window together — and a peer
+/// with a 4096-byte window that has asked for it with the daemon's bearer and `headers`.
+async fn big_answer_asked(
+    loopback: &[&str],
+    headers: &[(&str, &str)],
+) -> (Daemon, tempfile::TempDir, Conn) {
     let root = tempfile::tempdir().expect("tempdir");
-    // 4 MiB of text, sent twice in the answer (text and structured content): more than
-    // the daemon's send buffer (at most 4 MiB here) and the peer's small window together.
     std::fs::write(
         root.path().join("big.txt"),
         "f".repeat(4 * 1024 * 1024 - 1024),
     )
     .expect("seed");
-    let d = Daemon::builder()
-        .loopback("idle_timeout = \"1s\"")
-        .loopback("max_in_flight_per_caller = 1")
+    let mut builder = Daemon::builder();
+    for line in loopback {
+        builder = builder.loopback(*line);
+    }
+    let d = builder
         .extra(format!(
             "[tools.file]\nread_roots = [\"{}\"]\n\n[limits]\ntool_result = \"16MiB\"\n",
             root.path().display()
         ))
         .start();
     let addr = d.loopback_addr();
-    let bearer = d.bearer();
     let path = root.path().join("big.txt").display().to_string();
     let read = tools_call(1, "file.read", json!({"path": path}));
-    let mut stalled = Conn::connect_small_window(addr, 4096)
+    let mut request = Request::mcp(addr.port(), Some(&d.bearer()), &read);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let mut conn = Conn::connect_small_window(addr, 4096)
         .await
         .expect("connect");
-    stalled
-        .write(&Request::mcp(addr.port(), Some(&bearer), &read).to_bytes())
+    conn.write(&request.to_bytes())
         .await
         .expect("write the request");
+    (d, root, conn)
+}
+
+/// A peer that asks for a large answer and never reads it loses its connection once the
+/// daemon's writes have waited `idle_timeout` for it, and with it the slot it held: its
+/// caller, at its share of one, is served again. The stall is booked `send-timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_nobody_reads_gives_its_slot_back_at_the_idle_deadline() {
+    let (d, _root, mut stalled) = big_answer_asked(
+        &["idle_timeout = \"1s\"", "max_in_flight_per_caller = 1"],
+        &[],
+    )
+    .await;
+    let addr = d.loopback_addr();
+    let bearer = d.bearer();
     // While the answer waits for its reader, the caller's one slot is taken.
     let probe = Request::mcp(addr.port(), Some(&bearer), &tools_list(2));
     let held = poll_until_async(QUICK, Duration::from_millis(20), || {
@@ -230,33 +250,8 @@ async fn an_answer_nobody_reads_gives_its_slot_back_at_the_idle_deadline() {
 /// a second, twice the limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_steady_reader_gets_its_whole_answer() {
-    let root = tempfile::tempdir().expect("tempdir");
-    std::fs::write(
-        root.path().join("big.txt"),
-        "f".repeat(4 * 1024 * 1024 - 1024),
-    )
-    .expect("seed");
-    let d = Daemon::builder()
-        .loopback("idle_timeout = \"500ms\"")
-        .extra(format!(
-            "[tools.file]\nread_roots = [\"{}\"]\n\n[limits]\ntool_result = \"16MiB\"\n",
-            root.path().display()
-        ))
-        .start();
-    let addr = d.loopback_addr();
-    let path = root.path().join("big.txt").display().to_string();
-    let read = tools_call(1, "file.read", json!({"path": path}));
-    let mut reader = Conn::connect_small_window(addr, 4096)
-        .await
-        .expect("connect");
-    reader
-        .write(
-            &Request::mcp(addr.port(), Some(&d.bearer()), &read)
-                .header("Connection", "close")
-                .to_bytes(),
-        )
-        .await
-        .expect("write the request");
+    let (d, _root, mut reader) =
+        big_answer_asked(&["idle_timeout = \"500ms\""], &[("Connection", "close")]).await;
     // About 1.3 MB/s: the 8 MiB answer takes about six seconds.
     let got = tokio::time::timeout(
         Duration::from_secs(60),
