@@ -424,7 +424,7 @@ impl Drop for Slot {
 /// The answer to a request refused by a limit or a body that could not be read:
 /// `BodyError` 400, `BodyTimeout` 408, `Busy`, `MemoryBusy` and `CallerBusy` 503 each
 /// naming its limit, anything else (`BodyTooLarge`) 413. On HTTP/1 the connection is closed
-/// after it (the body may be unread), but after a broken body.
+/// after it (the body may be unread), except after a broken body.
 fn refused(why: Rejection, version: http::Version) -> Response<Body> {
     let response = match why {
         Rejection::BodyError => return server::empty(StatusCode::BAD_REQUEST),

@@ -984,7 +984,8 @@ struct Watched<T> {
     stalled_out: Arc<AtomicBool>,
 }
 
-/// A write waiting on the peer: since when, and how much the peer had not yet taken then.
+/// A write waiting on the peer: when its window ends, and how much the peer had not yet
+/// taken when it began.
 struct Stall {
     timer: Pin<Box<tokio::time::Sleep>>,
     queued: Option<usize>,

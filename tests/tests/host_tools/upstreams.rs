@@ -1458,7 +1458,7 @@ async fn an_http_backend_that_dies_mid_call_is_outcome_unknown_then_unavailable(
 
 /// A Streamable HTTP backend that initializes and lists like any, then answers every
 /// `tools/call` it receives with `status` and, if `error` is given, a JSON-RPC error
-/// response with that error and the id `error_id` (an empty body otherwise; `$AUTH` in
+/// response with that `(id, error)` (an empty body otherwise; `$AUTH` in
 /// the error becomes the request's `Authorization`, as a careless server echoes it); the calls it
 /// received are counted. Plain HTTP/1.1 on loopback, one request per connection; bounded:
 /// it serves `max` requests, then stops.
