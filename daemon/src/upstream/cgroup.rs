@@ -348,22 +348,14 @@ fn own_dir(controller: Option<&str>) -> Result<PathBuf, String> {
                 controller.unwrap_or("unified")
             )
         })?;
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
-        .map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
-    // id parent major:minor root mount-point options … - fstype source super-options
-    let (root, at) = mountinfo
-        .lines()
-        .find_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let left: Vec<&str> = left.split(' ').collect();
-            let right: Vec<&str> = right.split(' ').collect();
-            let (root, at) = (*left.get(3)?, *left.get(4)?);
-            let (kind, options) = (*right.first()?, *right.get(2).unwrap_or(&""));
+    let (root, at) = super::mounts::read()?
+        .into_iter()
+        .find_map(|m| {
             let ours = match controller {
-                None => kind == "cgroup2",
-                Some(name) => kind == "cgroup" && has(options, name),
+                None => m.fstype == "cgroup2",
+                Some(name) => m.fstype == "cgroup" && has(&m.super_options, name),
             };
-            ours.then(|| (root.to_owned(), at.to_owned()))
+            ours.then(|| (m.root.display().to_string(), m.at))
         })
         .ok_or("the hierarchy is not mounted")?;
     let relative = path

@@ -8,7 +8,7 @@
 //!   be read, listed or written. Paths the daemon must keep to itself (its state, runtime
 //!   and configuration directories, the other upstreams' homes, every secret file it
 //!   reads) are carved out of whatever would hold them, however the operator wrote the
-//!   lists.
+//!   lists and wherever a bind mount makes them reachable ([`super::mounts::aliases`]).
 //! - **Network.** `network = "none"`: no TCP connection and no TCP listener (Landlock), and
 //!   no IPv4 or IPv6 socket at all (the filter below); unix sockets stay.
 //! - **Other processes.** It cannot signal nor trace a process outside its own sandbox
@@ -105,7 +105,15 @@ impl Confinement {
     /// Confines this process (and what it executes) for good. Called by the launcher,
     /// single-threaded, just before it executes the command.
     pub fn apply(&self) -> Result<(), String> {
-        let hidden: Vec<PathBuf> = self.hidden.iter().map(|p| canonical(p)).collect();
+        // A kept path is kept wherever it can be reached: through a bind mount of it, or
+        // of a directory above or below it, too.
+        let mounts = super::mounts::read()
+            .map_err(|e| format!("cannot see where the daemon's own paths are mounted: {e}"))?;
+        let hidden: Vec<PathBuf> = self
+            .hidden
+            .iter()
+            .flat_map(|p| super::mounts::aliases(&canonical(p), &mounts))
+            .collect();
         let read = AccessFs::from_read(NEEDED);
         let all = AccessFs::from_all(NEEDED);
         let mut grants = Vec::new();

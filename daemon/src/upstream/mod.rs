@@ -12,6 +12,7 @@
 pub mod cgroup;
 pub mod confine;
 pub mod http;
+pub mod mounts;
 pub mod pin;
 pub mod protocol;
 pub mod stdio;

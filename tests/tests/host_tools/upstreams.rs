@@ -68,7 +68,8 @@ async fn listed(client: &McpClient) -> serde_json::Map<String, Value> {
 /// The hostile upstream: a stdio server (the official Python SDK) that tries every way out
 /// of its confinement and reports each — the daemon's state, configuration and runtime
 /// directories and a secret file it reads, all beneath a directory the operator let the
-/// upstream read; writing there; TCP out and in; signalling the daemon; its environment.
+/// upstream read, the secret's directory also bound at a second place; writing there; TCP
+/// out and in; signalling the daemon; its environment.
 /// Each is denied by the kernel, while what it was allowed to read stays readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
@@ -79,6 +80,10 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     std::fs::set_permissions(&bearer, std::fs::Permissions::from_mode(0o600)).expect("0600");
     let public = secrets.path().join("public.txt");
     std::fs::write(&public, "readable").expect("a readable file");
+    // The same directory bound at a second place, as an operator's mount can make it:
+    // what is kept there is kept through that one too.
+    let alias = tempfile::tempdir().expect("a directory");
+    let _bound = BindMount::new(secrets.path(), alias.path());
     // The daemon's own directory and the secrets are beneath the temporary directory,
     // which this upstream may read.
     let tmp = std::env::temp_dir();
@@ -105,12 +110,13 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     read.extend([
         show(d.config_path()),
         show(&bearer),
+        show(&alias.path().join("web.bearer")),
         show(&public),
         "/etc/passwd".into(),
     ]);
     let dirs = [show(d.state_dir()), show(&d.runtime_dir())];
     let mut write = dirs.to_vec();
-    write.extend([show(secrets.path()), show(&tmp)]);
+    write.extend([show(secrets.path()), show(alias.path()), show(&tmp)]);
     let client = McpClient::connect(&d, &d.bearer()).await;
     let result = client
         .call(
@@ -177,6 +183,30 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     assert!(!secrets.path().join("planted-by-upstream").exists());
     assert!(!d.state_dir().join("planted-by-upstream").exists());
     client.close().await;
+}
+
+/// `from` bound at `to` (`mount --bind`, so the test runs as root) until dropped.
+struct BindMount(std::path::PathBuf);
+
+impl BindMount {
+    fn new(from: &std::path::Path, to: &std::path::Path) -> Self {
+        let status = std::process::Command::new("mount")
+            .arg("--bind")
+            .args([from, to])
+            .status()
+            .expect("mount");
+        assert!(status.success(), "mount --bind {from:?} {to:?}: {status}");
+        Self(to.to_owned())
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("--lazy")
+            .arg(&self.0)
+            .status();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,160 @@
+//! The mount table (`/proc/self/mountinfo`): where each filesystem's parts are mounted.
+//! The cgroup hierarchies are found in it, and the confinement reads it to find every
+//! other place a path the daemon keeps to itself can be reached by (a bind mount of it,
+//! or of a directory above or below it).
+
+use std::path::{Path, PathBuf};
+
+/// One line of the mount table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    /// `major:minor` of the filesystem.
+    pub device: String,
+    /// The directory of that filesystem mounted here.
+    pub root: PathBuf,
+    /// Where it is mounted.
+    pub at: PathBuf,
+    pub fstype: String,
+    /// The filesystem's own options (for a v1 cgroup hierarchy, its controllers).
+    pub super_options: String,
+}
+
+/// The calling process's mount table.
+pub fn read() -> Result<Vec<Mount>, String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|text| parse(&text))
+        .map_err(|e| format!("/proc/self/mountinfo: {e}"))
+}
+
+/// `id parent major:minor root mount-point options [optional…] - fstype source
+/// super-options`, one mount a line; lines that do not read so are skipped.
+pub fn parse(text: &str) -> Vec<Mount> {
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let left: Vec<&str> = left.split(' ').collect();
+            let right: Vec<&str> = right.split(' ').collect();
+            Some(Mount {
+                device: (*left.get(2)?).to_owned(),
+                root: unescape(left.get(3)?).into(),
+                at: unescape(left.get(4)?).into(),
+                fstype: (*right.first()?).to_owned(),
+                super_options: (*right.get(2).unwrap_or(&"")).to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// The kernel writes a space, tab, line feed and backslash in a path as `\ooo`.
+fn unescape(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')));
+        match octal.and_then(|n| u8::try_from(n).ok()) {
+            Some(byte) => {
+                out.push(byte);
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Every path `path` (absolute, its links resolved) can be reached by through `mounts`:
+/// itself; for each mount of the same filesystem whose mounted directory holds it, the
+/// same place beneath that mount; and each mount whose mounted directory lies beneath it
+/// (all of that mount is a part of `path`).
+pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
+    let mut found = vec![path.to_owned()];
+    // The mount `path` is on: the deepest mount point above it (of stacked mounts, the
+    // last, which is the one seen).
+    let Some(holder) = mounts
+        .iter()
+        .filter(|m| path.starts_with(&m.at))
+        .max_by_key(|m| m.at.components().count())
+    else {
+        return found;
+    };
+    let Ok(below) = path.strip_prefix(&holder.at) else {
+        return found;
+    };
+    let inside = holder.root.join(below);
+    for m in mounts.iter().filter(|m| m.device == holder.device) {
+        let alias = match inside.strip_prefix(&m.root) {
+            Ok(rest) if rest.as_os_str().is_empty() => m.at.clone(),
+            Ok(rest) => m.at.join(rest),
+            Err(_) if m.root.starts_with(&inside) => m.at.clone(),
+            Err(_) => continue,
+        };
+        if !found.contains(&alias) {
+            found.push(alias);
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TABLE: &str = "\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 22 0:26 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate
+31 22 0:27 / /sys/fs/cgroup/memory rw shared:10 - cgroup cgroup rw,memory
+40 22 8:1 /var/lib/robota-mcpd /srv/alias rw,relatime shared:1 - ext4 /dev/vda rw
+41 22 8:1 /var/lib /mnt/var\\040lib rw,relatime shared:1 - ext4 /dev/vda rw
+42 22 8:1 /var/lib/robota-mcpd/audit /opt/audit rw,relatime shared:1 - ext4 /dev/vda rw
+43 22 8:17 / /data rw,relatime shared:2 - ext4 /dev/vdb rw
+44 22 8:17 /lib /var/lib rw,relatime shared:2 - ext4 /dev/vdb rw
+malformed line
+";
+
+    #[test]
+    fn the_table_reads_with_its_escapes() {
+        let mounts = parse(TABLE);
+        assert_eq!(mounts.len(), 8);
+        assert_eq!(mounts[2].fstype, "cgroup");
+        assert_eq!(mounts[2].super_options, "rw,memory");
+        assert_eq!(mounts[4].at, Path::new("/mnt/var lib"));
+        assert_eq!(unescape(r"a\134b\011c\12"), "a\\b\tc\\12");
+    }
+
+    #[test]
+    fn a_kept_path_is_reached_through_every_bind_mount_of_it_above_or_below() {
+        // /var/lib is itself a mount (8:17's /lib), so the state directory lives on 8:17,
+        // reachable also at /data/lib/robota-mcpd; 8:1's binds are another filesystem's.
+        let mounts = parse(TABLE);
+        let mut found = aliases(Path::new("/var/lib/robota-mcpd"), &mounts);
+        found.sort();
+        assert_eq!(
+            found,
+            [
+                PathBuf::from("/data/lib/robota-mcpd"),
+                PathBuf::from("/var/lib/robota-mcpd")
+            ]
+        );
+        // Without that mount, the root filesystem's binds: the directory itself, a
+        // directory above it, and one below it.
+        let flat: Vec<Mount> = mounts.into_iter().filter(|m| m.device != "8:17").collect();
+        let mut found = aliases(Path::new("/var/lib/robota-mcpd"), &flat);
+        found.sort();
+        assert_eq!(
+            found,
+            [
+                PathBuf::from("/mnt/var lib/robota-mcpd"),
+                PathBuf::from("/opt/audit"),
+                PathBuf::from("/srv/alias"),
+                PathBuf::from("/var/lib/robota-mcpd"),
+            ]
+        );
+    }
+}
