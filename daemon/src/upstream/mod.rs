@@ -259,6 +259,28 @@ struct PinState {
     audited: Option<(String, Instant, u64)>,
 }
 
+impl PinState {
+    /// Whether a drift to the surface `digest` is audited now: once per distinct surface,
+    /// and at most once per [`DRIFT_AUDIT_INTERVAL`] until the next approval — going
+    /// back to the approved surface in between starts nothing again, or an upstream
+    /// alternating between the two would be audited at every other list. `Some(n)`: audit
+    /// it, `n` drifts since the last record were not.
+    fn drift_due(&mut self, digest: &str, now: Instant) -> Option<u64> {
+        match &mut self.audited {
+            Some((last, _, _)) if last == digest => None,
+            Some((_, at, skipped)) if now.duration_since(*at) < DRIFT_AUDIT_INTERVAL => {
+                *skipped += 1;
+                None
+            }
+            audited => {
+                let unaudited = audited.as_ref().map_or(0, |(_, _, skipped)| *skipped);
+                *audited = Some((digest.to_owned(), now, 0));
+                Some(unaudited)
+            }
+        }
+    }
+}
+
 /// Least time between two drift records of one upstream since its last approval: an
 /// upstream changing its list without end must not push the audit trail's older records
 /// (approvals, grants) out of its retention. Drifts in between are counted, and the
@@ -786,20 +808,12 @@ impl Upstream {
         let held = self.config.pin && !drift.is_empty();
         self.context.metrics.upstream_drift(&self.config.name, held);
         if drift.is_empty() {
-            pin.audited = None;
             return drift;
         }
         let digest = surface.digest();
-        let (due, unaudited) = match &mut pin.audited {
-            Some((last, _, _)) if *last == digest => (false, 0),
-            Some((_, at, skipped)) if at.elapsed() < DRIFT_AUDIT_INTERVAL => {
-                *skipped += 1;
-                (false, 0)
-            }
-            Some((_, _, skipped)) => (true, *skipped),
-            None => (true, 0),
-        };
-        if due && self.context.persist {
+        if let Some(unaudited) = pin.drift_due(&digest, Instant::now())
+            && self.context.persist
+        {
             tracing::warn!(
                 upstream = %self.config.name,
                 added = drift.added.len(),
@@ -817,7 +831,6 @@ impl Upstream {
                 &digest,
                 "the daemon",
             );
-            pin.audited = Some((digest, Instant::now(), 0));
         }
         if held { drift } else { Drift::default() }
     }
@@ -1150,4 +1163,28 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     drop(file);
     std::fs::rename(&temp, path)?;
     std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drifts_are_audited_once_a_surface_and_once_an_interval_until_an_approval() {
+        let mut pin = PinState::default();
+        let t0 = Instant::now();
+        let later = |secs| t0 + Duration::from_secs(secs);
+        assert_eq!(pin.drift_due("a", t0), Some(0));
+        assert_eq!(pin.drift_due("a", later(1)), None, "the same surface again");
+        // Back to the approved surface (no drift: not asked), then a new one: still within
+        // the interval of the last record.
+        assert_eq!(pin.drift_due("b", later(2)), None);
+        assert_eq!(pin.drift_due("c", later(3)), None);
+        let next = DRIFT_AUDIT_INTERVAL.as_secs() + 1;
+        assert_eq!(pin.drift_due("d", later(next)), Some(2), "two not audited");
+        assert_eq!(pin.drift_due("e", later(next + 1)), None);
+        // An approval starts afresh.
+        pin.audited = None;
+        assert_eq!(pin.drift_due("e", later(next + 2)), Some(0));
+    }
 }
