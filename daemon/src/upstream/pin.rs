@@ -28,9 +28,6 @@ pub const MEMBERS: [&str; 6] = [
     "annotations",
 ];
 
-/// Longest member text a diff shows (the rest is cut with `…`).
-const SHOWN: usize = 4096;
-
 /// An upstream's surface: each tool's members, fingerprinted, and its executable's.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Surface {
@@ -190,7 +187,7 @@ impl Pinned {
 }
 
 /// The member-by-member changes of `tool` between two lists of definitions, as canonical
-/// JSON text cut at [`SHOWN`] bytes.
+/// JSON text, whole: an approval covers every byte, so the review shows every byte.
 pub fn member_changes(
     tool: &str,
     approved: &[Value],
@@ -204,11 +201,7 @@ pub fn member_changes(
     };
     let (was, now) = (find(approved), find(current));
     let text = |d: &Option<Map<String, Value>>, m: &str| {
-        d.as_ref().and_then(|d| d.get(m)).map(|v| {
-            let mut text = canonical_json(v);
-            crate::catalog::cut(&mut text, SHOWN);
-            text
-        })
+        d.as_ref().and_then(|d| d.get(m)).map(canonical_json)
     };
     MEMBERS
         .iter()
@@ -272,5 +265,16 @@ mod tests {
         assert_eq!(changes[0].member, "description");
         assert_eq!(changes[0].approved.as_deref(), Some("\"x\""));
         assert_eq!(changes[0].current.as_deref(), Some("\"new\""));
+    }
+
+    #[test]
+    fn a_change_far_into_a_member_is_shown_whole() {
+        let long = "routine text. ".repeat(400);
+        let hidden = format!("{long} and one more sentence");
+        let changes = member_changes("a", &[tool("a", &long)], &[tool("a", &hidden)]);
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let current = changes[0].current.as_deref().unwrap_or_default();
+        assert!(current.ends_with("and one more sentence\""), "{current}");
+        assert_eq!(current.len(), hidden.len() + 2);
     }
 }
