@@ -216,8 +216,15 @@ impl ChildLink {
     }
 
     /// Closes the link for `why` (the first reason sticks); every waiting call learns that
-    /// its answer will not come.
-    fn close(&self, why: String) {
+    /// its answer will not come. Whoever closes it first (the child's stdout ending, its
+    /// exit), a kill at the memory bound is named: the kernel counted it before the killed
+    /// process could end anything.
+    fn close(&self, mut why: String) {
+        if self.leaf.as_ref().is_some_and(Leaf::hit_memory_bound) {
+            why.push_str(
+                "; the kernel killed a process of this upstream at its memory bound (`memory`)",
+            );
+        }
         {
             let mut current = self.why.lock();
             if current.is_none() {
@@ -635,28 +642,21 @@ async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
     }
 }
 
-/// Waits for the child; once it has exited, kills what it left in its cgroup (or, with
-/// none, in its process group).
+/// Waits for the child; once it has exited, closes the link (while its cgroup still
+/// counts what the kernel killed) and kills what it left in its cgroup (or, with none, in
+/// its process group).
 async fn reap(link: Arc<ChildLink>, mut child: Child) {
     let status = child.wait().await;
-    let mut why = match status {
+    link.close(match status {
         Ok(status) => format!("its process exited ({status})"),
         Err(e) => format!("waiting for its process failed: {e}"),
-    };
+    });
     match &link.leaf {
-        Some(leaf) => {
-            if leaf.hit_memory_bound() {
-                why.push_str(
-                    "; the kernel killed a process of this upstream at its memory bound (`memory`)",
-                );
-            }
-            leaf.end().await;
-        }
+        Some(leaf) => leaf.end().await,
         None => {
             let _ = killpg(link.group(), Signal::SIGKILL);
         }
     }
-    link.close(why);
     link.reaped.cancel();
 }
 

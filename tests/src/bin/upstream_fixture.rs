@@ -566,8 +566,18 @@ fn rogue(events: Option<PathBuf>, slow_start: Option<u64>) {
                     }
                     "hog" => {
                         // A grandchild in a session of its own takes `mib` MiB; how it
-                        // ended is the answer.
+                        // ended is the answer. With `itself`, this process takes them.
                         let arg = |key: &str| msg["params"]["arguments"][key].as_u64().unwrap_or(0);
+                        if msg["params"]["arguments"]["itself"] == true {
+                            let taken: Vec<Vec<u8>> =
+                                (0..arg("mib")).map(|_| vec![1u8; 1 << 20]).collect();
+                            let mib = taken.len();
+                            send(
+                                &mut out,
+                                answer(json!({"content": [], "structuredContent": {"took": mib}})),
+                            );
+                            continue;
+                        }
                         let ended =
                             std::env::current_exe()
                                 .map_err(|e| e.to_string())

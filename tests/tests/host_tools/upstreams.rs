@@ -1380,6 +1380,20 @@ async fn an_upstreams_whole_process_tree_is_bounded_by_its_memory_and_tasks() {
     );
     let info = client.call("system.info", json!({})).await;
     assert!(!info.is_error, "{info:?}");
+    // Past it in the upstream's own process: the call is lost, and the reason the
+    // operator reads names the bound, though the link saw its stdout end first.
+    let lost = client
+        .call("rogue.hog", json!({"mib": 256, "itself": true}))
+        .await;
+    lost.err("outcome_unknown", "the upstream's process killed mid-call");
+    let mut last = None;
+    let named = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+        let error = upstream(&d, "rogue").last_error.unwrap_or_default();
+        let named = error.contains("at its memory bound");
+        last = Some(error);
+        named
+    });
+    assert!(named, "the upstream's last error: {last:?}");
     client.close().await;
 }
 
