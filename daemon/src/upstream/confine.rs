@@ -32,7 +32,9 @@
 //! refuses to run the command, and the upstream's start fails with the reason, unless
 //! the operator wrote `confine = false`.
 
+use std::collections::{BTreeSet, HashSet};
 use std::ffi::OsString;
+use std::os::unix::fs::{DirEntryExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use landlock::{
@@ -109,11 +111,12 @@ impl Confinement {
         // of a directory above or below it, too.
         let mounts = super::mounts::read()
             .map_err(|e| format!("cannot see where the daemon's own paths are mounted: {e}"))?;
-        let hidden: Vec<PathBuf> = self
-            .hidden
-            .iter()
-            .flat_map(|p| super::mounts::aliases(&canonical(p), &mounts))
-            .collect();
+        let kept = Kept::new(
+            self.hidden
+                .iter()
+                .flat_map(|p| super::mounts::aliases(&canonical(p), &mounts))
+                .collect(),
+        );
         let read = AccessFs::from_read(NEEDED);
         let all = AccessFs::from_all(NEEDED);
         let mut grants = Vec::new();
@@ -122,13 +125,31 @@ impl Confinement {
             .map(Path::new)
             .chain(self.read.iter().map(PathBuf::as_path))
         {
-            carve(&canonical(root), read, &hidden, &mut grants);
+            carve(
+                &canonical(root),
+                read,
+                &kept,
+                &mut HashSet::new(),
+                &mut grants,
+            );
         }
         for device in DEVICES {
-            carve(Path::new(device), all, &hidden, &mut grants);
+            carve(
+                Path::new(device),
+                all,
+                &kept,
+                &mut HashSet::new(),
+                &mut grants,
+            );
         }
         for path in &self.write {
-            carve(&canonical(path), all, &hidden, &mut grants);
+            carve(
+                &canonical(path),
+                all,
+                &kept,
+                &mut HashSet::new(),
+                &mut grants,
+            );
         }
         grants.extend(self.own.iter().map(|p| (canonical(p), all)));
         let mut ruleset = Ruleset::default()
@@ -223,28 +244,77 @@ fn canonical(path: &Path) -> PathBuf {
     std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
 }
 
-/// Grants `access` beneath `path`, except beneath any of `hidden`: where a hidden path
-/// lies below, `path` itself gets nothing and each entry of it is granted the same way.
+/// The paths a child must never reach, at every place they can be reached, and the
+/// directories that hold one of them on some way to it.
+struct Kept {
+    paths: Vec<PathBuf>,
+    /// Device and inode of every directory on a way to a kept path: each ancestor of
+    /// each of its paths, as seen there and, for a mount point, the directory the mount
+    /// covers (seen, without the mount, through another mount of its file system).
+    /// Landlock grants a directory by its inode, wherever it is reached, so a grant of
+    /// any of these would grant the kept path beneath it.
+    holders: HashSet<(u64, u64)>,
+}
+
+impl Kept {
+    fn new(paths: Vec<PathBuf>) -> Self {
+        let ancestors: BTreeSet<&Path> = paths.iter().flat_map(|p| p.ancestors().skip(1)).collect();
+        let mut holders = HashSet::new();
+        for dir in ancestors {
+            if let Ok(seen) = std::fs::metadata(dir) {
+                holders.insert((seen.dev(), seen.ino()));
+            }
+            let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+                continue;
+            };
+            // A directory's entry names the inode beneath any mount on it.
+            let covered = std::fs::metadata(parent).ok().and_then(|p| {
+                std::fs::read_dir(parent)
+                    .ok()?
+                    .flatten()
+                    .find(|e| e.file_name() == name)
+                    .map(|e| (p.dev(), e.ino()))
+            });
+            holders.extend(covered);
+        }
+        Self { paths, holders }
+    }
+}
+
+/// Grants `access` beneath `path`, except for what is `kept`: where a kept path lies
+/// below, `path` itself gets nothing and each entry of it is granted the same way. A
+/// symbolic link among them is not followed (its target is granted by its own path, or
+/// not at all), and each directory is looked into once (through a bind mount a
+/// directory can hold itself).
 fn carve(
     path: &Path,
     access: BitFlags<AccessFs>,
-    hidden: &[PathBuf],
+    kept: &Kept,
+    seen: &mut HashSet<(u64, u64)>,
     grants: &mut Vec<(PathBuf, BitFlags<AccessFs>)>,
 ) {
-    if hidden.iter().any(|h| path.starts_with(h)) {
+    if kept.paths.iter().any(|h| path.starts_with(h)) {
         return;
     }
-    if !hidden.iter().any(|h| h.starts_with(path)) {
-        if path.exists() {
-            grants.push((path.to_owned(), access));
-        }
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return;
+    };
+    if meta.file_type().is_symlink() {
+        return;
+    }
+    let id = (meta.dev(), meta.ino());
+    if !kept.paths.iter().any(|h| h.starts_with(path)) && !kept.holders.contains(&id) {
+        grants.push((path.to_owned(), access));
+        return;
+    }
+    if !seen.insert(id) {
         return;
     }
     let Ok(entries) = std::fs::read_dir(path) else {
         return;
     };
     for entry in entries.flatten() {
-        carve(&entry.path(), access, hidden, grants);
+        carve(&entry.path(), access, kept, seen, grants);
     }
 }
 
@@ -261,13 +331,23 @@ mod tests {
         }
         std::fs::write(root.join("etc/passwd"), "").unwrap();
         std::fs::write(root.join("etc/other/secret.key"), "").unwrap();
-        let hidden = vec![
+        // Links to what is kept, and to what is not: neither is followed.
+        std::os::unix::fs::symlink(root.join("etc/robota-mcpd"), root.join("etc/state-link"))
+            .unwrap();
+        std::os::unix::fs::symlink(root.join("etc/ssl"), root.join("etc/other/ssl-link")).unwrap();
+        let kept = Kept::new(vec![
             root.join("etc/robota-mcpd"),
             root.join("etc/other/secret.key"),
-        ];
+        ]);
         let mut grants = Vec::new();
         let read = AccessFs::from_read(NEEDED);
-        carve(&root.join("etc"), read, &hidden, &mut grants);
+        carve(
+            &root.join("etc"),
+            read,
+            &kept,
+            &mut HashSet::new(),
+            &mut grants,
+        );
         let mut granted: Vec<_> = grants
             .iter()
             .map(|(p, _)| p.strip_prefix(&root).unwrap().display().to_string())
@@ -276,7 +356,13 @@ mod tests {
         assert_eq!(granted, ["etc/other/deep", "etc/passwd", "etc/ssl"]);
         // Hidden itself, or beneath it: nothing.
         let mut none = Vec::new();
-        carve(&root.join("etc/robota-mcpd"), read, &hidden, &mut none);
+        carve(
+            &root.join("etc/robota-mcpd"),
+            read,
+            &kept,
+            &mut HashSet::new(),
+            &mut none,
+        );
         assert!(none.is_empty());
     }
 

@@ -99,7 +99,57 @@ pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
             found.push(alias);
         }
     }
+    // An overlay shows its layers' files (read, and copied up when written) at its own
+    // mount point.
+    for m in mounts.iter().filter(|m| m.fstype == "overlay") {
+        for layer in overlay_layers(&m.super_options) {
+            let alias = match path.strip_prefix(&layer) {
+                Ok(rest) if rest.as_os_str().is_empty() => m.at.clone(),
+                Ok(rest) => m.at.join(rest),
+                Err(_) if layer.starts_with(path) => m.at.clone(),
+                Err(_) => continue,
+            };
+            if !found.contains(&alias) {
+                found.push(alias);
+            }
+        }
+    }
     found
+}
+
+/// The directories an overlay's options name as its layers (`lowerdir=a:b`, `upperdir=`;
+/// a `\` escapes the next character).
+fn overlay_layers(options: &str) -> Vec<PathBuf> {
+    let mut layers = Vec::new();
+    let (mut current, mut key, mut escaped) = (String::new(), None::<String>, false);
+    let mut end = |key: &Option<String>, current: &mut String| {
+        if matches!(
+            key.as_deref(),
+            Some("lowerdir" | "upperdir" | "lowerdir+" | "datadir+")
+        ) && current.starts_with('/')
+        {
+            layers.push(PathBuf::from(current.as_str()));
+        }
+        current.clear();
+    };
+    for c in options.chars() {
+        match c {
+            _ if escaped => {
+                current.push(c);
+                escaped = false;
+            }
+            '\\' => escaped = true,
+            '=' if key.is_none() => key = Some(std::mem::take(&mut current)),
+            ':' if key.is_some() => end(&key, &mut current),
+            ',' => {
+                end(&key, &mut current);
+                key = None;
+            }
+            _ => current.push(c),
+        }
+    }
+    end(&key, &mut current);
+    layers
 }
 
 #[cfg(test)]
@@ -126,6 +176,33 @@ malformed line
         assert_eq!(mounts[2].super_options, "rw,memory");
         assert_eq!(mounts[4].at, Path::new("/mnt/var lib"));
         assert_eq!(unescape(r"a\134b\011c\12"), "a\\b\tc\\12");
+    }
+
+    #[test]
+    fn an_overlay_shows_its_layers() {
+        assert_eq!(
+            overlay_layers(r"rw,lowerdir=/a\:b:/var/lib,upperdir=/up,workdir=/work,xino=off"),
+            [
+                PathBuf::from("/a:b"),
+                PathBuf::from("/var/lib"),
+                PathBuf::from("/up")
+            ]
+        );
+        let mounts = parse(
+            "22 1 8:1 / / rw - ext4 /dev/vda rw\n\
+             50 22 0:40 / /srv/ovl rw - overlay overlay rw,lowerdir=/var/lib,upperdir=/u,workdir=/w\n\
+             51 22 0:41 / /srv/in rw - overlay overlay rw,lowerdir=/var/lib/robota-mcpd/x,upperdir=/u2,workdir=/w2\n",
+        );
+        let mut found = aliases(Path::new("/var/lib/robota-mcpd"), &mounts);
+        found.sort();
+        assert_eq!(
+            found,
+            [
+                PathBuf::from("/srv/in"),
+                PathBuf::from("/srv/ovl/robota-mcpd"),
+                PathBuf::from("/var/lib/robota-mcpd")
+            ]
+        );
     }
 
     #[test]

@@ -68,8 +68,9 @@ async fn listed(client: &McpClient) -> serde_json::Map<String, Value> {
 /// The hostile upstream: a stdio server (the official Python SDK) that tries every way out
 /// of its confinement and reports each — the daemon's state, configuration and runtime
 /// directories and a secret file it reads, all beneath a directory the operator let the
-/// upstream read, the secret's directory also bound at a second place; writing there; TCP
-/// out and in; signalling the daemon; its environment.
+/// upstream read, the secret's directory also bound at a second place and beneath itself
+/// and linked to from within; writing there; TCP out and in; signalling the daemon; its
+/// environment.
 /// Each is denied by the kernel, while what it was allowed to read stays readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
@@ -84,6 +85,11 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     // what is kept there is kept through that one too.
     let alias = tempfile::tempdir().expect("a directory");
     let _bound = BindMount::new(secrets.path(), alias.path());
+    // Bound beneath itself too, so that it holds itself; and a link to it inside it.
+    let looped = secrets.path().join("loop");
+    std::fs::create_dir(&looped).expect("a directory");
+    let _looped = BindMount::new(secrets.path(), &looped);
+    std::os::unix::fs::symlink(secrets.path(), secrets.path().join("self-link")).expect("a link");
     // The daemon's own directory and the secrets are beneath the temporary directory,
     // which this upstream may read.
     let tmp = std::env::temp_dir();
@@ -111,6 +117,8 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
         show(d.config_path()),
         show(&bearer),
         show(&alias.path().join("web.bearer")),
+        show(&looped.join("web.bearer")),
+        show(&secrets.path().join("self-link/web.bearer")),
         show(&public),
         "/etc/passwd".into(),
     ]);
