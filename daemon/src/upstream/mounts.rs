@@ -88,33 +88,37 @@ pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
         return found;
     };
     let inside = holder.root.join(below);
-    for m in mounts.iter().filter(|m| m.device == holder.device) {
-        let alias = match inside.strip_prefix(&m.root) {
-            Ok(rest) if rest.as_os_str().is_empty() => m.at.clone(),
-            Ok(rest) => m.at.join(rest),
-            Err(_) if m.root.starts_with(&inside) => m.at.clone(),
-            Err(_) => continue,
-        };
+    let binds = mounts
+        .iter()
+        .filter(|m| m.device == holder.device)
+        .filter_map(|m| shown_at(&inside, &m.root, &m.at));
+    // An overlay shows its layers' files (read, and copied up when written) at its own
+    // mount point.
+    let overlays = mounts
+        .iter()
+        .filter(|m| m.fstype == "overlay")
+        .flat_map(|m| {
+            overlay_layers(&m.super_options)
+                .into_iter()
+                .filter_map(|layer| shown_at(path, &layer, &m.at))
+        });
+    for alias in binds.chain(overlays).collect::<Vec<_>>() {
         if !found.contains(&alias) {
             found.push(alias);
         }
     }
-    // An overlay shows its layers' files (read, and copied up when written) at its own
-    // mount point.
-    for m in mounts.iter().filter(|m| m.fstype == "overlay") {
-        for layer in overlay_layers(&m.super_options) {
-            let alias = match path.strip_prefix(&layer) {
-                Ok(rest) if rest.as_os_str().is_empty() => m.at.clone(),
-                Ok(rest) => m.at.join(rest),
-                Err(_) if layer.starts_with(path) => m.at.clone(),
-                Err(_) => continue,
-            };
-            if !found.contains(&alias) {
-                found.push(alias);
-            }
-        }
-    }
     found
+}
+
+/// Where `target` shows when the directory `source` is shown at `at`: beneath `at` when
+/// `source` holds it, all of `at` when `target` holds `source`.
+fn shown_at(target: &Path, source: &Path, at: &Path) -> Option<PathBuf> {
+    match target.strip_prefix(source) {
+        Ok(rest) if rest.as_os_str().is_empty() => Some(at.to_owned()),
+        Ok(rest) => Some(at.join(rest)),
+        Err(_) if source.starts_with(target) => Some(at.to_owned()),
+        Err(_) => None,
+    }
 }
 
 /// The directories an overlay's options name as its layers (`lowerdir=a:b`, `upperdir=`;
