@@ -92,17 +92,32 @@ pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
         .iter()
         .filter(|m| m.device == holder.device)
         .filter_map(|m| shown_at(&inside, &m.root, &m.at));
+    for alias in binds.collect::<Vec<_>>() {
+        if !found.contains(&alias) {
+            found.push(alias);
+        }
+    }
     // An overlay shows its layers' files (read, and copied up when written) at its own
-    // mount point.
-    let overlays = mounts
-        .iter()
-        .filter(|m| m.fstype == "overlay")
-        .flat_map(|m| {
-            overlay_layers(&m.super_options)
-                .into_iter()
-                .filter_map(|layer| shown_at(path, &layer, &m.at))
-        });
-    for alias in binds.chain(overlays).collect::<Vec<_>>() {
+    // mount point. A layer is named as its mounter spelled it: resolved here where it
+    // can be (links, `..`), compared with every place `path` shows, and taken to hold
+    // it where it cannot be (a relative path, or one under /proc naming the mounter's
+    // own descriptors).
+    let mut overlays = Vec::new();
+    for m in mounts.iter().filter(|m| m.fstype == "overlay") {
+        for layer in overlay_layers(&m.super_options) {
+            if !layer.is_absolute() || layer.starts_with("/proc") {
+                overlays.push(m.at.clone());
+                continue;
+            }
+            let layer = std::fs::canonicalize(&layer).unwrap_or(layer);
+            overlays.extend(
+                found
+                    .iter()
+                    .filter_map(|seen| shown_at(seen, &layer, &m.at)),
+            );
+        }
+    }
+    for alias in overlays {
         if !found.contains(&alias) {
             found.push(alias);
         }
@@ -121,7 +136,7 @@ fn shown_at(target: &Path, source: &Path, at: &Path) -> Option<PathBuf> {
     }
 }
 
-/// The directories an overlay's options name as its layers (`lowerdir=a:b`, `upperdir=`;
+/// The directories an overlay's options name as its layers, as spelt (`lowerdir=a:b`, `upperdir=`;
 /// a `\` escapes the next character).
 fn overlay_layers(options: &str) -> Vec<PathBuf> {
     let mut layers = Vec::new();
@@ -130,7 +145,7 @@ fn overlay_layers(options: &str) -> Vec<PathBuf> {
         if matches!(
             key.as_deref(),
             Some("lowerdir" | "upperdir" | "lowerdir+" | "datadir+")
-        ) && current.starts_with('/')
+        ) && !current.is_empty()
         {
             layers.push(PathBuf::from(current.as_str()));
         }
@@ -195,15 +210,24 @@ malformed line
         let mounts = parse(
             "22 1 8:1 / / rw - ext4 /dev/vda rw\n\
              50 22 0:40 / /srv/ovl rw - overlay overlay rw,lowerdir=/var/lib,upperdir=/u,workdir=/w\n\
-             51 22 0:41 / /srv/in rw - overlay overlay rw,lowerdir=/var/lib/robota-mcpd/x,upperdir=/u2,workdir=/w2\n",
+             51 22 0:41 / /srv/in rw - overlay overlay rw,lowerdir=/var/lib/robota-mcpd/x,upperdir=/u2,workdir=/w2\n\
+             52 22 8:1 /var/lib/robota-mcpd /srv/bound rw - ext4 /dev/vda rw\n\
+             53 22 0:42 / /srv/via-bind rw - overlay overlay rw,lowerdir=/srv/bound,upperdir=/u3,workdir=/w3\n\
+             54 22 0:43 / /srv/relative rw - overlay overlay rw,lowerdir=state,upperdir=/u4,workdir=/w4\n\
+             55 22 0:44 / /srv/fd rw - overlay overlay rw,lowerdir=/proc/self/fd/3,upperdir=/u5,workdir=/w5\n\
+             56 22 0:45 / /srv/other rw - overlay overlay rw,lowerdir=/usr/share,upperdir=/u6,workdir=/w6\n",
         );
         let mut found = aliases(Path::new("/var/lib/robota-mcpd"), &mounts);
         found.sort();
         assert_eq!(
             found,
             [
+                PathBuf::from("/srv/bound"),
+                PathBuf::from("/srv/fd"),
                 PathBuf::from("/srv/in"),
                 PathBuf::from("/srv/ovl/robota-mcpd"),
+                PathBuf::from("/srv/relative"),
+                PathBuf::from("/srv/via-bind"),
                 PathBuf::from("/var/lib/robota-mcpd")
             ]
         );

@@ -68,9 +68,9 @@ async fn listed(client: &McpClient) -> serde_json::Map<String, Value> {
 /// The hostile upstream: a stdio server (the official Python SDK) that tries every way out
 /// of its confinement and reports each — the daemon's state, configuration and runtime
 /// directories and a secret file it reads, all beneath a directory the operator let the
-/// upstream read, the secret's directory also bound at a second place and beneath itself
-/// and linked to from within; writing there; TCP out and in; signalling the daemon; its
-/// environment.
+/// upstream read, the secret's directory also bound at a second place and beneath itself,
+/// linked to from within, and an overlay's layer; writing there; TCP out and in;
+/// signalling the daemon; its environment.
 /// Each is denied by the kernel, while what it was allowed to read stays readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
@@ -84,12 +84,36 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     // The same directory bound at a second place, as an operator's mount can make it:
     // what is kept there is kept through that one too.
     let alias = tempfile::tempdir().expect("a directory");
-    let _bound = BindMount::new(secrets.path(), alias.path());
+    let _bound = Mounted::bind(secrets.path(), alias.path());
     // Bound beneath itself too, so that it holds itself; and a link to it inside it.
     let looped = secrets.path().join("loop");
     std::fs::create_dir(&looped).expect("a directory");
-    let _looped = BindMount::new(secrets.path(), &looped);
+    let _looped = Mounted::bind(secrets.path(), &looped);
     std::os::unix::fs::symlink(secrets.path(), secrets.path().join("self-link")).expect("a link");
+    // And the lower layer of an overlay, named by a path relative to where it was mounted.
+    let layers = tempfile::tempdir().expect("a directory");
+    for dir in ["upper", "work", "at"] {
+        std::fs::create_dir(layers.path().join(dir)).expect("a directory");
+    }
+    let lower = secrets.path().file_name().expect("a name").to_owned();
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.to_string_lossy(),
+        layers.path().join("upper").display(),
+        layers.path().join("work").display()
+    );
+    let overlay = layers.path().join("at");
+    let _overlay = Mounted::new(
+        &[
+            "-t".as_ref(),
+            "overlay".as_ref(),
+            "overlay".as_ref(),
+            "-o".as_ref(),
+            options.as_ref(),
+        ],
+        secrets.path().parent().expect("a parent"),
+        &overlay,
+    );
     // The daemon's own directory and the secrets are beneath the temporary directory,
     // which this upstream may read.
     let tmp = std::env::temp_dir();
@@ -119,6 +143,7 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
         show(&alias.path().join("web.bearer")),
         show(&looped.join("web.bearer")),
         show(&secrets.path().join("self-link/web.bearer")),
+        show(&overlay.join("web.bearer")),
         show(&public),
         "/etc/passwd".into(),
     ]);
@@ -193,22 +218,32 @@ async fn a_confined_upstream_reaches_nothing_of_the_daemons() {
     client.close().await;
 }
 
-/// `from` bound at `to` (`mount --bind`, so the test runs as root) until dropped.
-struct BindMount(std::path::PathBuf);
+/// A mount made by `mount` (so the test runs as root) at `at`, until dropped.
+struct Mounted(std::path::PathBuf);
 
-impl BindMount {
-    fn new(from: &std::path::Path, to: &std::path::Path) -> Self {
+impl Mounted {
+    fn new(args: &[&std::ffi::OsStr], cwd: &std::path::Path, at: &std::path::Path) -> Self {
         let status = std::process::Command::new("mount")
-            .arg("--bind")
-            .args([from, to])
+            .args(args)
+            .arg(at)
+            .current_dir(cwd)
             .status()
             .expect("mount");
-        assert!(status.success(), "mount --bind {from:?} {to:?}: {status}");
-        Self(to.to_owned())
+        assert!(status.success(), "mount {args:?} {at:?}: {status}");
+        Self(at.to_owned())
+    }
+
+    /// `from` bound at `to`.
+    fn bind(from: &std::path::Path, to: &std::path::Path) -> Self {
+        Self::new(
+            &["--bind".as_ref(), from.as_os_str()],
+            std::path::Path::new("/"),
+            to,
+        )
     }
 }
 
-impl Drop for BindMount {
+impl Drop for Mounted {
     fn drop(&mut self) {
         let _ = std::process::Command::new("umount")
             .arg("--lazy")
