@@ -71,8 +71,8 @@ fn unescape(field: &str) -> String {
 
 /// Every path `path` (absolute, its links resolved) can be reached by through `mounts`:
 /// itself; for each mount of the same filesystem whose mounted directory holds it, the
-/// same place beneath that mount; and each mount whose mounted directory lies beneath it
-/// (all of that mount is a part of `path`).
+/// same place beneath that mount; each mount whose mounted directory lies beneath it (all
+/// of that mount is a part of `path`); and the same through an overlay's layers.
 pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
     let mut found = vec![path.to_owned()];
     // The mount `path` is on: the deepest mount point above it (of stacked mounts, the
@@ -84,29 +84,28 @@ pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
     else {
         return found;
     };
-    let Ok(below) = path.strip_prefix(&holder.at) else {
-        return found;
-    };
-    let inside = holder.root.join(below);
-    let binds = mounts
-        .iter()
-        .filter(|m| m.device == holder.device)
-        .filter_map(|m| shown_at(&inside, &m.root, &m.at));
-    for alias in binds.collect::<Vec<_>>() {
-        if !found.contains(&alias) {
-            found.push(alias);
-        }
+    if let Ok(below) = path.strip_prefix(&holder.at) {
+        let inside = holder.root.join(below);
+        found.extend(
+            mounts
+                .iter()
+                .filter(|m| m.device == holder.device)
+                .filter_map(|m| shown_at(&inside, &m.root, &m.at)),
+        );
     }
     // An overlay shows its layers' files (read, and copied up when written) at its own
     // mount point. A layer is named as its mounter spelled it: resolved here where it
-    // can be (links, `..`), compared with every place `path` shows, and taken to hold
-    // it where it cannot be (a relative path, or one under /proc naming the mounter's
-    // own descriptors).
+    // can be (links, `..`) and compared with every place `path` shows; where it cannot be
+    // (a relative path, one under /proc naming the mounter's own descriptors), the
+    // overlay is taken to hold `path` — unless `path` lies on it (a container's root,
+    // whose layers are its host's): then it is the way to `path`, not a second one.
     let mut overlays = Vec::new();
     for m in mounts.iter().filter(|m| m.fstype == "overlay") {
         for layer in overlay_layers(&m.super_options) {
             if !layer.is_absolute() || layer.starts_with("/proc") {
-                overlays.push(m.at.clone());
+                if !path.starts_with(&m.at) {
+                    overlays.push(m.at.clone());
+                }
                 continue;
             }
             let layer = std::fs::canonicalize(&layer).unwrap_or(layer);
@@ -117,11 +116,9 @@ pub fn aliases(path: &Path, mounts: &[Mount]) -> Vec<PathBuf> {
             );
         }
     }
-    for alias in overlays {
-        if !found.contains(&alias) {
-            found.push(alias);
-        }
-    }
+    found.extend(overlays);
+    found.sort();
+    found.dedup();
     found
 }
 
@@ -230,6 +227,18 @@ malformed line
                 PathBuf::from("/srv/via-bind"),
                 PathBuf::from("/var/lib/robota-mcpd")
             ]
+        );
+    }
+
+    #[test]
+    fn a_containers_root_overlay_is_the_way_to_what_lies_on_it() {
+        // Its layers are the host's, named relative to where the host mounted them.
+        let mounts = parse(
+            "22 1 0:46 / / rw - overlay overlay rw,lowerdir=l/ABC:l/DEF,upperdir=/u,workdir=/w\n",
+        );
+        assert_eq!(
+            aliases(Path::new("/var/lib/robota-mcpd"), &mounts),
+            [PathBuf::from("/var/lib/robota-mcpd")]
         );
     }
 
