@@ -109,6 +109,15 @@ impl CallError {
     pub fn describe(&self) -> String {
         self.to_string()
     }
+
+    /// Whether the link to the upstream failed — the operator's business too — rather
+    /// than the upstream answering, the caller cancelling or the daemon's own bound.
+    pub fn link_failed(&self) -> bool {
+        match self {
+            Self::NotSent(_) | Self::Lost(_) | Self::TooLarge(_) | Self::Timeout(_) => true,
+            Self::Rpc { .. } | Self::Cancelled | Self::Busy(_) => false,
+        }
+    }
 }
 
 /// A result an upstream sent, with the share of the upstreams' memory budget its parse

@@ -241,16 +241,8 @@ impl HostTool for ImportedTool {
                     held: _held,
                 }) => passthrough(result, imported),
                 Err(e) => {
-                    // The upstream's own answers (a JSON-RPC error) and the caller's doing
-                    // (cancelled) are the caller's business; a failure of the link is
-                    // the operator's too. The text is the daemon's, never the upstream's.
-                    if matches!(
-                        e,
-                        CallError::NotSent(_)
-                            | CallError::Lost(_)
-                            | CallError::TooLarge(_)
-                            | CallError::Timeout(_)
-                    ) {
+                    // The text is the daemon's, never the upstream's.
+                    if e.link_failed() {
                         tracing::warn!(upstream = %name, tool = %self.original, error = %e.describe(), "an upstream call failed");
                     }
                     Err(tool_error(&name, e))
