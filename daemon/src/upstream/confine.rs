@@ -33,13 +33,19 @@
 //! the operator wrote `confine = false`.
 
 use std::collections::{BTreeSet, HashSet};
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirEntryExt, MetadataExt};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
+
+use nix::dir::Dir;
+use nix::fcntl::{AT_FDCWD, OFlag, openat};
+use nix::sys::stat::{Mode, SFlag, fstat};
 
 use landlock::{
-    ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd,
-    Ruleset, RulesetAttr, RulesetCreatedAttr, Scope,
+    ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, Ruleset,
+    RulesetAttr, RulesetCreatedAttr, Scope,
 };
 
 use crate::config::Network;
@@ -119,39 +125,6 @@ impl Confinement {
         );
         let read = AccessFs::from_read(NEEDED);
         let all = AccessFs::from_all(NEEDED);
-        let mut grants = Vec::new();
-        for root in SYSTEM_VIEW
-            .iter()
-            .map(Path::new)
-            .chain(self.read.iter().map(PathBuf::as_path))
-        {
-            carve(
-                &canonical(root),
-                read,
-                &kept,
-                &mut HashSet::new(),
-                &mut grants,
-            );
-        }
-        for device in DEVICES {
-            carve(
-                Path::new(device),
-                all,
-                &kept,
-                &mut HashSet::new(),
-                &mut grants,
-            );
-        }
-        for path in &self.write {
-            carve(
-                &canonical(path),
-                all,
-                &kept,
-                &mut HashSet::new(),
-                &mut grants,
-            );
-        }
-        grants.extend(self.own.iter().map(|p| (canonical(p), all)));
         let mut ruleset = Ruleset::default()
             .set_compatibility(CompatLevel::HardRequirement)
             .handle_access(all)
@@ -166,19 +139,38 @@ impl Confinement {
             .map_err(unsupported)?
             .create()
             .map_err(unsupported)?;
-        for (path, access) in grants {
-            let Ok(fd) = PathFd::new(&path) else {
-                continue;
-            };
+        // Each rule is added as its file is judged, by the descriptor that was judged:
+        // what is granted is what was looked at, whatever is renamed meanwhile.
+        let mut allow = |grant: Grant, access: BitFlags<AccessFs>| {
             // A file takes only the rights that apply to files.
-            let access = if path.is_dir() {
+            let access = if grant.dir {
                 access
             } else {
                 access & AccessFs::from_file(NEEDED)
             };
-            created = created
-                .add_rule(PathBeneath::new(fd, access))
-                .map_err(|e| format!("cannot allow {}: {e}", path.display()))?;
+            (&mut created)
+                .add_rule(PathBeneath::new(grant.fd, access))
+                .map(drop)
+                .map_err(|e| format!("cannot allow {}: {e}", grant.path.display()))
+        };
+        let roots = SYSTEM_VIEW
+            .iter()
+            .map(|p| (canonical(Path::new(p)), read))
+            .chain(self.read.iter().map(|p| (canonical(p), read)))
+            .chain(DEVICES.iter().map(|p| (PathBuf::from(p), all)))
+            .chain(self.write.iter().map(|p| (canonical(p), all)));
+        for (root, access) in roots {
+            if let Some(fd) = open_unfollowed(&root) {
+                carve(fd, &root, access, &kept, &mut HashSet::new(), &mut allow)?;
+            }
+        }
+        // Its own home and tmp, as they are (they lie beneath a kept path).
+        for own in &self.own {
+            let own = canonical(own);
+            if let Some(fd) = open_unfollowed(&own) {
+                let dir = kind(&fd) == Some(SFlag::S_IFDIR);
+                allow(Grant { path: own, fd, dir }, all)?;
+            }
         }
         drop_capabilities()?;
         created.restrict_self().map_err(unsupported)?;
@@ -254,6 +246,8 @@ struct Kept {
     /// Landlock grants a directory by its inode, wherever it is reached, so a grant of
     /// any of these would grant the kept path beneath it.
     holders: HashSet<(u64, u64)>,
+    /// Device and inode of each kept path itself, however else it is reached.
+    ids: HashSet<(u64, u64)>,
 }
 
 impl Kept {
@@ -277,45 +271,103 @@ impl Kept {
             });
             holders.extend(covered);
         }
-        Self { paths, holders }
+        let ids = paths
+            .iter()
+            .filter_map(|p| std::fs::symlink_metadata(p).ok())
+            .map(|m| (m.dev(), m.ino()))
+            .collect();
+        Self {
+            paths,
+            holders,
+            ids,
+        }
     }
 }
 
-/// Grants `access` beneath `path`, except for what is `kept`: where a kept path lies
-/// below, `path` itself gets nothing and each entry of it is granted the same way. A
-/// symbolic link among them is not followed (its target is granted by its own path, or
-/// not at all), and each directory is looked into once (through a bind mount a
-/// directory can hold itself).
+/// A file or directory about to be granted, held open by an `O_PATH` descriptor.
+struct Grant {
+    path: PathBuf,
+    fd: OwnedFd,
+    dir: bool,
+}
+
+/// `path` (absolute, links resolved) opened one component at a time from `/`, following
+/// no link on the way: `None` where a component is gone or has become a link since the
+/// path was resolved. The last component may be a link, opened as itself
+/// ([`carve`] never grants one).
+fn open_unfollowed(path: &Path) -> Option<OwnedFd> {
+    let flags = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut components = path.components();
+    if components.next() != Some(Component::RootDir) {
+        return None;
+    }
+    let mut fd = openat(AT_FDCWD, "/", flags | OFlag::O_DIRECTORY, Mode::empty()).ok()?;
+    for component in components {
+        let Component::Normal(name) = component else {
+            return None;
+        };
+        // Beneath a link's own descriptor, the kernel answers ENOTDIR.
+        fd = openat(&fd, name, flags, Mode::empty()).ok()?;
+    }
+    Some(fd)
+}
+
+/// The kind of file `fd` holds (`S_IFDIR`, `S_IFLNK`, …).
+fn kind(fd: &OwnedFd) -> Option<SFlag> {
+    let mode = fstat(fd).ok()?.st_mode;
+    Some(SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits()))
+}
+
+/// Grants `access` beneath `fd` (opened at `path`), except for what is `kept`: where a
+/// kept path lies below, `fd` itself gets nothing and each entry of it is granted the
+/// same way, opened beneath `fd`. A symbolic link among them is not followed (its target
+/// is granted by its own path, or not at all), and each directory is looked into once
+/// (through a bind mount a directory can hold itself). Judged and granted by the same
+/// descriptor, so an entry renamed or replaced meanwhile cannot slip in its place.
 fn carve(
+    fd: OwnedFd,
     path: &Path,
     access: BitFlags<AccessFs>,
     kept: &Kept,
     seen: &mut HashSet<(u64, u64)>,
-    grants: &mut Vec<(PathBuf, BitFlags<AccessFs>)>,
-) {
+    allow: &mut dyn FnMut(Grant, BitFlags<AccessFs>) -> Result<(), String>,
+) -> Result<(), String> {
     if kept.paths.iter().any(|h| path.starts_with(h)) {
-        return;
+        return Ok(());
     }
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return;
+    let Ok(stat) = fstat(&fd) else {
+        return Ok(());
     };
-    if meta.file_type().is_symlink() {
-        return;
+    let kind = SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits());
+    let id = (stat.st_dev, stat.st_ino);
+    if kind == SFlag::S_IFLNK || kept.ids.contains(&id) {
+        return Ok(());
     }
-    let id = (meta.dev(), meta.ino());
     if !kept.paths.iter().any(|h| h.starts_with(path)) && !kept.holders.contains(&id) {
-        grants.push((path.to_owned(), access));
-        return;
+        let dir = kind == SFlag::S_IFDIR;
+        let path = path.to_owned();
+        return allow(Grant { path, fd, dir }, access);
     }
     if !seen.insert(id) {
-        return;
+        return Ok(());
     }
-    let Ok(entries) = std::fs::read_dir(path) else {
-        return;
+    let listing = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let Ok(mut entries) = Dir::openat(&fd, ".", listing, Mode::empty()) else {
+        return Ok(());
     };
-    for entry in entries.flatten() {
-        carve(&entry.path(), access, kept, seen, grants);
+    let entry_flags = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    for entry in entries.iter().flatten() {
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        let Ok(child) = openat(&fd, name, entry_flags, Mode::empty()) else {
+            continue;
+        };
+        let child_path = path.join(OsStr::from_bytes(name.to_bytes()));
+        carve(child, &child_path, access, kept, seen, allow)?;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -339,31 +391,55 @@ mod tests {
             root.join("etc/robota-mcpd"),
             root.join("etc/other/secret.key"),
         ]);
-        let mut grants = Vec::new();
-        let read = AccessFs::from_read(NEEDED);
-        carve(
-            &root.join("etc"),
-            read,
-            &kept,
-            &mut HashSet::new(),
-            &mut grants,
+        let granted = |grants: &[Grant]| {
+            let mut names: Vec<_> = grants
+                .iter()
+                .map(|g| g.path.strip_prefix(&root).unwrap().display().to_string())
+                .collect();
+            names.sort();
+            names
+        };
+        let grants = carved(&root.join("etc"), &kept);
+        assert_eq!(
+            granted(&grants),
+            ["etc/other/deep", "etc/passwd", "etc/ssl"]
         );
-        let mut granted: Vec<_> = grants
-            .iter()
-            .map(|(p, _)| p.strip_prefix(&root).unwrap().display().to_string())
-            .collect();
-        granted.sort();
-        assert_eq!(granted, ["etc/other/deep", "etc/passwd", "etc/ssl"]);
         // Hidden itself, or beneath it: nothing.
-        let mut none = Vec::new();
-        carve(
-            &root.join("etc/robota-mcpd"),
-            read,
-            &kept,
-            &mut HashSet::new(),
-            &mut none,
+        assert!(carved(&root.join("etc/robota-mcpd"), &kept).is_empty());
+        // A root that is a link, or lies beneath one: nothing.
+        assert!(carved(&root.join("etc/state-link"), &kept).is_empty());
+        assert!(open_unfollowed(&root.join("etc/other/ssl-link/x")).is_none());
+
+        // What is granted is what was judged: `etc/ssl` swapped for a link to the kept
+        // directory after the carving leaves the grant on the directory that was judged.
+        let ssl = grants.iter().find(|g| g.path.ends_with("etc/ssl")).unwrap();
+        let judged = std::fs::metadata(root.join("etc/ssl")).unwrap();
+        std::fs::rename(root.join("etc/ssl"), root.join("etc/ssl.old")).unwrap();
+        std::os::unix::fs::symlink(root.join("etc/robota-mcpd"), root.join("etc/ssl")).unwrap();
+        let granted_stat = fstat(&ssl.fd).unwrap();
+        assert_eq!(
+            (granted_stat.st_dev, granted_stat.st_ino),
+            (judged.dev(), judged.ino())
         );
-        assert!(none.is_empty());
+        // And carved again now, the swapped entry is a link: not granted.
+        assert_eq!(
+            granted(&carved(&root.join("etc"), &kept)),
+            ["etc/other/deep", "etc/passwd", "etc/ssl.old"]
+        );
+    }
+
+    /// What [`carve`] grants for reading beneath `root`.
+    fn carved(root: &Path, kept: &Kept) -> Vec<Grant> {
+        let mut grants = Vec::new();
+        if let Some(fd) = open_unfollowed(root) {
+            let read = AccessFs::from_read(NEEDED);
+            let mut allow = |g, _| {
+                grants.push(g);
+                Ok(())
+            };
+            carve(fd, root, read, kept, &mut HashSet::new(), &mut allow).unwrap();
+        }
+        grants
     }
 
     #[test]
