@@ -308,6 +308,55 @@ pub fn run(
     found
 }
 
+/// A confined upstream's `read_paths` and `write_paths` against what the daemon keeps to
+/// itself (`kept`): the launcher carves kept paths out of every grant, so a grant that
+/// lies in one gives nothing, and one that holds one is granted entry by entry as the
+/// child starts — both surprise whoever wrote the list.
+pub fn kept_out_of_grants(config: &Config, kept: &[PathBuf], found: &mut Findings) {
+    use crate::config::UpstreamEndpoint;
+    let resolved = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+    let kept: Vec<(&PathBuf, PathBuf)> = kept.iter().map(|k| (k, resolved(k))).collect();
+    for upstream in &config.upstreams {
+        let UpstreamEndpoint::Command { confine, .. } = &upstream.endpoint else {
+            continue;
+        };
+        if !confine.enabled {
+            continue;
+        }
+        for (list, paths) in [
+            ("read_paths", &confine.read_paths),
+            ("write_paths", &confine.write_paths),
+        ] {
+            for (i, given) in paths.iter().enumerate() {
+                let key = format!("upstreams.{}.{list}[{i}]", upstream.name);
+                let path = resolved(given);
+                let spelt = if &path == given {
+                    given.display().to_string()
+                } else {
+                    format!("{} (a link to {})", given.display(), path.display())
+                };
+                if let Some((k, _)) = kept.iter().find(|(_, k)| path.starts_with(k)) {
+                    found.warn(
+                        key,
+                        format!(
+                            "{spelt} lies in {}, which the daemon keeps to itself: the upstream is given nothing of it",
+                            k.display()
+                        ),
+                    );
+                } else if let Some((k, _)) = kept.iter().find(|(_, k)| k.starts_with(&path)) {
+                    found.warn(
+                        key,
+                        format!(
+                            "{spelt} holds {}, which the daemon keeps to itself: it stays out of the upstream's reach, and the directories on the way to it are granted entry by entry as the upstream starts (nothing can be made directly in them; what appears in them later is reachable only after a restart); grant a directory beside the daemon's instead",
+                            k.display()
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The D-Bus activation file `polkitd` installs.
 const POLKIT_SERVICE: &str = "/usr/share/dbus-1/system-services/org.freedesktop.PolicyKit1.service";
 

@@ -288,6 +288,13 @@ impl Plan {
             loaded_at: SystemTime::now(),
             text: loaded.text,
         });
+        // Known once the configuration file is (it is kept too).
+        let mut found = super::checks::Findings::default();
+        super::checks::kept_out_of_grants(&plan.config, &plan.kept_from_upstreams(), &mut found);
+        if let Some(origin) = &plan.origin {
+            crate::config::locate_all(&origin.text, &mut found.warnings);
+        }
+        plan.config.warnings.extend(found.warnings);
         Ok(plan)
     }
 

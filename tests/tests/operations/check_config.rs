@@ -191,3 +191,49 @@ fn the_introspection_secret_is_read_as_the_start_reads_it() {
     out.expect_code(EXIT_CONFIG, "check-config with an empty secret file");
     assert!(out.stderr.contains(key), "{}", out.stderr);
 }
+
+#[test]
+fn a_grant_that_meets_the_daemons_own_paths_is_a_warning_naming_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let link = dir.path().join("looks-harmless");
+    std::os::unix::fs::symlink(&state, &link).expect("link");
+    let beside = dir.path().join("data");
+    std::fs::create_dir_all(&beside).expect("data dir");
+    let upstream = format!(
+        "[upstreams.x]\ncommand = [\"/bin/true\"]\nread_paths = [\"{}\", \"{}\"]\nwrite_paths = [\"{}\"]\n",
+        link.display(),
+        beside.display(),
+        dir.path().display()
+    );
+    let text = Daemon::builder().extra(&upstream).config_text(dir.path());
+    let path = write(dir.path(), "c.toml", &text);
+    let out = check_config(&path);
+    out.expect_code(0, "check-config with grants meeting the state directory");
+    let state = std::fs::canonicalize(&state).expect("canonical");
+    let warning = |key: &str| {
+        out.stderr
+            .lines()
+            .find(|l| l.contains("warning") && l.contains(key))
+            .unwrap_or_else(|| panic!("no warning for {key}: {}", out.stderr))
+            .to_owned()
+    };
+    let read = warning("upstreams.x.read_paths[0]");
+    assert!(
+        read.contains(&format!("a link to {}", state.display()))
+            && read.contains("the upstream is given nothing of it"),
+        "{read}"
+    );
+    let write_ = warning("upstreams.x.write_paths[0]");
+    assert!(
+        write_.contains(&format!("holds {}", state.display()))
+            && write_.contains("grant a directory beside the daemon's"),
+        "{write_}"
+    );
+    assert!(
+        !out.stderr.contains("read_paths[1]"),
+        "a directory beside the daemon's is fine: {}",
+        out.stderr
+    );
+}
