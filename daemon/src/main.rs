@@ -51,7 +51,8 @@ fn main() -> ExitCode {
         };
         // Returns only if the command could not be executed.
         eprintln!(
-            "robota-mcpd exec-upstream: {}",
+            "{}{}",
+            upstream::stdio::LAUNCHER_REFUSAL,
             upstream::exec_child(*parent, cgroup, confinement.as_ref(), argv)
         );
         return code(exit::RUNTIME);

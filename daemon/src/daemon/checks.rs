@@ -316,6 +316,20 @@ pub fn kept_out_of_grants(config: &Config, kept: &[PathBuf], found: &mut Finding
     use crate::config::UpstreamEndpoint;
     let resolved = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
     let kept: Vec<(&PathBuf, PathBuf)> = kept.iter().map(|k| (k, resolved(k))).collect();
+    let confined = config.upstreams.iter().any(
+        |u| matches!(&u.endpoint, UpstreamEndpoint::Command { confine, .. } if confine.enabled),
+    );
+    for (given, path) in kept.iter().filter(|_| confined) {
+        if let Some(why) = crate::upstream::confine::movable_by_others(path) {
+            found.warn(
+                "upstreams",
+                format!(
+                    "no confined upstream will start: it cannot be kept from {}, since {why}",
+                    given.display()
+                ),
+            );
+        }
+    }
     for upstream in &config.upstreams {
         let UpstreamEndpoint::Command { confine, .. } = &upstream.endpoint else {
             continue;

@@ -262,8 +262,7 @@ impl Plan {
             }
         }
         // The journal, which holds every daemon's and upstream's lines.
-        kept.push("/var/log/journal".into());
-        kept.push("/run/log/journal".into());
+        kept.extend(upstream::confine::JOURNALS.map(PathBuf::from));
         kept
     }
 

@@ -193,7 +193,7 @@ fn open_root(root: &Path) -> Result<OwnedFd, String> {
         };
         let st = nix::sys::stat::fstat(&dir)
             .map_err(|e| format!("cannot inspect {}: {}", at.display(), e.desc()))?;
-        guards(&at, &st, &next, nix::unistd::geteuid())?;
+        guards(&at, &st, &next, nix::unistd::geteuid(), "a root")?;
         dir = match nix::fcntl::openat(&dir, *name, walk, Mode::empty()) {
             Ok(fd) => fd,
             Err(Errno::ENOENT) => return Err(format!("{which}does not exist")),
@@ -216,11 +216,18 @@ fn open_root(root: &Path) -> Result<OwnedFd, String> {
 }
 
 /// Why `dir` (at `at`, holding `next`) would let someone other than root or `euid` replace
-/// `next`; `Ok` when it would not.
-fn guards(at: &Path, dir: &FileStat, next: &Path, euid: Uid) -> Result<(), String> {
+/// `next`; `Ok` when it would not. `what` names what lies beneath, for the message ("a
+/// root").
+pub(crate) fn guards(
+    at: &Path,
+    dir: &FileStat,
+    next: &Path,
+    euid: Uid,
+    what: &str,
+) -> Result<(), String> {
     if dir.st_uid != 0 && dir.st_uid != euid.as_raw() {
         return Err(format!(
-            "{} is owned by uid {}, who could replace {} (with a symbolic link, say); the directories above a root must belong to root or to the daemon's user (uid {euid})",
+            "{} is owned by uid {}, who could replace {} (with a symbolic link, say); the directories above {what} must belong to root or to the daemon's user (uid {euid})",
             at.display(),
             dir.st_uid,
             next.display()
@@ -236,7 +243,7 @@ fn guards(at: &Path, dir: &FileStat, next: &Path, euid: Uid) -> Result<(), Strin
             _ => "others".to_owned(),
         };
         return Err(format!(
-            "{} is writable by {who} (mode {:04o}) and not sticky, so another user could replace {}; the directories above a root must not be",
+            "{} is writable by {who} (mode {:04o}) and not sticky, so another user could replace {}; the directories above {what} must not be",
             at.display(),
             mode & 0o7777,
             next.display()

@@ -74,6 +74,10 @@ pub const SYSTEM_VIEW: &[&str] = &[
     "/dev/urandom",
 ];
 
+/// The journal: kept from upstreams too, but the system's own, wherever its distribution
+/// puts it (who may move it is not the daemon's to judge).
+pub const JOURNALS: [&str; 2] = ["/var/log/journal", "/run/log/journal"];
+
 /// Device files a confined child may also write.
 const DEVICES: &[&str] = &["/dev/null", "/dev/full"];
 
@@ -115,6 +119,16 @@ impl Confinement {
     pub fn apply(&self) -> Result<(), String> {
         // A kept path is kept wherever it can be reached: through a bind mount of it, or
         // of a directory above or below it, too.
+        // A kept path that someone else could move aside, or reach through a directory
+        // they could swap, would be carved out at the wrong place.
+        for kept in &self.hidden {
+            if let Some(why) = movable_by_others(&canonical(kept)) {
+                return Err(format!(
+                    "cannot keep {} from the upstream: {why}",
+                    kept.display()
+                ));
+            }
+        }
         let mounts = super::mounts::read()
             .map_err(|e| format!("cannot see where the daemon's own paths are mounted: {e}"))?;
         let kept = Kept::new(
@@ -284,6 +298,38 @@ impl Kept {
     }
 }
 
+/// Why someone other than root or this process's user could move `kept` (links resolved)
+/// aside, or swap a directory on the way to it, while a child starts — and so have it
+/// granted whole at the place it was moved to (the carving goes by the paths as they are
+/// then); `None` when nobody could, or when it is the journal ([`JOURNALS`]). The
+/// directories above it are judged as those above a file root are
+/// ([`crate::tools::file::guards`]).
+pub fn movable_by_others(kept: &Path) -> Option<String> {
+    if JOURNALS.iter().any(|j| kept.starts_with(j)) {
+        return None;
+    }
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let euid = nix::unistd::geteuid();
+    let mut at = PathBuf::from("/");
+    let mut dir = openat(AT_FDCWD, "/", flags, Mode::empty()).ok()?;
+    for component in kept.components() {
+        let Component::Normal(name) = component else {
+            continue;
+        };
+        let next = at.join(name);
+        let stat = fstat(&dir).ok()?;
+        let what = "a path the daemon keeps from upstreams";
+        if let Err(why) = crate::tools::file::guards(&at, &stat, &next, euid, what) {
+            return Some(why);
+        }
+        // Gone, a file or a link: the walk ends, and only root or this user could have
+        // put it there.
+        dir = openat(&dir, name, flags, Mode::empty()).ok()?;
+        at = next;
+    }
+    None
+}
+
 /// A file or directory about to be granted, held open by an `O_PATH` descriptor.
 struct Grant {
     path: PathBuf,
@@ -426,6 +472,33 @@ mod tests {
             granted(&carved(&root.join("etc"), &kept)),
             ["etc/other/deep", "etc/passwd", "etc/ssl.old"]
         );
+    }
+
+    #[test]
+    fn a_kept_path_another_user_could_move_is_named() {
+        // The tests run as root: uid 65534 stands for any other user.
+        let dir = tempfile::tempdir().unwrap();
+        let base = canonical(dir.path());
+        let theirs = base.join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+        let state = theirs.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let named = format!(
+            "{} is owned by uid 65534, who could replace {}",
+            theirs.display(),
+            state.display()
+        );
+        let why = movable_by_others(&state).expect("named");
+        assert!(why.starts_with(&named), "{why}");
+        // Moved aside already: still named, by the directory that let it be moved.
+        std::fs::rename(&state, theirs.join("elsewhere")).unwrap();
+        assert!(movable_by_others(&state).unwrap().starts_with(&named));
+        // Beneath root's own directories, or the journal wherever it is: nothing to say.
+        let ours = base.join("ours/state");
+        std::fs::create_dir_all(&ours).unwrap();
+        assert_eq!(movable_by_others(&ours), None);
+        assert_eq!(movable_by_others(Path::new("/var/log/journal/x")), None);
     }
 
     /// What [`carve`] grants for reading beneath `root`.

@@ -97,7 +97,18 @@ pub struct ChildLink {
     list_changed: Arc<Notify>,
     /// Its cgroup: what it and everything it started are killed with.
     leaf: Option<Leaf>,
+    /// Why the launcher refused to run the command, when its first stderr line says so.
+    refused: Mutex<Option<String>>,
+    /// Fired when its stderr has ended.
+    stderr_ended: CancellationToken,
 }
+
+/// How the launcher's one line begins when it cannot run the upstream's command.
+pub const LAUNCHER_REFUSAL: &str = "robota-mcpd exec-upstream: ";
+
+/// How long the end of a child's stdout, or its exit, waits for the rest of the news (its
+/// exit, the launcher's reason on stderr) before the link is closed with what is known.
+const SETTLE: Duration = Duration::from_millis(200);
 
 impl ChildLink {
     /// Starts the child. `list_changed` is notified when it announces a new tool list.
@@ -190,10 +201,17 @@ impl ChildLink {
             reaped: CancellationToken::new(),
             list_changed,
             leaf,
+            refused: Mutex::new(None),
+            stderr_ended: CancellationToken::new(),
         });
         tokio::spawn(write_stdin(link.clone(), stdin, outbound));
         tokio::spawn(read_stdout(link.clone(), stdout, response_limit, budget));
-        tokio::spawn(log_stderr(upstream.to_owned(), stderr));
+        tokio::spawn(log_stderr(
+            upstream.to_owned(),
+            Arc::downgrade(&link),
+            link.stderr_ended.clone(),
+            stderr,
+        ));
         tokio::spawn(reap(link.clone(), child));
         Ok(link)
     }
@@ -220,6 +238,10 @@ impl ChildLink {
     /// exit), a kill at the memory bound is named: the kernel counted it before the killed
     /// process could end anything.
     fn close(&self, mut why: String) {
+        if let Some(refused) = self.refused.lock().as_deref() {
+            why.push_str(": ");
+            why.push_str(refused);
+        }
         if self.leaf.as_ref().is_some_and(Leaf::hit_memory_bound) {
             why.push_str(
                 "; the kernel killed a process of this upstream at its memory bound (`memory`)",
@@ -495,7 +517,11 @@ async fn read_stdout(
             () = link.closed.cancelled() => return,
         };
         match line {
-            Line::End => break "it closed its stdout".to_owned(),
+            Line::End => {
+                // Its exit, if it is exiting, says more: give it a moment.
+                let _ = tokio::time::timeout(SETTLE, link.closed.cancelled()).await;
+                break "it closed its stdout".to_owned();
+            }
             Line::TooLong(prefix) => match id_in_prefix(&prefix) {
                 Some(id) => link.answer(
                     id,
@@ -581,7 +607,14 @@ async fn read_stdout(
 
 /// stderr into the log, one event per line, cut at [`STDERR_LINE`], at most
 /// [`STDERR_RATE`] lines a second (the rest counted in one line).
-async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
+async fn log_stderr(
+    upstream: String,
+    link: std::sync::Weak<ChildLink>,
+    ended: CancellationToken,
+    stderr: tokio::process::ChildStderr,
+) {
+    let _ended = ended.drop_guard();
+    let mut first = true;
     let mut reader = BufReader::new(stderr);
     let mut buf = Vec::new();
     let mut window = Instant::now();
@@ -629,6 +662,13 @@ async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
         logged += 1;
         let text = String::from_utf8_lossy(&buf);
         let text = text.trim_end_matches(['\n', '\r']);
+        // Only a first line can be the launcher's (the command writes after it).
+        if std::mem::take(&mut first)
+            && let Some(reason) = text.strip_prefix(LAUNCHER_REFUSAL)
+            && let Some(link) = link.upgrade()
+        {
+            *link.refused.lock() = Some(reason.to_owned());
+        }
         // The line is a quoted field, its control and invisible characters escaped: what
         // an upstream writes can never pass for the daemon's own fields.
         if whole {
@@ -647,6 +687,8 @@ async fn log_stderr(upstream: String, stderr: tokio::process::ChildStderr) {
 /// its process group).
 async fn reap(link: Arc<ChildLink>, mut child: Child) {
     let status = child.wait().await;
+    // The launcher's reason, if it refused, is on stderr just before the exit.
+    let _ = tokio::time::timeout(SETTLE, link.stderr_ended.cancelled()).await;
     link.close(match status {
         Ok(status) => format!("its process exited ({status})"),
         Err(e) => format!("waiting for its process failed: {e}"),

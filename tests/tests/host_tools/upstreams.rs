@@ -388,6 +388,56 @@ fn rogue(extra: &str) -> Daemon {
     ))
 }
 
+/// A directory above the daemon's state that another user owns: that user could move the
+/// state aside while an upstream starts, to where the upstream is granted, and the state
+/// would be granted whole there (the attack that found it: 12 reads of the store in 120
+/// restarts). No confined upstream starts then, and the reason names the directory and
+/// its owner; `check-config` warns about it beforehand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_confined_upstream_starts_while_another_user_could_move_the_state_into_its_reach() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).expect("a directory");
+    // uid 65534 stands for any user but root and the daemon's.
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).expect("chown");
+    let state = theirs.join("state");
+    let upstream = format!(
+        "[upstreams.rogue]\ncommand = {}\nwrite_paths = [\"{}\"]\nrestart = {{ initial = \"100ms\", max = \"1s\" }}\n\n{}",
+        fixture_command(&["rogue"]),
+        theirs.display(),
+        allow(&["rogue"])
+    );
+    let named = format!(
+        "{} is owned by uid 65534, who could replace {}",
+        theirs.display(),
+        state.display()
+    );
+    let text = Daemon::builder()
+        .state_dir(&state)
+        .extra(&upstream)
+        .config_text(dir.path());
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, text).expect("write config");
+    let out = robota_e2e::daemon::check_config(&path);
+    out.expect_code(
+        0,
+        "check-config with the state beneath another user's directory",
+    );
+    assert!(
+        out.stderr.contains("no confined upstream will start") && out.stderr.contains(&named),
+        "{}",
+        out.stderr
+    );
+
+    let d = Daemon::builder().state_dir(&state).extra(&upstream).start();
+    let refused = wait_state(&d, "rogue", "backoff");
+    let error = refused.last_error.unwrap_or_default();
+    assert!(error.contains(&named), "{error}");
+    // Once the directory is root's, the upstream starts.
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(0)), None).expect("chown");
+    wait_state(&d, "rogue", "up");
+}
+
 /// An upstream that announces a new tool list without end is read at most once a second:
 /// 150 announcements over 3 s cost a few listings (and catalog rebuilds, and log lines),
 /// not one each — and the last announcement is still read.
