@@ -120,6 +120,7 @@ fn main() -> ExitCode {
         cgroups: std::sync::Arc::new(cgroups),
     };
 
+    robota_sys::no_fast_bins();
     for problem in upstream::confine::harden_daemon() {
         tracing::warn!("{problem}");
     }

@@ -79,6 +79,15 @@ pub fn not_dumpable() -> io::Result<()> {
     check(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0).into() })
 }
 
+/// Turns glibc's fast bins off for this process: small blocks freed go to the per-thread
+/// cache, then straight to the ordinary bins. With fast bins, every allocation of 1 KiB
+/// or more first consolidates them (`malloc_consolidate`) — once a request on a server
+/// whose connection buffers are that size.
+pub fn no_fast_bins() {
+    // SAFETY: mallopt with integer arguments only, before any other thread exists.
+    unsafe { libc::mallopt(libc::M_MXFAST, 0) };
+}
+
 /// W^X for this process (memory never gains execute permission once writable), not
 /// handed on to its children. Linux 6.6 and later; EINVAL before.
 pub fn deny_write_execute_here() -> io::Result<()> {
