@@ -319,8 +319,8 @@ pub fn kept_out_of_grants(config: &Config, kept: &[PathBuf], found: &mut Finding
     let confined = config.upstreams.iter().any(
         |u| matches!(&u.endpoint, UpstreamEndpoint::Command { confine, .. } if confine.enabled),
     );
-    for (given, path) in kept.iter().filter(|_| confined) {
-        if let Some(why) = crate::upstream::confine::movable_by_others(path) {
+    for (given, _) in kept.iter().filter(|_| confined) {
+        if let Some(why) = crate::upstream::confine::movable_by_others(given) {
             found.warn(
                 "upstreams",
                 format!(

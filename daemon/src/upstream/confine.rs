@@ -122,7 +122,7 @@ impl Confinement {
         // A kept path that someone else could move aside, or reach through a directory
         // they could swap, would be carved out at the wrong place.
         for kept in &self.hidden {
-            if let Some(why) = movable_by_others(&canonical(kept)) {
+            if let Some(why) = movable_by_others(kept) {
                 return Err(format!(
                     "cannot keep {} from the upstream: {why}",
                     kept.display()
@@ -298,34 +298,92 @@ impl Kept {
     }
 }
 
-/// Why someone other than root or this process's user could move `kept` (links resolved)
-/// aside, or swap a directory on the way to it, while a child starts — and so have it
-/// granted whole at the place it was moved to (the carving goes by the paths as they are
-/// then); `None` when nobody could, or when it is the journal ([`JOURNALS`]). The
-/// directories above it are judged as those above a file root are
-/// ([`crate::tools::file::guards`]).
+/// Why someone other than root or this process's user could move `kept` aside, or swap
+/// anything on the way to it, while a child starts — and so have it granted whole at the
+/// place it was moved to (the carving goes by the paths as they are then); `None` when
+/// nobody could, or when it is the journal ([`JOURNALS`]). The path is walked as written,
+/// from `/`: each directory met, as the holder of the next entry, is judged as those above
+/// a file root are ([`crate::tools::file::guards`]); a symbolic link met on the way must
+/// be root's or this user's (in a sticky directory its owner may replace it) and is
+/// followed, its target walked the same way; and a kept directory is judged as the holder
+/// of its own entries too (whoever may rename them may move them out).
 pub fn movable_by_others(kept: &Path) -> Option<String> {
+    /// As the kernel: more links than this on one path is a loop.
+    const MAX_LINKS: usize = 40;
     if JOURNALS.iter().any(|j| kept.starts_with(j)) {
         return None;
     }
-    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let what = "a path the daemon keeps from upstreams";
     let euid = nix::unistd::geteuid();
+    let flags = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     let mut at = PathBuf::from("/");
-    let mut dir = openat(AT_FDCWD, "/", flags, Mode::empty()).ok()?;
-    for component in kept.components() {
-        let Component::Normal(name) = component else {
-            continue;
+    let mut dir = openat(AT_FDCWD, "/", flags | OFlag::O_DIRECTORY, Mode::empty()).ok()?;
+    // Owned, so that a link's target can be put in front.
+    let owned = |path: &Path| -> Vec<OsString> {
+        path.components()
+            .map(|c| c.as_os_str().to_owned())
+            .collect()
+    };
+    let mut rest: std::collections::VecDeque<OsString> = owned(kept).into();
+    let mut links = 0;
+    while let Some(component) = rest.pop_front() {
+        let name = match Path::new(&component).components().next() {
+            Some(Component::Normal(name)) => name.to_owned(),
+            Some(Component::ParentDir) => {
+                dir = openat(&dir, "..", flags | OFlag::O_DIRECTORY, Mode::empty()).ok()?;
+                at.pop();
+                continue;
+            }
+            Some(Component::RootDir) => {
+                dir = openat(AT_FDCWD, "/", flags | OFlag::O_DIRECTORY, Mode::empty()).ok()?;
+                at = PathBuf::from("/");
+                continue;
+            }
+            _ => continue,
         };
-        let next = at.join(name);
-        let stat = fstat(&dir).ok()?;
-        let what = "a path the daemon keeps from upstreams";
-        if let Err(why) = crate::tools::file::guards(&at, &stat, &next, euid, what) {
+        let next = at.join(&name);
+        let holder = fstat(&dir).ok()?;
+        if let Err(why) = crate::tools::file::guards(&at, &holder, &next, euid, what) {
             return Some(why);
         }
-        // Gone, a file or a link: the walk ends, and only root or this user could have
-        // put it there.
-        dir = openat(&dir, name, flags, Mode::empty()).ok()?;
-        at = next;
+        // Gone: only root or this user could make it (its holder passed).
+        let entry = openat(&dir, name.as_os_str(), flags, Mode::empty()).ok()?;
+        let stat = fstat(&entry).ok()?;
+        match SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits()) {
+            SFlag::S_IFLNK => {
+                if stat.st_uid != 0 && stat.st_uid != euid.as_raw() {
+                    return Some(format!(
+                        "{} is a symbolic link owned by uid {}, who could point it elsewhere; the links on the way to {what} must belong to root or to the daemon's user (uid {euid})",
+                        next.display(),
+                        stat.st_uid
+                    ));
+                }
+                links += 1;
+                if links > MAX_LINKS {
+                    return Some(format!(
+                        "{} goes through more than {MAX_LINKS} symbolic links",
+                        kept.display()
+                    ));
+                }
+                let target = nix::fcntl::readlinkat(&dir, name.as_os_str()).ok()?;
+                for component in owned(Path::new(&target)).into_iter().rev() {
+                    rest.push_front(component);
+                }
+            }
+            SFlag::S_IFDIR => {
+                dir = entry;
+                at = next;
+                if rest.is_empty() {
+                    // The kept directory itself holds what it keeps.
+                    let entries = at.join("…");
+                    if let Err(why) = crate::tools::file::guards(&at, &stat, &entries, euid, what) {
+                        return Some(why);
+                    }
+                }
+            }
+            // A file: the end of the walk.
+            _ => return None,
+        }
     }
     None
 }
@@ -418,6 +476,8 @@ fn carve(
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     #[test]
@@ -499,6 +559,50 @@ mod tests {
         std::fs::create_dir_all(&ours).unwrap();
         assert_eq!(movable_by_others(&ours), None);
         assert_eq!(movable_by_others(Path::new("/var/log/journal/x")), None);
+        // Written through a link in their directory, to root's own: the link's holder is
+        // judged, not only where it leads.
+        let link = theirs.join("lnk");
+        std::os::unix::fs::symlink(base.join("ours"), &link).unwrap();
+        let why = movable_by_others(&link.join("state")).expect("named");
+        assert!(
+            why.starts_with(&format!("{} is owned by uid 65534", theirs.display())),
+            "{why}"
+        );
+        // Their link in a sticky directory of root's: its owner may point it elsewhere.
+        let public = base.join("public");
+        std::fs::create_dir(&public).unwrap();
+        std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let their_link = public.join("lnk");
+        std::os::unix::fs::symlink("../ours", &their_link).unwrap();
+        nix::unistd::fchownat(
+            AT_FDCWD,
+            &their_link,
+            Some(nix::unistd::Uid::from_raw(65534)),
+            None,
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+        let why = movable_by_others(&their_link.join("state")).expect("named");
+        assert!(
+            why.starts_with(&format!(
+                "{} is a symbolic link owned by uid 65534",
+                their_link.display()
+            )),
+            "{why}"
+        );
+        // Root's link, relative, through `..`: followed and judged where it leads.
+        let root_link = public.join("root-lnk");
+        std::os::unix::fs::symlink("../ours", &root_link).unwrap();
+        assert_eq!(movable_by_others(&root_link.join("state")), None);
+        // A kept directory of theirs: they may move its entries out.
+        let own_state = base.join("ours/their-state");
+        std::fs::create_dir(&own_state).unwrap();
+        nix::unistd::chown(&own_state, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+        let why = movable_by_others(&own_state).expect("named");
+        assert!(
+            why.starts_with(&format!("{} is owned by uid 65534", own_state.display())),
+            "{why}"
+        );
     }
 
     /// What [`carve`] grants for reading beneath `root`.
