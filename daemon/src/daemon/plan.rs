@@ -263,7 +263,11 @@ impl Plan {
         }
         // The journal, which holds every daemon's and upstream's lines.
         kept.extend(upstream::confine::JOURNALS.map(PathBuf::from));
-        kept
+        // A path given relative (`--config c.toml`) is the daemon's working directory's,
+        // not the launcher's (which starts in the upstream's `cwd`).
+        kept.into_iter()
+            .map(|p| std::path::absolute(&p).unwrap_or(p))
+            .collect()
     }
 
     /// The plan of what `origin` names, as it reads now.
