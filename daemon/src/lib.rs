@@ -21,6 +21,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod notify;
 pub mod oauth;
+pub mod owners;
 pub mod params;
 pub mod session;
 pub mod store;

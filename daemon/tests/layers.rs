@@ -23,6 +23,7 @@ const LEVELS: &[&[&str]] = &[
         "notify",
         "logging",
         "health",
+        "owners",
     ],
     // Durable state and the audit trail; the remote verifier.
     &["store", "audit", "oauth"],

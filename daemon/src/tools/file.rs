@@ -193,7 +193,7 @@ fn open_root(root: &Path) -> Result<OwnedFd, String> {
         };
         let st = nix::sys::stat::fstat(&dir)
             .map_err(|e| format!("cannot inspect {}: {}", at.display(), e.desc()))?;
-        guards(&at, &st, &next, nix::unistd::geteuid(), "a root")?;
+        crate::owners::guards(&at, &st, &next, nix::unistd::geteuid(), "a root")?;
         dir = match nix::fcntl::openat(&dir, *name, walk, Mode::empty()) {
             Ok(fd) => fd,
             Err(Errno::ENOENT) => return Err(format!("{which}does not exist")),
@@ -213,43 +213,6 @@ fn open_root(root: &Path) -> Result<OwnedFd, String> {
         at = next;
     }
     Ok(dir)
-}
-
-/// Why `dir` (at `at`, holding `next`) would let someone other than root or `euid` replace
-/// `next`; `Ok` when it would not. `what` names what lies beneath, for the message ("a
-/// root").
-pub(crate) fn guards(
-    at: &Path,
-    dir: &FileStat,
-    next: &Path,
-    euid: Uid,
-    what: &str,
-) -> Result<(), String> {
-    if dir.st_uid != 0 && dir.st_uid != euid.as_raw() {
-        return Err(format!(
-            "{} is owned by uid {}, who could replace {} (with a symbolic link, say); the directories above {what} must belong to root or to the daemon's user (uid {euid})",
-            at.display(),
-            dir.st_uid,
-            next.display()
-        ));
-    }
-    let mode = dir.st_mode;
-    let sticky = mode & Mode::S_ISVTX.bits() != 0;
-    let (group, others) = (mode & 0o020 != 0, mode & 0o002 != 0);
-    if (group || others) && !sticky {
-        let who = match (group, others) {
-            (true, true) => format!("its group (gid {}) and by others", dir.st_gid),
-            (true, false) => format!("its group (gid {})", dir.st_gid),
-            _ => "others".to_owned(),
-        };
-        return Err(format!(
-            "{} is writable by {who} (mode {:04o}) and not sticky, so another user could replace {}; the directories above {what} must not be",
-            at.display(),
-            mode & 0o7777,
-            next.display()
-        ));
-    }
-    Ok(())
 }
 
 fn denied(message: String) -> ToolError {

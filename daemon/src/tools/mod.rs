@@ -4,7 +4,7 @@
 //! from construction; the file tools hold their roots' descriptors.
 
 mod docker;
-pub(crate) mod file;
+mod file;
 mod job;
 mod permissions;
 mod service;

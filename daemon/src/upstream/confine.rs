@@ -303,7 +303,7 @@ impl Kept {
 /// place it was moved to (the carving goes by the paths as they are then); `None` when
 /// nobody could, or when it is the journal ([`JOURNALS`]). The path is walked as written,
 /// from `/`: each directory met, as the holder of the next entry, is judged as those above
-/// a file root are ([`crate::tools::file::guards`]); a symbolic link met on the way must
+/// a file root are ([`crate::owners::guards`]); a symbolic link met on the way must
 /// be root's or this user's (in a sticky directory its owner may replace it) and is
 /// followed, its target walked the same way; and a kept directory is judged as the holder
 /// of its own entries too (whoever may rename them may move them out).
@@ -343,7 +343,7 @@ pub fn movable_by_others(kept: &Path) -> Option<String> {
         };
         let next = at.join(&name);
         let holder = fstat(&dir).ok()?;
-        if let Err(why) = crate::tools::file::guards(&at, &holder, &next, euid, what) {
+        if let Err(why) = crate::owners::guards(&at, &holder, &next, euid, what) {
             return Some(why);
         }
         // Gone: only root or this user could make it (its holder passed).
@@ -376,7 +376,7 @@ pub fn movable_by_others(kept: &Path) -> Option<String> {
                 if rest.is_empty() {
                     // The kept directory itself holds what it keeps.
                     let entries = at.join("…");
-                    if let Err(why) = crate::tools::file::guards(&at, &stat, &entries, euid, what) {
+                    if let Err(why) = crate::owners::guards(&at, &stat, &entries, euid, what) {
                         return Some(why);
                     }
                 }
