@@ -1,9 +1,10 @@
 //! Who could replace a path: the rule the daemon holds the directories above its own
-//! paths to (the file tools' roots, the paths it keeps from upstreams).
+//! paths to (the file tools' roots, the paths it keeps from upstreams); and what kind of
+//! file a look at one found.
 
 use std::path::Path;
 
-use nix::sys::stat::{FileStat, Mode};
+use nix::sys::stat::{FileStat, Mode, SFlag};
 use nix::unistd::Uid;
 
 /// Why `dir` (at `at`, holding `next`) would let someone other than root or `euid` replace
@@ -35,4 +36,9 @@ pub fn guards(at: &Path, dir: &FileStat, next: &Path, euid: Uid, what: &str) -> 
         ));
     }
     Ok(())
+}
+
+/// The kind of file `st` describes (`S_IFDIR`, `S_IFLNK`, `S_IFREG`, …).
+pub fn file_kind(st: &FileStat) -> SFlag {
+    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits())
 }

@@ -314,7 +314,7 @@ pub fn run(
 /// child starts — both surprise whoever wrote the list.
 pub fn kept_out_of_grants(config: &Config, kept: &[PathBuf], found: &mut Findings) {
     use crate::config::UpstreamEndpoint;
-    let resolved = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+    use crate::upstream::confine::canonical as resolved;
     let kept: Vec<(&PathBuf, PathBuf)> = kept.iter().map(|k| (k, resolved(k))).collect();
     let confined = config.upstreams.iter().any(
         |u| matches!(&u.endpoint, UpstreamEndpoint::Command { confine, .. } if confine.enabled),

@@ -199,7 +199,7 @@ fn open_root(root: &Path) -> Result<OwnedFd, String> {
             Err(Errno::ENOENT) => return Err(format!("{which}does not exist")),
             Err(Errno::ENOTDIR | Errno::ELOOP) => {
                 let link = nix::sys::stat::fstatat(&dir, *name, AtFlags::AT_SYMLINK_NOFOLLOW)
-                    .is_ok_and(|st| file_kind(&st) == SFlag::S_IFLNK);
+                    .is_ok_and(|st| crate::owners::file_kind(&st) == SFlag::S_IFLNK);
                 return Err(if link {
                     format!(
                         "{which}is a symbolic link; name the directory it leads to (a root and the directories above it are never reached through a link)"
@@ -398,12 +398,8 @@ fn not_regular(t: &Target<'_>, kind: &str) -> ToolError {
     ))
 }
 
-fn file_kind(st: &FileStat) -> SFlag {
-    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits())
-}
-
 fn ensure_regular(t: &Target<'_>, st: &FileStat) -> Result<(), ToolError> {
-    let kind = match file_kind(st) {
+    let kind = match crate::owners::file_kind(st) {
         SFlag::S_IFREG => return Ok(()),
         SFlag::S_IFDIR => "directory",
         SFlag::S_IFIFO => "FIFO",
@@ -920,7 +916,7 @@ impl Files {
             Err(Errno::ENOENT) => return Ok(None),
             Err(e) => return Err(host_error(t, e, "inspect")),
         };
-        if file_kind(&st) == SFlag::S_IFLNK {
+        if crate::owners::file_kind(&st) == SFlag::S_IFLNK {
             return Err(symlink_refusal(root, t));
         }
         ensure_regular(t, &st)?;

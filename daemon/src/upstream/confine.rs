@@ -49,6 +49,7 @@ use landlock::{
 };
 
 use crate::config::Network;
+use crate::owners::file_kind;
 
 /// The Landlock ABI the confinement needs: files, TCP (4), signal and abstract unix socket
 /// scopes (6).
@@ -117,8 +118,6 @@ impl Confinement {
     /// Confines this process (and what it executes) for good. Called by the launcher,
     /// single-threaded, just before it executes the command.
     pub fn apply(&self) -> Result<(), String> {
-        // A kept path is kept wherever it can be reached: through a bind mount of it, or
-        // of a directory above or below it, too.
         // A kept path that someone else could move aside, or reach through a directory
         // they could swap, would be carved out at the wrong place.
         for kept in &self.hidden {
@@ -129,6 +128,8 @@ impl Confinement {
                 ));
             }
         }
+        // A kept path is kept wherever it can be reached: through a bind mount of it, or
+        // of a directory above or below it, too.
         let mounts = super::mounts::read()
             .map_err(|e| format!("cannot see where the daemon's own paths are mounted: {e}"))?;
         let kept = Kept::new(
@@ -182,7 +183,7 @@ impl Confinement {
         for own in &self.own {
             let own = canonical(own);
             if let Some(fd) = open_unfollowed(&own) {
-                let dir = kind(&fd) == Some(SFlag::S_IFDIR);
+                let dir = fstat(&fd).is_ok_and(|st| file_kind(&st) == SFlag::S_IFDIR);
                 allow(Grant { path: own, fd, dir }, all)?;
             }
         }
@@ -246,7 +247,7 @@ fn unsupported(e: impl std::fmt::Display) -> String {
 }
 
 /// `path` with its symbolic links resolved, when it exists.
-fn canonical(path: &Path) -> PathBuf {
+pub fn canonical(path: &Path) -> PathBuf {
     std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
 }
 
@@ -349,7 +350,7 @@ pub fn movable_by_others(kept: &Path) -> Option<String> {
         // Gone: only root or this user could make it (its holder passed).
         let entry = openat(&dir, name.as_os_str(), flags, Mode::empty()).ok()?;
         let stat = fstat(&entry).ok()?;
-        match SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits()) {
+        match file_kind(&stat) {
             SFlag::S_IFLNK => {
                 if stat.st_uid != 0 && stat.st_uid != euid.as_raw() {
                     return Some(format!(
@@ -416,12 +417,6 @@ fn open_unfollowed(path: &Path) -> Option<OwnedFd> {
     Some(fd)
 }
 
-/// The kind of file `fd` holds (`S_IFDIR`, `S_IFLNK`, …).
-fn kind(fd: &OwnedFd) -> Option<SFlag> {
-    let mode = fstat(fd).ok()?.st_mode;
-    Some(SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits()))
-}
-
 /// Grants `access` beneath `fd` (opened at `path`), except for what is `kept`: where a
 /// kept path lies below, `fd` itself gets nothing and each entry of it is granted the
 /// same way, opened beneath `fd`. A symbolic link among them is not followed (its target
@@ -442,7 +437,7 @@ fn carve(
     let Ok(stat) = fstat(&fd) else {
         return Ok(());
     };
-    let kind = SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits());
+    let kind = file_kind(&stat);
     let id = (stat.st_dev, stat.st_ino);
     if kind == SFlag::S_IFLNK || kept.ids.contains(&id) {
         return Ok(());
