@@ -126,6 +126,10 @@ pub struct Template {
     /// Whether each client opens an MCP session before its first request (see
     /// [`Template::with_sessions`]); else every request stands alone (stateless).
     pub sessions: bool,
+    /// `MCP-Protocol-Version` of every request ([`PROTOCOL_VERSION`] unless changed).
+    pub revision: &'static str,
+    /// Headers sent beside the MCP ones (the 2026-07-28 revision's `Mcp-Method`, say).
+    pub extra: Vec<(&'static str, HeaderValue)>,
 }
 
 impl Template {
@@ -137,6 +141,8 @@ impl Template {
             body,
             auth,
             sessions: false,
+            revision: PROTOCOL_VERSION,
+            extra: Vec::new(),
         }
     }
 
@@ -159,6 +165,22 @@ impl Template {
     /// send every request without a session.
     pub fn with_sessions(mut self) -> Template {
         self.sessions = true;
+        self
+    }
+
+    /// Every request at `revision`, with `extra` headers and `body` instead.
+    pub fn in_revision(
+        mut self,
+        revision: &'static str,
+        extra: &[(&'static str, &'static str)],
+        body: Bytes,
+    ) -> Template {
+        self.revision = revision;
+        self.extra = extra
+            .iter()
+            .map(|&(name, value)| (name, HeaderValue::from_static(value)))
+            .collect();
+        self.body = body;
         self
     }
 
@@ -192,8 +214,11 @@ impl Template {
             )
             .header(
                 "mcp-protocol-version",
-                HeaderValue::from_static(PROTOCOL_VERSION),
+                HeaderValue::from_static(self.revision),
             );
+        for (name, value) in &self.extra {
+            builder = builder.header(*name, value.clone());
+        }
         if let Some(v) = self.auth.value(client) {
             builder = builder.header(AUTHORIZATION, v);
         }

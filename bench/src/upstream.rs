@@ -4,7 +4,10 @@
 //! an HTTP backend (`rh.ping`) and as a shared stdio child (`rs.ping`), and through
 //! mcp-proxy 0.6.0 with that same server as its HTTP backend (`rh/ping`, one session per
 //! client), in the same run, by the same load generator; and one bare HTTP exchange with
-//! the hello server, the least any extra hop adds.
+//! the hello server, the least any extra hop adds. The server is also called directly
+//! with the request the daemon sends it (its own revision, 2026-07-28, whose context
+//! every request carries), so the hop's cost can be told from the server's cost of that
+//! revision.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -26,6 +29,8 @@ pub enum Route {
     /// The bench's hello server: one HTTP exchange and nothing else.
     Hello,
     Direct,
+    /// Direct, with the request robota-mcpd sends the server ([`HOP_REQUEST`]).
+    DirectAsHop,
     HttpBackend,
     StdioChild,
     /// mcp-proxy 0.6.0 with the same server as its HTTP backend.
@@ -37,6 +42,7 @@ impl Route {
         match self {
             Route::Hello => "hyper hello (one bare HTTP exchange)",
             Route::Direct => "rmcp server, direct",
+            Route::DirectAsHop => "rmcp server, direct, the hop's request",
             Route::HttpBackend => "robota-mcpd → HTTP backend",
             Route::StdioChild => "robota-mcpd → shared stdio child",
             Route::McpProxy => "mcp-proxy 0.6.0 → HTTP backend",
@@ -45,7 +51,7 @@ impl Route {
 
     fn tool(self) -> &'static str {
         match self {
-            Route::Hello | Route::Direct => "ping",
+            Route::Hello | Route::Direct | Route::DirectAsHop => "ping",
             Route::HttpBackend => "rh.ping",
             Route::StdioChild => "rs.ping",
             Route::McpProxy => "rh/ping",
@@ -58,6 +64,11 @@ impl Route {
         let template = Template::local(addr, self.body(), auth);
         match self {
             Route::McpProxy => template.at_path(mcp_proxy::PATH).with_sessions(),
+            Route::DirectAsHop => template.in_revision(
+                HOP_REVISION,
+                &[("mcp-method", "tools/call"), ("mcp-name", "ping")],
+                Bytes::from_static(HOP_REQUEST.as_bytes()),
+            ),
             _ => template,
         }
     }
@@ -69,6 +80,21 @@ impl Route {
         ))
     }
 }
+
+/// The revision robota-mcpd speaks to the server (its newest; [`run`] checks it).
+const HOP_REVISION: &str = "2026-07-28";
+
+/// What robota-mcpd sends the server for `rh.ping` at [`HOP_REVISION`] — every request
+/// carries the client's context in `_meta` — but for the id; with the headers that
+/// revision adds (`Mcp-Method`, `Mcp-Name`) and without the daemon's `User-Agent`.
+const HOP_REQUEST: &str = concat!(
+    r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"_meta":{"#,
+    r#""io.modelcontextprotocol/clientCapabilities":{},"#,
+    r#""io.modelcontextprotocol/clientInfo":{"name":"robota-mcpd","version":""#,
+    env!("CARGO_PKG_VERSION"),
+    r#""},"io.modelcontextprotocol/protocolVersion":"2026-07-28"},"#,
+    r#""arguments":{},"name":"ping"}}"#
+);
 
 #[derive(Debug)]
 pub struct Row {
@@ -127,6 +153,18 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
         "the upstreams did not come up: {:?}",
         d.status().upstreams
     );
+    let spoken = d
+        .status()
+        .upstreams
+        .into_iter()
+        .find(|u| u.name == "rh")
+        .and_then(|u| u.protocol);
+    assert_eq!(
+        spoken.as_deref(),
+        Some(HOP_REVISION),
+        "the daemon speaks another revision to the server than the direct row of its \
+         request sends"
+    );
     let bearer = crate::mcpd::host_bearer(&d);
     let direct_addr: std::net::SocketAddr = server
         .addr
@@ -135,6 +173,7 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
     let mut targets = vec![
         (Route::Hello, hello.addr, Auth::None, hello.pid()),
         (Route::Direct, direct_addr, Auth::None, server.pid()),
+        (Route::DirectAsHop, direct_addr, Auth::None, server.pid()),
         (
             Route::HttpBackend,
             d.loopback_addr(),
@@ -173,7 +212,8 @@ pub fn run(rt: &tokio::runtime::Runtime, timing: Timing, clients: &[usize]) -> U
                     warmup: timing.warmup,
                     duration: timing.duration,
                     server_pid: Some(*pid),
-                    helper_pid: None,
+                    // Through the hop, the server's CPU too.
+                    helper_pid: (*route == Route::HttpBackend).then(|| server.pid()),
                 };
                 let result = rt.block_on(load::closed_loop(template, plan));
                 eprintln!(
@@ -257,6 +297,15 @@ impl UpstreamRun {
                 met: overhead <= Duration::from_micros(100),
             });
         }
+        if let Some(overhead) = self.p50_over(Route::DirectAsHop) {
+            out.push(Verdict {
+                target: "HTTP backend through robota-mcpd: p50 overhead ≤ 100 µs, 1 client, \
+                         against the direct call of the request it sends"
+                    .into(),
+                measured: format!("{} µs", overhead.as_micros()),
+                met: overhead <= Duration::from_micros(100),
+            });
+        }
         out
     }
 
@@ -267,9 +316,14 @@ impl UpstreamRun {
 
     /// What the hop through the HTTP backend adds to the direct route's p50, one client.
     fn p50_overhead(&self) -> Option<Duration> {
+        self.p50_over(Route::Direct)
+    }
+
+    /// What the hop through the HTTP backend adds to `direct`'s p50, one client.
+    fn p50_over(&self, direct: Route) -> Option<Duration> {
         Some(
             self.p50(Route::HttpBackend)?
-                .saturating_sub(self.p50(Route::Direct)?),
+                .saturating_sub(self.p50(direct)?),
         )
     }
 
@@ -291,8 +345,11 @@ impl UpstreamRun {
              (`[upstreams.rs] command = [… \"rmcp-stdio\"]`, `rs.ping`); same requests, load \
              generator, cell timing and rounds as above. *Server CPU* is the daemon's alone \
              for the two daemon rows (the upstream process's CPU is not in it) and the rmcp \
-             server's for the direct row. The *hyper hello* row is the matrix's hello server \
-             (a fixed answer, nothing parsed) sent the same request.\n\n",
+             server's for the direct rows. The *hyper hello* row is the matrix's hello server \
+             (a fixed answer, nothing parsed) sent the same request. *The hop's request* is \
+             the direct call of what the daemon sends the server for `rh.ping` (revision \
+             2026-07-28, with its `_meta` context, `Mcp-Method` and `Mcp-Name`), but for \
+             the id.\n\n",
         );
         match &self.mcp_proxy {
             Ok(source) => {
@@ -350,7 +407,9 @@ impl UpstreamRun {
             let vs_http = match row.route {
                 Route::HttpBackend => "1".to_owned(),
                 Route::McpProxy => ratio(best, self.best(Route::HttpBackend, row.clients)),
-                Route::Hello | Route::Direct | Route::StdioChild => "—".to_owned(),
+                Route::Hello | Route::Direct | Route::DirectAsHop | Route::StdioChild => {
+                    "—".to_owned()
+                }
             };
             let _ = writeln!(
                 s,
@@ -362,6 +421,34 @@ impl UpstreamRun {
                 ms(best.latencies.percentile(99.0)),
                 best.server_cpu_per_request().as_micros(),
                 row.errors(),
+            );
+        }
+        let as_hop: Vec<String> = [1, 32]
+            .into_iter()
+            .filter_map(|n| {
+                let via = self.best(Route::HttpBackend, n)?;
+                let direct = self.best(Route::DirectAsHop, n)?;
+                Some(format!(
+                    "{:.2}× its throughput at {n} client{}, the server's CPU {} µs per call \
+                     through the hop and {} µs direct",
+                    via.throughput() / direct.throughput().max(f64::MIN_POSITIVE),
+                    if n == 1 { "" } else { "s" },
+                    via.helper_cpu_per_request().as_micros(),
+                    direct.server_cpu_per_request().as_micros(),
+                ))
+            })
+            .collect();
+        if let Some(overhead) = self.p50_over(Route::DirectAsHop) {
+            let _ = writeln!(
+                s,
+                "\nThe daemon speaks {HOP_REVISION} to the server (its newest revision), whose \
+                 requests each carry the client's context, so the server does more per call \
+                 through the hop than for the direct row's {} request. Against the direct \
+                 call of the daemon's own request (*the hop's request*): the HTTP-backend \
+                 route's p50 overhead {} µs at one client; {}.",
+                load::PROTOCOL_VERSION,
+                overhead.as_micros(),
+                as_hop.join("; ")
             );
         }
         if let Some((hello, beyond)) = self.floor() {
@@ -412,5 +499,40 @@ impl UpstreamRun {
         }
         s.push('\n');
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct call of the hop's request speaks the daemon's revision: its header, the
+    /// headers that revision adds, and the client's context in `_meta` at that revision.
+    #[test]
+    fn the_hops_request_is_sent_at_the_daemons_revision() {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+        let template = Route::DirectAsHop.template(addr, Auth::None);
+        assert_eq!(template.revision, HOP_REVISION);
+        let extra: Vec<(&str, &str)> = template
+            .extra
+            .iter()
+            .map(|(name, value)| (*name, value.to_str().unwrap_or_default()))
+            .collect();
+        assert_eq!(extra, [("mcp-method", "tools/call"), ("mcp-name", "ping")]);
+        let body: serde_json::Value =
+            serde_json::from_slice(&template.body).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(body["params"]["name"], "ping");
+        let meta = &body["params"]["_meta"];
+        assert_eq!(
+            meta["io.modelcontextprotocol/protocolVersion"],
+            HOP_REVISION
+        );
+        assert_eq!(
+            meta["io.modelcontextprotocol/clientInfo"]["name"],
+            "robota-mcpd"
+        );
+        let plain = Route::Direct.template(addr, Auth::None);
+        assert_eq!(plain.revision, load::PROTOCOL_VERSION);
+        assert!(plain.extra.is_empty());
     }
 }
