@@ -53,12 +53,7 @@ const PROGRESS_QUEUE: usize = 16;
 /// weighted exactly zero does not count), 415 unless the (first) `Content-Type` is JSON,
 /// 415 for a `Content-Encoding` other than `identity`.
 pub fn media_types(headers: &HeaderMap) -> Option<Response<Body>> {
-    let (mut json, mut sse) = (false, false);
-    for essence in accepted(headers) {
-        json |= essence.eq_ignore_ascii_case(JSON);
-        sse |= essence.eq_ignore_ascii_case(EVENT_STREAM);
-    }
-    if !json || !sse {
+    if !accepts_both(headers) {
         return Some(text(
             StatusCode::NOT_ACCEPTABLE,
             "Not Acceptable: Client must accept both application/json and text/event-stream",
@@ -94,6 +89,29 @@ pub fn media_types(headers: &HeaderMap) -> Option<Response<Body>> {
         )
     })
 }
+
+/// Whether `Accept` takes both JSON and event streams. The value the SDKs send is known
+/// at a glance; any other is parsed ([`accepted`]).
+fn accepts_both(headers: &HeaderMap) -> bool {
+    let mut values = headers.get_all(header::ACCEPT).iter();
+    if let (Some(only), None) = (values.next(), values.next())
+        && [ACCEPT_BOTH, ACCEPT_BOTH_SSE_FIRST]
+            .iter()
+            .any(|both| only.as_bytes().eq_ignore_ascii_case(both.as_bytes()))
+    {
+        return true;
+    }
+    let (mut json, mut sse) = (false, false);
+    for essence in accepted(headers) {
+        json |= essence.eq_ignore_ascii_case(JSON);
+        sse |= essence.eq_ignore_ascii_case(EVENT_STREAM);
+    }
+    json && sse
+}
+
+/// The two ranges alone, in either order, as clients write them.
+const ACCEPT_BOTH: &str = "application/json, text/event-stream";
+const ACCEPT_BOTH_SSE_FIRST: &str = "text/event-stream, application/json";
 
 /// The media ranges of every `Accept` value, without those weighted `q=0`.
 fn accepted(headers: &HeaderMap) -> impl Iterator<Item = &str> {
@@ -858,6 +876,38 @@ mod tests {
             ["text/event-stream", "", ""]
         );
         assert!(ranges(&[]).is_empty());
+    }
+
+    /// The values known at a glance are the ones the parse takes too, and a value only
+    /// like them (another range, a weight of zero, a second `Accept`) is parsed.
+    #[test]
+    fn the_accept_known_at_a_glance_is_what_the_parse_takes() {
+        let parsed = |values: &[&'static str]| {
+            let ranges = ranges(values);
+            let has = |kind: &str| ranges.iter().any(|r| r.eq_ignore_ascii_case(kind));
+            has(JSON) && has(EVENT_STREAM)
+        };
+        let both = |values: &[&'static str]| {
+            let mut headers = HeaderMap::new();
+            for v in values {
+                headers.append(header::ACCEPT, HeaderValue::from_static(v));
+            }
+            accepts_both(&headers)
+        };
+        for values in [
+            &[ACCEPT_BOTH][..],
+            &[ACCEPT_BOTH_SSE_FIRST],
+            &["Application/JSON, Text/Event-Stream"],
+            &["application/json,text/event-stream"],
+            &["application/json", "text/event-stream"],
+            &["application/json, text/event-stream;q=0"],
+            &["application/json, text/event-streams"],
+            &["application/json"],
+            &[ACCEPT_BOTH, "text/plain"],
+            &[],
+        ] {
+            assert_eq!(both(values), parsed(values), "{values:?}");
+        }
     }
 
     #[test]
