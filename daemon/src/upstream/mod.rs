@@ -477,6 +477,11 @@ impl Upstream {
                             let closed = link.why();
                             link.stop(Duration::ZERO).await;
                             Err(match closed {
+                                // Each step failed only because the child ended (in auto,
+                                // both quote it): its reason, once.
+                                Some(closed) if why.contains(&closed) => {
+                                    format!("the child ended during the handshake: {closed}")
+                                }
                                 Some(closed) => format!("{why} ({closed})"),
                                 None => why,
                             })
@@ -724,7 +729,19 @@ impl Upstream {
         let _kill = KillOnDrop(link.clone());
         let negotiated = tokio::select! {
             n = protocol::handshake(&*link, self.config.protocol, self.config.connect_timeout) => {
-                n.map_err(CallError::NotSent)?
+                match n {
+                    Ok(negotiated) => negotiated,
+                    Err(why) => {
+                        // A child that ended before it could be agreed with (the
+                        // launcher refused it, say) ends so for the next call too: the
+                        // upstream backs off, and its probe's reason is the operator's.
+                        if let Some(ended) = link.why() {
+                            tracing::warn!(upstream = %self.config.name, error = ?ended, "a per-call child ended during the handshake");
+                            broken.cancel();
+                        }
+                        return Err(CallError::NotSent(why));
+                    }
+                }
             }
             () = cancel.cancelled() => return Err(CallError::Cancelled),
         };

@@ -432,10 +432,64 @@ async fn no_confined_upstream_starts_while_another_user_could_move_the_state_int
     let d = Daemon::builder().state_dir(&state).extra(&upstream).start();
     let refused = wait_state(&d, "rogue", "backoff");
     let error = refused.last_error.unwrap_or_default();
-    assert!(error.contains(&named), "{error}");
+    // Said once: the handshake's steps each failed only because the launcher refused.
+    assert_eq!(error.matches(&named).count(), 1, "{error}");
+    assert!(
+        error.starts_with("the child ended during the handshake: its process exited"),
+        "{error}"
+    );
     // Once the directory is root's, the upstream starts.
     nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(0)), None).expect("chown");
     wait_state(&d, "rogue", "up");
+}
+
+/// The same with a child per call: the upstream came up while the directory was root's;
+/// once another user owns it, a call's child is refused by the launcher, the call is
+/// answered as not sent, and the upstream backs off with the reason (said once) instead
+/// of showing `up` with the reason only in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_call_child_the_launcher_refuses_backs_the_upstream_off_with_the_reason() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).expect("a directory");
+    let state = theirs.join("state");
+    let config = format!(
+        "[upstreams.rogue]\ncommand = {}\nchildren = \"per-call\"\nrestart = {{ initial = \"100ms\", max = \"1s\" }}\n\n{}",
+        fixture_command(&["rogue"]),
+        allow(&["rogue"])
+    );
+    let d = Daemon::builder().state_dir(&state).extra(&config).start();
+    wait_state(&d, "rogue", "up");
+    let client = McpClient::connect(&d, &d.bearer()).await;
+    client
+        .call("rogue.echo", json!({"text": "before"}))
+        .await
+        .ok("a call while the directory is root's");
+
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).expect("chown");
+    let refused = client.call("rogue.echo", json!({"text": "after"})).await;
+    assert!(refused.is_error, "{refused:?}");
+    let named = format!(
+        "{} is owned by uid 65534, who could replace {}",
+        theirs.display(),
+        state.display()
+    );
+    let backoff = wait_state(&d, "rogue", "backoff");
+    let mut last = backoff.last_error;
+    let said = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
+        last = upstream(&d, "rogue").last_error;
+        last.as_deref()
+            .is_some_and(|error| error.matches(&named).count() == 1)
+    });
+    assert!(said, "the upstream's last error: {last:?}");
+
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(0)), None).expect("chown");
+    wait_state(&d, "rogue", "up");
+    client
+        .call("rogue.echo", json!({"text": "again"}))
+        .await
+        .ok("a call once the directory is root's again");
+    client.close().await;
 }
 
 /// An upstream that announces a new tool list without end is read at most once a second:
