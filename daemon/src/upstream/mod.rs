@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use self::http::{HttpBounds, HttpLink};
 use self::pin::{Drift, Pinned, Surface};
 use self::protocol::{Answer, CallError, Listed, Negotiated, Rpc, Unread};
-use self::stdio::{ChildLink, ChildSpec, STOP_GRACE};
+use self::stdio::{ChildLink, ChildSpec, STOP_GRACE, StderrRate};
 pub use self::stdio::{Launcher, exec_child};
 use self::tool::Listing;
 use crate::audit::Audit;
@@ -233,6 +233,8 @@ pub struct Upstream {
     stop: CancellationToken,
     list_changed: Arc<Notify>,
     per_call: Arc<Semaphore>,
+    /// What its children may write into the log, all of them together.
+    stderr_rate: Arc<StderrRate>,
     catalog: Mutex<Weak<Catalog>>,
     supervisor: Mutex<Option<tokio::task::JoinHandle<()>>>,
     pin: Mutex<PinState>,
@@ -321,6 +323,7 @@ impl Upstream {
             stop: CancellationToken::new(),
             list_changed: Arc::new(Notify::new()),
             per_call: Arc::new(Semaphore::new(MAX_PER_CALL)),
+            stderr_rate: Arc::default(),
             catalog: Mutex::new(Weak::new()),
             supervisor: Mutex::new(None),
             pin: Mutex::new(PinState::default()),
@@ -584,6 +587,7 @@ impl Upstream {
             usize::try_from(self.config.response_limit).unwrap_or(usize::MAX),
             self.context.memory.clone(),
             self.list_changed.clone(),
+            self.stderr_rate.clone(),
         )
     }
 

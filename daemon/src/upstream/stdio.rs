@@ -119,6 +119,7 @@ impl ChildLink {
         response_limit: usize,
         budget: Budget,
         list_changed: Arc<Notify>,
+        stderr_rate: Arc<StderrRate>,
     ) -> Result<Arc<Self>, String> {
         let confined = spec.confinement.is_some();
         let mut leaf = None;
@@ -211,6 +212,7 @@ impl ChildLink {
             Arc::downgrade(&link),
             link.stderr_ended.clone(),
             stderr,
+            stderr_rate,
         ));
         tokio::spawn(reap(link.clone(), child));
         Ok(link)
@@ -605,21 +607,59 @@ async fn read_stdout(
     link.close(why);
 }
 
-/// stderr into the log, one event per line, cut at [`STDERR_LINE`], at most
-/// [`STDERR_RATE`] lines a second (the rest counted in one line).
+/// An upstream's stderr allowance: [`STDERR_RATE`] lines a second over all its children
+/// (a per-call upstream's sixteen children share it, so none of them gets the log's
+/// per-callsite rate to itself at the other upstreams' cost).
+#[derive(Debug, Default)]
+pub struct StderrRate(Mutex<RateWindow>);
+
+#[derive(Debug, Default)]
+struct RateWindow {
+    since: Option<Instant>,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl StderrRate {
+    /// Whether a line read at `now` may be logged, and how many lines the window that
+    /// `now` ended had to leave out (to be said in one line).
+    fn admit(&self, now: Instant) -> (bool, u64) {
+        let mut w = self.0.lock();
+        let mut ended = 0;
+        if w.since
+            .is_none_or(|since| now.duration_since(since) >= Duration::from_secs(1))
+        {
+            ended = std::mem::take(&mut w.suppressed);
+            w.since = Some(now);
+            w.logged = 0;
+        }
+        if w.logged >= STDERR_RATE {
+            w.suppressed += 1;
+            return (false, ended);
+        }
+        w.logged += 1;
+        (true, ended)
+    }
+
+    /// Lines left out and not yet said (a child's stderr ended).
+    fn take_suppressed(&self) -> u64 {
+        std::mem::take(&mut self.0.lock().suppressed)
+    }
+}
+
+/// stderr into the log, one event per line, cut at [`STDERR_LINE`], within the upstream's
+/// [`StderrRate`] (the rest counted in one line).
 async fn log_stderr(
     upstream: String,
     link: std::sync::Weak<ChildLink>,
     ended: CancellationToken,
     stderr: tokio::process::ChildStderr,
+    rate: Arc<StderrRate>,
 ) {
     let _ended = ended.drop_guard();
     let mut first = true;
     let mut reader = BufReader::new(stderr);
     let mut buf = Vec::new();
-    let mut window = Instant::now();
-    let mut logged = 0u32;
-    let mut suppressed = 0u64;
     loop {
         buf.clear();
         let read = (&mut reader)
@@ -647,19 +687,13 @@ async fn log_stderr(
                 }
             }
         }
-        if window.elapsed() >= Duration::from_secs(1) {
-            if suppressed > 0 {
-                tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
-            }
-            window = Instant::now();
-            logged = 0;
-            suppressed = 0;
+        let (admitted, suppressed) = rate.admit(Instant::now());
+        if suppressed > 0 {
+            tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
         }
-        if logged >= STDERR_RATE {
-            suppressed += 1;
+        if !admitted {
             continue;
         }
-        logged += 1;
         let text = String::from_utf8_lossy(&buf);
         let text = text.trim_end_matches(['\n', '\r']);
         // Only a first line can be the launcher's (the command writes after it).
@@ -677,6 +711,7 @@ async fn log_stderr(
             tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, line = ?text, "upstream stderr (line cut)");
         }
     }
+    let suppressed = rate.take_suppressed();
     if suppressed > 0 {
         tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
     }
@@ -802,6 +837,29 @@ mod tests {
         }
     }
 
+    /// One allowance for all of an upstream's children: what one of them used is gone for
+    /// the others until the second is over, and what was left out is said once.
+    #[test]
+    fn an_upstreams_children_share_one_stderr_allowance() {
+        let rate = Arc::new(StderrRate::default());
+        let (a, b) = (rate.clone(), rate.clone());
+        let start = Instant::now();
+        for _ in 0..STDERR_RATE {
+            assert_eq!(a.admit(start), (true, 0));
+        }
+        assert_eq!(b.admit(start + Duration::from_millis(500)), (false, 0));
+        assert_eq!(a.admit(start + Duration::from_millis(999)), (false, 0));
+        // The next second: the two left out are said, and lines pass again.
+        assert_eq!(b.admit(start + Duration::from_secs(1)), (true, 2));
+        assert_eq!(a.admit(start + Duration::from_secs(1)), (true, 0));
+        for _ in 2..STDERR_RATE {
+            assert!(a.admit(start + Duration::from_secs(1)).0);
+        }
+        assert!(!b.admit(start + Duration::from_secs(1)).0);
+        assert_eq!(a.take_suppressed(), 1);
+        assert_eq!(b.take_suppressed(), 0);
+    }
+
     #[tokio::test]
     async fn a_child_writing_garbage_is_contained_and_the_reason_kept() {
         let link = ChildLink::spawn(
@@ -811,6 +869,7 @@ mod tests {
             1024,
             Budget::new(1 << 20),
             Arc::new(Notify::new()),
+            Arc::default(),
         )
         .unwrap();
         let negotiated = Negotiated::modern();
@@ -846,6 +905,7 @@ mod tests {
             1 << 20,
             budget.clone(),
             Arc::new(Notify::new()),
+            Arc::default(),
         )
         .unwrap();
         let (negotiated, cancel) = (Negotiated::modern(), CancellationToken::new());
@@ -892,6 +952,7 @@ mod tests {
             1024,
             Budget::new(1 << 20),
             Arc::new(Notify::new()),
+            Arc::default(),
         )
         .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -928,6 +989,7 @@ mod tests {
             1 << 20,
             Budget::new(1 << 20),
             Arc::new(Notify::new()),
+            Arc::default(),
         )
         .unwrap();
         let (progress, seen) = Progress::channel();
@@ -975,6 +1037,7 @@ mod tests {
             1024,
             Budget::new(1 << 20),
             Arc::new(Notify::new()),
+            Arc::default(),
         )
         .unwrap();
         let result = link
