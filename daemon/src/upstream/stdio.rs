@@ -687,6 +687,16 @@ async fn log_stderr(
                 }
             }
         }
+        // Only a first line can be the launcher's (the command writes after it); it is
+        // kept whether or not the upstream's allowance lets it into the log (its other
+        // children may have used the second up).
+        if std::mem::take(&mut first)
+            && let Some(reason) = buf.strip_prefix(LAUNCHER_REFUSAL.as_bytes())
+            && let Some(link) = link.upgrade()
+        {
+            let reason = String::from_utf8_lossy(reason);
+            *link.refused.lock() = Some(reason.trim_end_matches(['\n', '\r']).to_owned());
+        }
         let (admitted, suppressed) = rate.admit(Instant::now());
         if suppressed > 0 {
             tracing::warn!(upstream = %upstream, suppressed, "upstream stderr lines past the rate, not logged");
@@ -696,13 +706,6 @@ async fn log_stderr(
         }
         let text = String::from_utf8_lossy(&buf);
         let text = text.trim_end_matches(['\n', '\r']);
-        // Only a first line can be the launcher's (the command writes after it).
-        if std::mem::take(&mut first)
-            && let Some(reason) = text.strip_prefix(LAUNCHER_REFUSAL)
-            && let Some(link) = link.upgrade()
-        {
-            *link.refused.lock() = Some(reason.to_owned());
-        }
         // The line is a quoted field, its control and invisible characters escaped: what
         // an upstream writes can never pass for the daemon's own fields.
         if whole {
@@ -858,6 +861,32 @@ mod tests {
         assert!(!b.admit(start + Duration::from_secs(1)).0);
         assert_eq!(a.take_suppressed(), 1);
         assert_eq!(b.take_suppressed(), 0);
+    }
+
+    /// The launcher's reason reaches the link's reason even when the upstream's other
+    /// children have used up its stderr allowance for this second.
+    #[tokio::test]
+    async fn the_launchers_reason_is_kept_when_the_allowance_is_used_up() {
+        let rate = Arc::new(StderrRate::default());
+        while rate.admit(Instant::now()).0 {}
+        let link = ChildLink::spawn(
+            "t",
+            &sh(&format!(
+                "echo '{LAUNCHER_REFUSAL}the kernel says no' >&2; exit 1"
+            )),
+            &Launcher::Direct,
+            1024,
+            Budget::new(1 << 20),
+            Arc::new(Notify::new()),
+            rate,
+        )
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(20), link.closed().cancelled())
+            .await
+            .expect("the link closes when the child exits");
+        let why = link.why().unwrap_or_default();
+        assert!(why.ends_with(": the kernel says no"), "{why}");
+        link.stop(Duration::ZERO).await;
     }
 
     #[tokio::test]
