@@ -388,6 +388,15 @@ fn rogue(extra: &str) -> Daemon {
     ))
 }
 
+/// How the daemon names a directory of uid 65534's above a path it keeps from upstreams.
+fn could_replace(theirs: &std::path::Path, kept: &std::path::Path) -> String {
+    format!(
+        "{} is owned by uid 65534, who could replace {}",
+        theirs.display(),
+        kept.display()
+    )
+}
+
 /// A directory above the daemon's state that another user owns: that user could move the
 /// state aside while an upstream starts, to where the upstream is granted, and the state
 /// would be granted whole there (the attack that found it: 12 reads of the store in 120
@@ -407,11 +416,7 @@ async fn no_confined_upstream_starts_while_another_user_could_move_the_state_int
         theirs.display(),
         allow(&["rogue"])
     );
-    let named = format!(
-        "{} is owned by uid 65534, who could replace {}",
-        theirs.display(),
-        state.display()
-    );
+    let named = could_replace(&theirs, &state);
     let text = Daemon::builder()
         .state_dir(&state)
         .extra(&upstream)
@@ -469,11 +474,7 @@ async fn a_per_call_child_the_launcher_refuses_backs_the_upstream_off_with_the_r
     nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).expect("chown");
     let refused = client.call("rogue.echo", json!({"text": "after"})).await;
     assert!(refused.is_error, "{refused:?}");
-    let named = format!(
-        "{} is owned by uid 65534, who could replace {}",
-        theirs.display(),
-        state.display()
-    );
+    let named = could_replace(&theirs, &state);
     let backoff = wait_state(&d, "rogue", "backoff");
     let mut last = backoff.last_error;
     let said = poll_until_blocking(LIMIT, Duration::from_millis(100), || {
