@@ -148,7 +148,7 @@ fn main() {
                 .map_err(Failure::Token),
             _ => Err(Failure::Missing),
         };
-        black_box(remote::decide(outcome, None, &challenges).expect("admitted"));
+        black_box(remote::decide(outcome, || None, &challenges).expect("admitted"));
     };
     let remote_headers = |token: &str| {
         let mut h = HeaderMap::new();

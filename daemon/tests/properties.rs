@@ -671,31 +671,37 @@ proptest! {
             1 => (Failure::MalformedHeader, Reason::Malformed),
             i => (Failure::Token(Reason::ALL[i - 2]), Reason::ALL[i - 2]),
         };
+        let mut counted = false;
+        let fail = || {
+            counted = true;
+            over_budget
+        };
         if valid {
-            prop_assert_eq!(decide(Ok(principal.clone()), over_budget, &challenges), Ok(principal));
+            prop_assert_eq!(decide(Ok(principal.clone()), fail, &challenges), Ok(principal));
+            prop_assert!(!counted, "a valid token is never counted");
             return Ok(());
         }
-        let r = decide(Err(failure), over_budget, &challenges).unwrap_err();
+        let r = decide(Err(failure), fail, &challenges).unwrap_err();
         prop_assert_eq!(r.reason, reason);
         if matches!(reason, Reason::KeysUnavailable | Reason::IntrospectionUnavailable) {
             // The issuer's trouble, never the client's: not counted, never throttled.
-            prop_assert!(!r.counted && !r.throttled);
+            prop_assert!(!counted && !r.throttled);
             prop_assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
             prop_assert!(r.retry_after.is_some_and(|s| s >= 1));
             prop_assert!(r.challenge.is_none());
         } else if reason == Reason::NotIntrospected {
             // Only ever decided over budget: throttled even if the window just ended.
-            prop_assert!(r.counted && r.throttled);
+            prop_assert!(counted && r.throttled);
             prop_assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
             prop_assert_eq!(r.retry_after, Some(over_budget.unwrap_or(1).max(1)));
             prop_assert!(r.challenge.is_none());
         } else if let Some(seconds) = over_budget {
-            prop_assert!(r.counted && r.throttled);
+            prop_assert!(counted && r.throttled);
             prop_assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
             prop_assert_eq!(r.retry_after, Some(seconds.max(1)));
             prop_assert!(r.challenge.is_none());
         } else {
-            prop_assert!(r.counted && !r.throttled && r.retry_after.is_none());
+            prop_assert!(counted && !r.throttled && r.retry_after.is_none());
             prop_assert!(matches!(r.status.as_u16(), 400 | 401 | 403), "{}", r.status);
             let challenge = r.challenge.unwrap();
             prop_assert!(challenge.starts_with("Bearer "));

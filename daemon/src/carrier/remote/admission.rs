@@ -90,8 +90,6 @@ pub struct Refusal {
     pub reason: Reason,
     pub status: StatusCode,
     pub challenge: Option<String>,
-    /// Counts against the client address's failure budget.
-    pub counted: bool,
     /// Answered 429 because the address was over its budget.
     pub throttled: bool,
     pub retry_after: Option<u64>,
@@ -155,17 +153,17 @@ pub fn wrong_name(reason: Reason) -> Refusal {
         reason,
         status: StatusCode::FORBIDDEN,
         challenge: None,
-        counted: false,
         throttled: false,
         retry_after: None,
     }
 }
 
-/// Decide on a verification outcome. `over_budget` is the throttle's answer for the
-/// client address *before* this request: `Some(seconds left)` when it is throttled.
+/// Decide on a verification outcome. `fail` counts a failure against the client's budget
+/// and answers whether the client was over it before this failure (`Some(seconds left)`:
+/// throttled); it is called once for every failure that counts, and for nothing else.
 pub fn decide(
     outcome: Result<Principal, Failure>,
-    over_budget: Option<u64>,
+    fail: impl FnOnce() -> Option<u64>,
     challenges: &Challenges,
 ) -> Result<Principal, Refusal> {
     let failure = match outcome {
@@ -173,6 +171,27 @@ pub fn decide(
         Ok(principal) => return Ok(principal),
         Err(f) => f,
     };
+    // The keys' or the issuer's absence is not the client's failure: never counted.
+    let unavailable = match failure {
+        // Keys are asked for again at most once per refetch cooldown.
+        Failure::Token(r @ Reason::KeysUnavailable) => {
+            Some((r, crate::oauth::keyset::REFETCH_COOLDOWN.as_secs()))
+        }
+        Failure::Token(r @ Reason::IntrospectionUnavailable) => {
+            Some((r, crate::oauth::introspect::RETRY_AFTER_SECS))
+        }
+        _ => None,
+    };
+    if let Some((reason, retry)) = unavailable {
+        return Err(Refusal {
+            reason,
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            challenge: None,
+            throttled: false,
+            retry_after: Some(retry),
+        });
+    }
+    let over_budget = fail();
     let (reason, status, challenge) = match failure {
         Failure::Missing => (
             Reason::MissingToken,
@@ -184,27 +203,6 @@ pub fn decide(
             StatusCode::BAD_REQUEST,
             Some(challenges.error("invalid_request")),
         ),
-        Failure::Token(Reason::KeysUnavailable) => {
-            return Err(Refusal {
-                reason: Reason::KeysUnavailable,
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                challenge: None,
-                counted: false,
-                throttled: false,
-                // Keys are asked for again at most once per refetch cooldown.
-                retry_after: Some(crate::oauth::keyset::REFETCH_COOLDOWN.as_secs()),
-            });
-        }
-        Failure::Token(Reason::IntrospectionUnavailable) => {
-            return Err(Refusal {
-                reason: Reason::IntrospectionUnavailable,
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                challenge: None,
-                counted: false,
-                throttled: false,
-                retry_after: Some(crate::oauth::introspect::RETRY_AFTER_SECS),
-            });
-        }
         // The issuer was not asked because the client is over its budget: throttled,
         // even if its window has just ended.
         Failure::Token(Reason::NotIntrospected) => {
@@ -212,7 +210,6 @@ pub fn decide(
                 reason: Reason::NotIntrospected,
                 status: StatusCode::TOO_MANY_REQUESTS,
                 challenge: None,
-                counted: true,
                 throttled: true,
                 retry_after: Some(over_budget.unwrap_or(1).max(1)),
             });
@@ -240,7 +237,6 @@ pub fn decide(
             reason,
             status: StatusCode::TOO_MANY_REQUESTS,
             challenge: None,
-            counted: true,
             throttled: true,
             retry_after: Some(seconds.max(1)),
         });
@@ -249,7 +245,6 @@ pub fn decide(
         reason,
         status,
         challenge,
-        counted: true,
         throttled: false,
         retry_after: None,
     })
@@ -264,7 +259,6 @@ pub fn step_up(needed: &[String], challenges: &Challenges) -> Refusal {
         reason: Reason::MissingScope,
         status: StatusCode::FORBIDDEN,
         challenge: Some(challenges.insufficient_scope(&needed.join(" "))),
-        counted: false,
         throttled: false,
         retry_after: None,
     }
@@ -470,6 +464,25 @@ mod tests {
         }
     }
 
+    /// `decide` with a throttle that answers `over`: the decision and whether the failure
+    /// was counted.
+    fn decided(
+        outcome: Result<Principal, Failure>,
+        over: Option<u64>,
+        c: &Challenges,
+    ) -> (Result<Principal, Refusal>, bool) {
+        let mut counted = false;
+        let decision = decide(
+            outcome,
+            || {
+                counted = true;
+                over
+            },
+            c,
+        );
+        (decision, counted)
+    }
+
     #[test]
     fn decisions() {
         let c = challenges();
@@ -480,14 +493,15 @@ mod tests {
             expires_at: SystemTime::UNIX_EPOCH,
         };
         assert_eq!(
-            decide(Ok(principal.clone()), Some(30), &c),
-            Ok(principal),
-            "valid is never throttled"
+            decided(Ok(principal.clone()), Some(30), &c),
+            (Ok(principal), false),
+            "valid is never throttled, nor counted"
         );
 
-        let r = decide(Err(Failure::Missing), None, &c).unwrap_err();
+        let (r, counted) = decided(Err(Failure::Missing), None, &c);
+        let r = r.unwrap_err();
         assert_eq!(
-            (r.reason, r.status, r.counted),
+            (r.reason, r.status, counted),
             (Reason::MissingToken, StatusCode::UNAUTHORIZED, true)
         );
         assert_eq!(
@@ -496,7 +510,7 @@ mod tests {
                 r#"Bearer resource_metadata="https://h/.well-known/oauth-protected-resource/mcp", scope="mcp tools""#
             )
         );
-        let r = decide(Err(Failure::MalformedHeader), None, &c).unwrap_err();
+        let r = decide(Err(Failure::MalformedHeader), || None, &c).unwrap_err();
         assert_eq!(
             (r.reason, r.status),
             (Reason::Malformed, StatusCode::BAD_REQUEST)
@@ -514,7 +528,7 @@ mod tests {
             Reason::UnknownKey,
             Reason::WrongAudience,
         ] {
-            let r = decide(Err(Failure::Token(reason)), None, &c).unwrap_err();
+            let r = decide(Err(Failure::Token(reason)), || None, &c).unwrap_err();
             assert_eq!((r.reason, r.status), (reason, StatusCode::UNAUTHORIZED));
             assert!(
                 r.challenge
@@ -522,7 +536,7 @@ mod tests {
                     .starts_with(r#"Bearer error="invalid_token""#)
             );
         }
-        let r = decide(Err(Failure::Token(Reason::MissingScope)), None, &c).unwrap_err();
+        let r = decide(Err(Failure::Token(Reason::MissingScope)), || None, &c).unwrap_err();
         assert_eq!(r.status, StatusCode::FORBIDDEN);
         assert_eq!(
             r.challenge.as_deref(),
@@ -531,8 +545,9 @@ mod tests {
             )
         );
         // A principal no token can make acceptable: 403, and nothing to step up to.
-        let r = decide(Err(Failure::Token(Reason::PrincipalNotAllowed)), None, &c).unwrap_err();
-        assert_eq!((r.status, r.counted), (StatusCode::FORBIDDEN, true));
+        let (r, counted) = decided(Err(Failure::Token(Reason::PrincipalNotAllowed)), None, &c);
+        let r = r.unwrap_err();
+        assert_eq!((r.status, counted), (StatusCode::FORBIDDEN, true));
         assert_eq!(
             r.challenge.as_deref(),
             Some(
@@ -540,15 +555,16 @@ mod tests {
             )
         );
         for reason in [Reason::KeysUnavailable, Reason::IntrospectionUnavailable] {
-            let r = decide(Err(Failure::Token(reason)), Some(5), &c).unwrap_err();
+            let (r, counted) = decided(Err(Failure::Token(reason)), Some(5), &c);
+            let r = r.unwrap_err();
             assert_eq!(
-                (r.reason, r.status, r.counted, r.throttled, r.challenge),
+                (r.reason, r.status, counted, r.throttled, r.challenge),
                 (reason, StatusCode::SERVICE_UNAVAILABLE, false, false, None)
             );
             assert!(r.retry_after.is_some_and(|s| s >= 1));
         }
 
-        let r = decide(Err(Failure::Token(Reason::Expired)), Some(17), &c).unwrap_err();
+        let r = decide(Err(Failure::Token(Reason::Expired)), || Some(17), &c).unwrap_err();
         assert_eq!(
             (r.status, r.reason, r.throttled, r.retry_after),
             (
@@ -559,14 +575,14 @@ mod tests {
             )
         );
         assert_eq!(
-            decide(Err(Failure::Missing), Some(0), &c)
+            decide(Err(Failure::Missing), || Some(0), &c)
                 .unwrap_err()
                 .retry_after,
             Some(1)
         );
 
         let w = wrong_name(Reason::WrongHost);
-        assert_eq!((w.status, w.counted), (StatusCode::FORBIDDEN, false));
+        assert_eq!((w.status, w.throttled), (StatusCode::FORBIDDEN, false));
     }
 
     #[test]
@@ -578,8 +594,8 @@ mod tests {
         assert!(lacking(&needed, &needed).is_empty());
         let r = step_up(&needed, &c);
         assert_eq!(
-            (r.reason, r.status, r.counted, r.throttled),
-            (Reason::MissingScope, StatusCode::FORBIDDEN, false, false)
+            (r.reason, r.status, r.throttled),
+            (Reason::MissingScope, StatusCode::FORBIDDEN, false)
         );
         assert_eq!(
             r.challenge.as_deref(),
@@ -598,7 +614,7 @@ mod tests {
             Failure::Token(Reason::Expired),
             Failure::Token(Reason::MissingScope),
         ] {
-            let r = decide(Err(f), None, &c).unwrap_err();
+            let r = decide(Err(f), || None, &c).unwrap_err();
             assert!(!r.challenge.unwrap().contains("error_description"));
         }
     }

@@ -79,12 +79,9 @@ pub struct Parts {
 }
 
 impl RemoteCarrier {
-    /// Books one refusal of `client`: a failure against it in the throttle when
-    /// `counted`, and the audit record (and `refusals_total`).
-    fn refused(&self, reason: Reason, counted: bool, throttled: bool, client: IpAddr) {
-        if counted {
-            self.throttle.record_failure(client, Instant::now());
-        }
+    /// Audits one refusal of `client` (and counts it in `refusals_total`). A failure
+    /// against its budget is counted where the refusal is decided, not here.
+    fn refused(&self, reason: Reason, throttled: bool, client: IpAddr) {
         let class = AddressClass::of(client);
         let record = Record::refusal(SystemTime::now(), CarrierName::Remote, reason, class);
         self.audit.refused(
@@ -257,7 +254,10 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                 // the same: counted and audited (nothing was answered, so not throttled).
                 let late_failure = || -> LateFailure {
                     let c = Arc::clone(c);
-                    Box::new(move |reason| c.refused(reason, true, false, client))
+                    Box::new(move |reason| {
+                        c.throttle.fail(client, Instant::now());
+                        c.refused(reason, false, client)
+                    })
                 };
                 // Its connection outlasts undecided ones while the issuer judges its token.
                 let sending = server::asking_issuer(&req);
@@ -275,11 +275,10 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
                     .map_err(Failure::Token)
             }
         };
-        let over_budget = match &outcome {
-            Ok(_) => None,
-            Err(_) => c.throttle.check(client, Instant::now()),
-        };
-        match admission::decide(outcome, over_budget, &s.challenges) {
+        // Counted and judged in one step: concurrent failures of one client are each
+        // judged against those counted before them.
+        let fail = || c.throttle.fail(client, Instant::now());
+        match admission::decide(outcome, fail, &s.challenges) {
             Ok(principal) => {
                 server::admit(&req);
                 c.metrics.admitted(CarrierName::Remote);
@@ -319,7 +318,7 @@ impl<S: RuntimeTools + TurnSubmission> server::Handler for Remote<S> {
         let HeadRefusal::TooLarge = why;
         let c = &self.shared.carrier;
         // The head was not read, so the peer is all we know of the client.
-        c.refused(Reason::Oversize, false, false, peer.ip());
+        c.refused(Reason::Oversize, false, peer.ip());
     }
 }
 
@@ -349,7 +348,7 @@ impl<S> Remote<S> {
         version: http::Version,
     ) -> Response<Body> {
         let c = &self.shared.carrier;
-        c.refused(refusal.reason, refusal.counted, refusal.throttled, client);
+        c.refused(refusal.reason, refusal.throttled, client);
         let mut response = server::empty(refusal.status);
         let headers = response.headers_mut();
         if let Some(challenge) = refusal

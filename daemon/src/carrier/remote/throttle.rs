@@ -71,8 +71,11 @@ impl Throttle {
     /// Seconds until the window ends (at least 1) if `addr` is over its failure budget.
     pub fn check(&self, addr: IpAddr, now: Instant) -> Option<u64> {
         let client = self.client(addr);
-        let windows = self.windows.lock();
-        let w = windows.get(&client)?;
+        self.left(self.windows.lock().get(&client)?, now)
+    }
+
+    /// Seconds until `w` ends (at least 1) if it is live and over the budget.
+    fn left(&self, w: &Window, now: Instant) -> Option<u64> {
         if !self.live(w, now) || w.failures < self.config.failures {
             return None;
         }
@@ -115,17 +118,21 @@ impl Throttle {
         false
     }
 
-    /// Count one failure for `addr`.
-    pub fn record_failure(&self, addr: IpAddr, now: Instant) {
+    /// Count one failure for `addr` and say whether it was over its budget *before* this
+    /// failure: `Some(seconds until the window ends)` when it is to be answered 429. One
+    /// step under one lock: concurrent failures of one client are each judged against the
+    /// ones counted before them, so no more than `failures` of them per window go unthrottled.
+    pub fn fail(&self, addr: IpAddr, now: Instant) -> Option<u64> {
         let client = self.client(addr);
         let mut windows = self.windows.lock();
         if let Some(w) = windows.get_mut(&client) {
-            if self.live(w, now) {
-                w.failures = w.failures.saturating_add(1);
-            } else {
+            if !self.live(w, now) {
                 *w = Window::new(now);
+                return None;
             }
-            return;
+            let over = self.left(w, now);
+            w.failures = w.failures.saturating_add(1);
+            return over;
         }
         if windows.len() >= self.config.max_addresses {
             windows.retain(|_, w| now.saturating_duration_since(w.start) < self.config.window);
@@ -136,6 +143,7 @@ impl Throttle {
             windows.remove(&oldest);
         }
         windows.insert(client, Window::new(now));
+        None
     }
 
     pub fn tracked(&self) -> usize {
@@ -166,11 +174,17 @@ mod tests {
     fn over_budget_until_the_window_ends() {
         let t = throttle(16);
         let t0 = Instant::now();
-        for _ in 0..3 {
+        for n in 0..3 {
             assert_eq!(t.check(ip(1), t0), None);
-            t.record_failure(ip(1), t0);
+            assert_eq!(
+                t.fail(ip(1), t0),
+                None,
+                "failure {} is within the budget",
+                n + 1
+            );
         }
         assert_eq!(t.check(ip(1), t0), Some(60));
+        assert_eq!(t.fail(ip(1), t0 + Duration::from_secs(15)), Some(45));
         assert_eq!(t.check(ip(1), t0 + Duration::from_millis(59_500)), Some(1));
         assert_eq!(t.check(ip(1), t0 + Duration::from_secs(45)), Some(15));
         assert_eq!(t.check(ip(2), t0), None, "another address is not affected");
@@ -179,8 +193,38 @@ mod tests {
             None,
             "a new window"
         );
-        t.record_failure(ip(1), t0 + Duration::from_secs(61));
+        assert_eq!(
+            t.fail(ip(1), t0 + Duration::from_secs(61)),
+            None,
+            "the first failure of a new window"
+        );
         assert_eq!(t.check(ip(1), t0 + Duration::from_secs(61)), None);
+    }
+
+    #[test]
+    fn concurrent_failures_are_judged_one_after_another() {
+        // Many failures of one client at once: exactly the budget's worth go unthrottled,
+        // however they interleave (judging before counting let them all through).
+        let t = Throttle::new(ThrottleConfig {
+            failures: 20,
+            window: Duration::from_secs(60),
+            max_addresses: 16,
+            ipv6_prefix: 64,
+        });
+        let t0 = Instant::now();
+        let barrier = std::sync::Barrier::new(8);
+        let unthrottled: usize = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        (0..50).filter(|_| t.fail(ip(1), t0).is_none()).count()
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap()).sum()
+        });
+        assert_eq!(unthrottled, 20);
     }
 
     #[test]
@@ -189,7 +233,7 @@ mod tests {
         let t0 = Instant::now();
         for n in 1..=FAILING_AFTER {
             assert!(!t.failing(ip(1), t0), "after {} failures", n - 1);
-            t.record_failure(ip(1), t0);
+            t.fail(ip(1), t0);
         }
         assert!(t.failing(ip(1), t0));
         assert!(
@@ -203,17 +247,17 @@ mod tests {
     fn tracking_is_bounded_expired_first_then_oldest() {
         let t = throttle(3);
         let t0 = Instant::now();
-        t.record_failure(ip(1), t0);
-        t.record_failure(ip(2), t0 + Duration::from_secs(10));
-        t.record_failure(ip(3), t0 + Duration::from_secs(20));
+        t.fail(ip(1), t0);
+        t.fail(ip(2), t0 + Duration::from_secs(10));
+        t.fail(ip(3), t0 + Duration::from_secs(20));
         // ip(1)'s window has expired by t0+65: it goes first.
-        t.record_failure(ip(4), t0 + Duration::from_secs(65));
+        t.fail(ip(4), t0 + Duration::from_secs(65));
         assert_eq!(t.tracked(), 3);
         for _ in 0..3 {
-            t.record_failure(ip(3), t0 + Duration::from_secs(66));
+            t.fail(ip(3), t0 + Duration::from_secs(66));
         }
         // Nothing expired: the oldest (ip(2)) is evicted, ip(3)'s budget is kept.
-        t.record_failure(ip(5), t0 + Duration::from_secs(66));
+        t.fail(ip(5), t0 + Duration::from_secs(66));
         assert_eq!(t.tracked(), 3);
         assert!(t.check(ip(3), t0 + Duration::from_secs(66)).is_some());
     }
@@ -224,7 +268,7 @@ mod tests {
         let t0 = Instant::now();
         for _ in 0..3 {
             assert!(t.may_introspect(ip(1), t0), "under the budget: always");
-            t.record_failure(ip(1), t0);
+            t.fail(ip(1), t0);
         }
         let granted = (0..10).filter(|_| t.may_introspect(ip(1), t0)).count();
         assert_eq!(granted, INTROSPECTIONS_OVER_BUDGET as usize);
@@ -236,7 +280,7 @@ mod tests {
         assert!(t.may_introspect(ip(1), next), "a new window");
         // Over budget again in the new window: the allowance is new too.
         for _ in 0..3 {
-            t.record_failure(ip(1), next);
+            t.fail(ip(1), next);
         }
         let granted = (0..10).filter(|_| t.may_introspect(ip(1), next)).count();
         assert_eq!(granted, INTROSPECTIONS_OVER_BUDGET as usize);
@@ -275,7 +319,7 @@ mod tests {
                 ipv6_prefix: prefix,
             });
             for _ in 0..3 {
-                t.record_failure(ip6(a), t0);
+                t.fail(ip6(a), t0);
             }
             assert!(t.check(ip6(a), t0).is_some(), "/{prefix} {a}");
             assert_eq!(t.check(ip6(b), t0).is_some(), same, "/{prefix} {a} {b}");
@@ -287,12 +331,12 @@ mod tests {
         let t = throttle(4);
         let t0 = Instant::now();
         for _ in 0..3 {
-            t.record_failure(ip(1), t0);
+            t.fail(ip(1), t0);
         }
         // 5000 addresses of one /64: one tracked client.
         for i in 0..5000u128 {
             let addr = std::net::Ipv6Addr::from(0x2001_0db8_0001_0002_0000_0000_0000_0000u128 + i);
-            t.record_failure(IpAddr::V6(addr), t0 + Duration::from_secs(1));
+            t.fail(IpAddr::V6(addr), t0 + Duration::from_secs(1));
         }
         assert_eq!(t.tracked(), 2);
         assert!(t.check(ip(1), t0 + Duration::from_secs(2)).is_some());
