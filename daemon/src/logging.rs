@@ -10,7 +10,8 @@
 //! - One callsite logs at most [`PER_CALLSITE`] events a second; the rest of that second
 //!   is counted, and the next event through the guard after it (from any callsite) is
 //!   preceded by one summary event (`origin`, `suppressed`, `interval`). The audit's own
-//!   target is exempt: the audit folds refusals past its own rate at the source.
+//!   target is exempt: the audit folds refusals past its own rate at the source; so is
+//!   [`UPSTREAM_STDERR`], whose lines are bounded per upstream where they are read.
 //! - On stderr, every line is also cut at [`MAX_LINE`] bytes (marked) and line breaks
 //!   inside it are escaped, so one event is one line.
 //! - In the journal, an event's `MESSAGE` is its message followed by its other fields as
@@ -41,8 +42,13 @@ pub const MAX_LINE: usize = 4096;
 pub const FIELD_CAP: usize = 3072;
 /// Events one callsite may log in one second.
 pub const PER_CALLSITE: u32 = 20;
-/// The target whose events are never suppressed here (the audit folds its own).
-const EXEMPT: &str = "robota_mcpd::audit";
+/// The audit's target: never suppressed here (the audit folds its own).
+const AUDIT: &str = "robota_mcpd::audit";
+/// The target of an upstream's stderr lines: never suppressed here either, because each
+/// upstream's lines are already bounded where they are read (10 a second per upstream, over
+/// all its children) — with the callsite's rate on top, one upstream's flood would push
+/// the others' lines out.
+pub const UPSTREAM_STDERR: &str = "robota_mcpd::upstream::stderr";
 
 /// Whether `JOURNAL_STREAM` (`<dev>:<ino>`) names our stderr.
 pub fn stderr_is_journal(journal_stream: Option<&str>) -> bool {
@@ -434,7 +440,7 @@ where
 
     fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
         let meta = event.metadata();
-        let (pass, ended) = if meta.target() == EXEMPT {
+        let (pass, ended) = if matches!(meta.target(), AUDIT | UPSTREAM_STDERR) {
             (true, Vec::new())
         } else {
             self.limiter.lock().admit(meta, (self.clock)())
@@ -705,9 +711,10 @@ mod tests {
                     tracing::warn!(target: "rmcp::service", "response error");
                 }
             }
-            // The audit target is never suppressed here.
+            // The audit's and the upstreams' stderr targets are never suppressed here.
             for _ in 0..100 {
                 tracing::warn!(target: "robota_mcpd::audit", "request refused");
+                tracing::info!(target: UPSTREAM_STDERR, "upstream stderr");
             }
             clock.store(5, Ordering::SeqCst);
             tracing::info!(target: "robota_mcpd::daemon", "stopped");
@@ -722,6 +729,7 @@ mod tests {
             2 * PER_CALLSITE as usize
         );
         assert_eq!(count("robota_mcpd::audit", "request refused"), 100);
+        assert_eq!(count(UPSTREAM_STDERR, "upstream stderr"), 100);
         assert_eq!(count("robota_mcpd::daemon", "stopped"), 1);
         let summaries: Vec<&Seen> = seen
             .iter()

@@ -709,9 +709,9 @@ async fn log_stderr(
         // The line is a quoted field, its control and invisible characters escaped: what
         // an upstream writes can never pass for the daemon's own fields.
         if whole {
-            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, line = ?text, "upstream stderr");
+            tracing::info!(target: crate::logging::UPSTREAM_STDERR, upstream = %upstream, line = ?text, "upstream stderr");
         } else {
-            tracing::info!(target: "robota_mcpd::upstream::stderr", upstream = %upstream, line = ?text, "upstream stderr (line cut)");
+            tracing::info!(target: crate::logging::UPSTREAM_STDERR, upstream = %upstream, line = ?text, "upstream stderr (line cut)");
         }
     }
     let suppressed = rate.take_suppressed();

@@ -2151,3 +2151,43 @@ async fn progress_from_upstreams_reaches_the_caller_paced() {
         notes.len()
     );
 }
+
+/// Found by an outside attack: upstream stderr went through the log's per-callsite rate
+/// (20 lines a second, all upstreams together) on top of each upstream's own 10, so two
+/// upstreams flooding stderr pushed a third's lines out of the log. Each upstream's
+/// allowance is its own now: the quiet one's ten lines all reach the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_upstreams_flooding_stderr_push_no_other_upstreams_lines_out() {
+    // About 100 lines a second each, for as long as the daemon waits for their handshake
+    // (and again after each restart; so the quiet one's lines may be said more than once).
+    let noisy = |name: &str| {
+        format!(
+            "[upstreams.{name}]\ncommand = [\"/bin/sh\", \"-c\", \"while :; do echo {name}-noise >&2; sleep 0.01; done\"]\nconnect_timeout = \"3s\"\n\n"
+        )
+    };
+    let quiet = "[upstreams.quiet]\ncommand = [\"/bin/sh\", \"-c\", \
+                 \"i=0; while [ $i -lt 10 ]; do i=$((i+1)); echo quiet-line-$i >&2; sleep 0.2; done; sleep 60\"]\n\
+                 connect_timeout = \"3s\"\n\n";
+    let d = Daemon::start(&format!("{}{}{quiet}", noisy("loud"), noisy("louder")));
+    let logged = |needle: &str| d.stderr_text().matches(needle).count();
+    let all_said = poll_until(LIMIT, Duration::from_millis(100), || {
+        (1..=10).all(|i| logged(&format!("\"quiet-line-{i}\"")) >= 1)
+    })
+    .await;
+    let said: Vec<usize> = (1..=10)
+        .map(|i| logged(&format!("\"quiet-line-{i}\"")))
+        .collect();
+    assert!(all_said, "the quiet upstream's lines in the log: {said:?}");
+    // The floods were there and were bounded: about 10 lines a second each, the rest
+    // counted.
+    let (loud, louder) = (logged("\"loud-noise\""), logged("\"louder-noise\""));
+    assert!(
+        loud >= 10 && louder >= 10,
+        "{loud} and {louder} noise lines"
+    );
+    assert!(
+        d.stderr_text()
+            .contains("upstream stderr lines past the rate, not logged"),
+        "the floods' rest is counted"
+    );
+}
