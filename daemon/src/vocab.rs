@@ -376,6 +376,9 @@ closed_set! {
         IdleTimeout = "idle-timeout",
         /// The peer took no byte of what it was sent for `idle_timeout`: closed.
         SendTimeout = "send-timeout",
+        /// HTTP/2 ended it for a flood past its limits (GOAWAY `ENHANCE_YOUR_CALM`): a
+        /// header block that never ends, streams reset faster than they are served, …
+        Flood = "flood",
     }
 }
 

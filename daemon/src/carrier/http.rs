@@ -394,12 +394,14 @@ impl<H: Handler> Conn<H> {
     }
 
     /// Book what hyper ended a connection for: a head over the caps (hyper answered 431
-    /// itself) or hyper's own head deadline.
+    /// itself), hyper's own head deadline, or an HTTP/2 flood.
     fn connection_error(&self, error: &(dyn std::error::Error + 'static)) {
         let Some(e) = error.downcast_ref::<hyper::Error>() else {
             return;
         };
-        if e.is_parse_too_large() {
+        if h2_flood(e) {
+            self.metrics.connection(self.name, ConnOutcome::Flood);
+        } else if e.is_parse_too_large() {
             self.handler.head_refused(self.peer, HeadRefusal::TooLarge);
         } else if e.is_timeout() {
             let expired = if self.ticket.admitted() == 0 {
@@ -410,6 +412,18 @@ impl<H: Handler> Conn<H> {
             self.metrics.connection(self.name, expired.outcome());
         }
     }
+}
+
+/// Whether HTTP/2 ended the connection for a flood past its own limits (GOAWAY
+/// `ENHANCE_YOUR_CALM`): a header block that never ends or decodes far past the cap,
+/// streams reset faster than they are served, a stream of empty DATA frames. (Which one,
+/// h2 does not say in the error it returns.)
+fn h2_flood(e: &hyper::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<h2::Error>())
+        .is_some_and(|h2| {
+            h2.is_go_away() && h2.is_library() && h2.reason() == Some(h2::Reason::ENHANCE_YOUR_CALM)
+        })
 }
 
 impl Expired {

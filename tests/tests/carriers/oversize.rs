@@ -200,6 +200,92 @@ async fn header_counts_and_http2_header_lists_over_the_limit_get_431() {
     d.assert_no_secrets();
 }
 
+/// One HTTP/2 frame: a 9-byte header and `payload`.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len())
+        .expect("small frame")
+        .to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// Found by an outside attack: a header block sent as CONTINUATION frames that never end
+/// was ended by HTTP/2 itself (GOAWAY) and counted nowhere. It is a connection ended for a
+/// flood now (no request exists to refuse).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_header_block_that_never_ends_is_counted_as_a_flood() {
+    let d = Daemon::start("");
+    let addr = d.loopback_addr();
+    let floods = || {
+        metric_sum(
+            &d.metrics_text().expect("metrics"),
+            &[
+                "robota_mcpd_connections_total",
+                "listener=\"loopback\"",
+                "outcome=\"flood\"",
+            ],
+        )
+    };
+    assert_eq!(floods(), 0.0);
+    // Literal header fields without indexing (RFC 7541 §6.2.2), 108 bytes each: ten to a
+    // frame, so the list stays far under the byte cap and only the frames' count is over.
+    let field = {
+        let mut f = vec![0x00, 5];
+        f.extend_from_slice(b"x-pad");
+        f.push(100);
+        f.extend_from_slice(&[b'a'; 100]);
+        f
+    };
+    let block = field.repeat(10);
+    let mut conn = Conn::connect(addr).await.expect("connect");
+    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    bytes.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
+    bytes.extend(h2_frame(0x1, 0x1, 1, &block)); // HEADERS, END_STREAM, no END_HEADERS
+    for _ in 0..40 {
+        bytes.extend(h2_frame(0x9, 0, 1, &block)); // CONTINUATION, no END_HEADERS
+    }
+    // The daemon may close before it has read everything sent.
+    let _ = conn.write(&bytes).await;
+    let answer = within(
+        QUICK,
+        "the daemon must end the connection",
+        conn.read_to_close(),
+    )
+    .await;
+    // Among the frames it sent, a GOAWAY (type 7) with ENHANCE_YOUR_CALM (0xb).
+    let mut frames = Vec::new();
+    let mut rest = &answer[..];
+    while rest.len() >= 9 {
+        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        let Some(payload) = rest.get(9..9 + len) else {
+            break;
+        };
+        frames.push((rest[3], payload.to_vec()));
+        rest = &rest[9 + len..];
+    }
+    assert!(
+        frames
+            .iter()
+            .any(|(kind, p)| *kind == 0x7 && p.get(4..8) == Some(&[0, 0, 0, 0xb][..])),
+        "no GOAWAY with ENHANCE_YOUR_CALM among the frames {:?}",
+        frames.iter().map(|(kind, _)| kind).collect::<Vec<_>>()
+    );
+    assert!(
+        poll_until(QUICK, Duration::from_millis(50), || floods() == 1.0).await,
+        "connections ended for a flood: {}",
+        floods()
+    );
+    // The listener goes on serving.
+    let resp = exchange(
+        addr,
+        &Request::mcp(addr.port(), Some(&d.bearer()), &tools_list(3)),
+    )
+    .await;
+    assert_served(&resp, 3, "after the flood");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_over_the_limit_get_413_on_http1_and_http2() {
     const LIMIT: usize = 64 * 1024;
