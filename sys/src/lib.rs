@@ -1,8 +1,9 @@
 //! Process-hardening system calls no safe wrapper offers: dropping every capability,
 //! closing the process's `/proc` files to its own user, W^X memory that children do not
-//! inherit, and the system-call filter that marks a confined upstream; and one question
-//! to a socket (how much of what was written its peer has not taken). Each is one system
-//! call; nothing here allocates or keeps state.
+//! inherit, and the system-call filter that marks a confined upstream; one question to a
+//! socket (how much of what was written its peer has not taken); and giving back the
+//! executable's pages that only start-up used. Each is one system call (the last one per
+//! mapping, after reading `/proc/self/smaps` to prove it harmless) and keeps no state.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -86,6 +87,73 @@ pub fn not_dumpable() -> io::Result<()> {
 pub fn no_fast_bins() {
     // SAFETY: mallopt with integer arguments only, before any other thread exists.
     unsafe { libc::mallopt(libc::M_MXFAST, 0) };
+}
+
+/// Unmaps the resident pages of this process's own executable that hold exactly the
+/// file's bytes (`MADV_DONTNEED` on its mappings without write permission and without an
+/// anonymous page — never the relocated read-only data, whose pages are the process's own
+/// copies), so they stop counting as its resident memory: the page cache keeps them, and
+/// one is mapped again, unchanged, when next touched. The bytes of address space so
+/// advised. Reads `/proc/self/smaps` to know which mappings qualify.
+pub fn unmap_clean_own_code() -> io::Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let exe = std::fs::metadata("/proc/self/exe")?;
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut advised = 0;
+    for (start, end) in clean_read_only(&smaps, exe.dev(), exe.ino()) {
+        // SAFETY: the range is a private mapping of the executable that cannot be written
+        // and has no page of its own (`Anonymous: 0 kB`), so every page dropped is read back
+        // from the file identical. Nothing in this process gains write permission to its
+        // own executable's mappings afterwards.
+        let ret =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        if ret == 0 {
+            advised += end - start;
+        }
+    }
+    Ok(advised)
+}
+
+/// The address ranges in `smaps` (the text of `/proc/<pid>/smaps`) of the file `dev`
+/// `inode` that are mapped without write permission and hold no anonymous page.
+fn clean_read_only(smaps: &str, dev: u64, inode: u64) -> Vec<(usize, usize)> {
+    let device = format!("{:02x}:{:02x}", libc::major(dev), libc::minor(dev));
+    let mut ranges = Vec::new();
+    // The mapping whose fields are being read: its range, if it is one of the file's
+    // read-only ones.
+    let mut current: Option<(usize, usize)> = None;
+    for line in smaps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let Some(first) = fields.next() else {
+            continue;
+        };
+        if first == "Anonymous:" {
+            if let Some(range) = current.take()
+                && fields.next() == Some("0")
+            {
+                ranges.push(range);
+            }
+            continue;
+        }
+        // A mapping's header: start-end perms offset dev inode [path].
+        let Some((start, end)) = first.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (
+            usize::from_str_radix(start, 16),
+            usize::from_str_radix(end, 16),
+        ) else {
+            continue;
+        };
+        let (perms, _offset, dev, ino) =
+            (fields.next(), fields.next(), fields.next(), fields.next());
+        current = (perms.is_some_and(|p| p.as_bytes().get(1) == Some(&b'-'))
+            && dev == Some(device.as_str())
+            && ino.and_then(|i| i.parse::<u64>().ok()) == Some(inode)
+            && start < end)
+            .then_some((start, end));
+    }
+    ranges
 }
 
 /// W^X for this process (memory never gains execute permission once writable), not
@@ -283,7 +351,71 @@ mod tests {
     use std::os::fd::AsFd;
     use std::time::{Duration, Instant};
 
-    use super::unsent_bytes;
+    use super::{clean_read_only, unmap_clean_own_code, unsent_bytes};
+
+    #[test]
+    fn only_the_executables_read_only_mappings_without_a_page_of_their_own() {
+        let smaps = "\
+55d0c0000000-55d0c0100000 r--p 00000000 fd:01 1234 /usr/bin/robota-mcpd
+Rss:                 100 kB
+Anonymous:             0 kB
+55d0c0100000-55d0c0900000 r-xp 00100000 fd:01 1234 /usr/bin/robota-mcpd
+Rss:                8000 kB
+Anonymous:             0 kB
+55d0c0900000-55d0c0a00000 r--p 00900000 fd:01 1234 /usr/bin/robota-mcpd
+Anonymous:           120 kB
+55d0c0a00000-55d0c0a10000 rw-p 00a00000 fd:01 1234 /usr/bin/robota-mcpd
+Anonymous:             0 kB
+55d0c1000000-55d0c1200000 rw-p 00000000 00:00 0 [heap]
+Anonymous:          2048 kB
+7f0000000000-7f0000100000 r-xp 00000000 fd:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+Anonymous:             0 kB
+7f0000200000-7f0000300000 r-xp 00000000 fd:02 1234 /mnt/other/same-inode
+Anonymous:             0 kB
+7f0000400000-7f0000500000 r-xp 00000000 fd:01 1234 /usr/bin/robota-mcpd (deleted)
+Anonymous:             0 kB
+7f0000600000-7f0000700000 r-xp 00000000 fd:01 1234 /usr/bin/robota-mcpd
+garbage line
+";
+        // fd:01 is major 253, minor 1.
+        let dev = libc::makedev(0xfd, 0x01);
+        assert_eq!(
+            clean_read_only(smaps, dev, 1234),
+            vec![
+                (0x55d0c0000000, 0x55d0c0100000),
+                (0x55d0c0100000, 0x55d0c0900000),
+                (0x7f0000400000, 0x7f0000500000),
+            ],
+            "not the relocated data (a page of its own), not writable, not another file, \
+             not one whose Anonymous line is missing"
+        );
+    }
+
+    /// The kB of `field` in `/proc/self/status`.
+    fn status_kib(field: &str) -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .expect(field)
+    }
+
+    #[test]
+    fn the_executables_clean_pages_leave_the_resident_set_and_it_runs_on() {
+        let before = status_kib("RssFile:");
+        let advised = unmap_clean_own_code().expect("unmapped");
+        let after = status_kib("RssFile:");
+        assert!(advised > 0, "nothing advised");
+        assert!(after < before, "RssFile {before} → {after} kB");
+        // Code, read-only data, unwind tables and the relocated tables all still work:
+        // formatting through trait objects, a panic caught and its message read.
+        let shown: Vec<Box<dyn std::fmt::Display>> = vec![Box::new(7u8), Box::new("x")];
+        assert_eq!(format!("{}{}", shown[0], shown[1]), "7x");
+        let caught = std::panic::catch_unwind(|| panic!("still unwinding"));
+        let message = caught.expect_err("panicked");
+        assert_eq!(message.downcast_ref::<&str>(), Some(&"still unwinding"));
+    }
 
     #[test]
     fn the_send_queue_holds_what_the_peer_has_not_taken() {

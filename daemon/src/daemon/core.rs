@@ -382,6 +382,7 @@ impl Core {
         });
         *self.state.write() = State::Serving;
         notify::ready(&self.ready_status());
+        release_start_up_code();
         Ok(outcome)
     }
 
@@ -696,4 +697,17 @@ pub(super) async fn start_session(
     upstreams.attach(&catalog);
     let session = Arc::new(plan.session(host, catalog, view));
     Ok((session, upstreams))
+}
+
+/// Start-up (and a reload or restart) runs code serving never runs again — the
+/// configuration's checks, schema compilation, the store's migrations, the D-Bus handshake
+/// — and the kernel maps an executable's pages 64 KiB around each page touched. Once ready,
+/// the executable's resident pages that hold exactly its file's bytes are unmapped: the
+/// page cache keeps them (a restart finds them there), what serving uses is mapped again on
+/// first use, and the rest no longer counts as the daemon's memory nor is held by it.
+pub(super) fn release_start_up_code() {
+    match robota_sys::unmap_clean_own_code() {
+        Ok(bytes) => tracing::debug!(bytes, "the executable's start-up pages unmapped"),
+        Err(e) => tracing::debug!(error = %e, "the executable's pages stay mapped"),
+    }
 }

@@ -291,6 +291,7 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
 
     *core.state.write() = State::Serving;
     notify::ready(&core.ready_status());
+    self::core::release_start_up_code();
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "ready");
 
     let mut watchdog = notify::watchdog_interval().map(tokio::time::interval);
