@@ -704,10 +704,11 @@ pub(super) async fn start_session(
 /// — and the kernel maps an executable's pages 64 KiB around each page touched. Once ready,
 /// the executable's resident pages that hold exactly its file's bytes are unmapped: the
 /// page cache keeps them (a restart finds them there), what serving uses is mapped again on
-/// first use, and the rest no longer counts as the daemon's memory nor is held by it.
+/// first use, and the rest no longer counts as the daemon's memory. On a blocking thread:
+/// reading `/proc/self/smaps` and advising each mapping is no work for a request worker.
 pub(super) fn release_start_up_code() {
-    match robota_sys::unmap_clean_own_code() {
+    tokio::task::spawn_blocking(|| match robota_sys::unmap_clean_own_code() {
         Ok(bytes) => tracing::debug!(bytes, "the executable's start-up pages unmapped"),
         Err(e) => tracing::debug!(error = %e, "the executable's pages stay mapped"),
-    }
+    });
 }
