@@ -84,9 +84,17 @@ impl PublicUrl {
         &self.origin
     }
 
-    /// The origin with its port spelled out, as rmcp's allow-list wants it.
-    pub fn origin_with_port(&self) -> String {
-        format!("https://{}:{}", self.host, self.port)
+    /// Whether an `Origin` header's value names the public origin (RFC 6454: scheme, host
+    /// and port; ASCII case aside, and the default port 443 either implied or spelled out).
+    pub fn is_origin(&self, value: &[u8]) -> bool {
+        let origin = self.origin.as_bytes();
+        if value.eq_ignore_ascii_case(origin) {
+            return true;
+        }
+        self.port == 443
+            && value.len() == origin.len() + 4
+            && value[..origin.len()].eq_ignore_ascii_case(origin)
+            && &value[origin.len()..] == b":443"
     }
 
     pub fn metadata_path(&self) -> &str {

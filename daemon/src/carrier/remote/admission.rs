@@ -46,7 +46,7 @@ pub fn route(uri: &Uri, headers: &HeaderMap, url: &PublicUrl) -> Result<Route, R
     let mut origins = headers.get_all(ORIGIN).iter();
     match (origins.next(), origins.next()) {
         (None, _) => {}
-        (Some(o), None) if o.as_bytes().eq_ignore_ascii_case(url.origin().as_bytes()) => {}
+        (Some(o), None) if url.is_origin(o.as_bytes()) => {}
         _ => return Err(Reason::WrongOrigin),
     }
     Ok(route)
@@ -408,6 +408,30 @@ mod tests {
                 "/team/ops/mcp",
                 vec![host, ("origin", "https://mcp.example.com")],
                 Ok(Route::Endpoint),
+            ),
+            (
+                "origin with its default port spelled out",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://MCP.example.com:443")],
+                Ok(Route::Endpoint),
+            ),
+            (
+                "origin with another port",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://mcp.example.com:8443")],
+                Err(Reason::WrongOrigin),
+            ),
+            (
+                "origin with a port that only starts as the default",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://mcp.example.com:4430")],
+                Err(Reason::WrongOrigin),
+            ),
+            (
+                "origin with a path",
+                "/team/ops/mcp",
+                vec![host, ("origin", "https://mcp.example.com:443/")],
+                Err(Reason::WrongOrigin),
             ),
             (
                 "origin null",
