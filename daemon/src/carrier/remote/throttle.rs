@@ -106,9 +106,7 @@ impl Throttle {
         let Some(w) = windows.get_mut(&client) else {
             return true;
         };
-        if now.saturating_duration_since(w.start) >= self.config.window
-            || w.failures < self.config.failures
-        {
+        if self.left(w, now).is_none() {
             return true;
         }
         if w.introspections < INTROSPECTIONS_OVER_BUDGET {
@@ -135,7 +133,7 @@ impl Throttle {
             return over;
         }
         if windows.len() >= self.config.max_addresses {
-            windows.retain(|_, w| now.saturating_duration_since(w.start) < self.config.window);
+            windows.retain(|_, w| self.live(w, now));
         }
         if windows.len() >= self.config.max_addresses
             && let Some(oldest) = windows.iter().min_by_key(|(_, w)| w.start).map(|(a, _)| *a)
