@@ -4,7 +4,7 @@
 #   packaging/check-unit.sh [--binary PATH] [--man-dir DIR] [--root DIR] [UNIT]
 #
 # UNIT       the unit file (default: systemd/robota-mcpd.service)
-# --binary   a built robota-mcpd (default: $CARGO_TARGET_DIR/release/robota-mcpd). The unit is
+# --binary   a built robota-mcpd (default: $CARGO_TARGET_DIR/dist/robota-mcpd). The unit is
 #            verified as a copy whose ExecStart names this file, because systemd-analyze
 #            verify refuses an ExecStart binary that does not exist, and this machine has
 #            no /usr/bin/robota-mcpd (ExecReload= likewise names robota-mcpctl beside it).
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 MAX_EXPOSURE=${MAX_EXPOSURE:-2.5}
 target_dir=${CARGO_TARGET_DIR:-target}
 unit=systemd/robota-mcpd.service
-binary=$target_dir/release/robota-mcpd
+binary=$target_dir/dist/robota-mcpd
 man_dir=
 root=
 while (($#)); do

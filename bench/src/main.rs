@@ -164,7 +164,7 @@ fn main() -> ExitCode {
     let daemon_binary = mcpd::binary_dir().join("robota-mcpd");
     if procfs::binary_is_stale(&workspace_root(), &daemon_binary) {
         eprintln!(
-            "robota-bench: warning: {} is older than daemon/ or proto/: rebuild it with `cargo build --release -p robota-mcpd -p robota-mcpctl`",
+            "robota-bench: warning: {} is older than daemon/ or proto/: rebuild it with `cargo build --profile dist -p robota-mcpd -p robota-mcpctl`",
             daemon_binary.display()
         );
     }

@@ -40,21 +40,27 @@ pub const MATRIX_PER_CALLER: &str = "max_in_flight_per_caller = 32";
 
 /// Fails early, with the command to run, when the daemon binaries are missing.
 pub fn check_binaries() -> Result<(), String> {
-    let dir = robota_e2e::bin_dir();
-    for name in ["robota-mcpd", "robota-mcpctl", "robota-e2e-upstream"] {
-        if !dir.join(name).is_file() {
+    let daemon = binary_dir();
+    let fixtures = robota_e2e::bin_dir();
+    for path in [
+        daemon.join("robota-mcpd"),
+        daemon.join("robota-mcpctl"),
+        fixtures.join("robota-e2e-upstream"),
+    ] {
+        if !path.is_file() {
             return Err(format!(
-                "{} is missing: build it first with `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`",
-                dir.join(name).display()
+                "{} is missing: build it first (the commands at the top of docs/benchmarks.md)",
+                path.display()
             ));
         }
     }
     Ok(())
 }
 
-/// The directory of the daemon binaries this run uses.
+/// The directory of the daemon binaries this run uses: the shipped build's when
+/// `ROBOTA_BIN_DIR` names it, as the documented command does.
 pub fn binary_dir() -> PathBuf {
-    robota_e2e::bin_dir()
+    robota_e2e::daemon_bin_dir()
 }
 
 /// A daemon with the harness's config, the loopback carrier only, and

@@ -222,6 +222,15 @@ fn source(workspace: &Path, binary: &Path) -> String {
     if dirty {
         text.push_str(" with uncommitted changes under daemon/");
     }
+    // target/<profile>/robota-mcpd: which build was measured.
+    let build = binary
+        .parent()
+        .and_then(Path::file_name)
+        .map_or_else(|| "?".to_owned(), |p| p.to_string_lossy().into_owned());
+    text.push_str(&format!(", the `{build}` build"));
+    if build != "dist" {
+        text.push_str(" (**not the shipped `dist` build**: set ROBOTA_BIN_DIR)");
+    }
     if binary_is_stale(workspace, binary) {
         text.push_str("; **the robota-mcpd binary is older than its sources** (rebuild it)");
     }

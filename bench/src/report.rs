@@ -12,8 +12,9 @@ use crate::procfs::Machine;
 
 /// The command that produces this page.
 pub const COMMAND: &str = "npm ci --prefix tests/oidc\n\
-cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e\n\
-cargo run --release -p robota-bench -- --write-docs";
+cargo build --profile dist -p robota-mcpd -p robota-mcpctl\n\
+cargo build --release -p robota-e2e\n\
+ROBOTA_BIN_DIR=$PWD/target/dist cargo run --release -p robota-bench -- --write-docs";
 
 /// Hand-written analysis of the last profiled run (perf evidence for missed targets).
 const ANALYSIS: &str = include_str!("../analysis.md");
@@ -342,7 +343,8 @@ impl Report {
              hyper-util's HTTP/1.1 + h2c builder with head deadlines), no admission; its tool list \
              is the daemon's own `tools/list` result ({} tools, {} bytes) and its `system.info` \
              does the daemon tool's work — the ceiling for the SDK;\n\
-             \x20 - *robota-mcpd loopback*: the release binary with the default loopback \
+             \x20 - *robota-mcpd loopback*: the shipped binary (the `dist` build; *daemon source* above \
+             says which build this run measured) with the default loopback \
              configuration, started as the end-to-end tests start it, host bearer from \
              `robota-mcpctl bearer issue`;\n\
              \x20 - *robota-mcpd remote*: the same binary with a plain-HTTP `[remote]` listener \

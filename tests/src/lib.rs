@@ -54,21 +54,47 @@ pub fn bin_dir() -> PathBuf {
 
 /// Path of a workspace binary; panics with a clear message when it has not been built.
 pub fn bin(name: &str) -> PathBuf {
-    let path = bin_dir().join(name);
+    built(bin_dir().join(name))
+}
+
+/// The environment variable naming the directory of the robota-mcpd and robota-mcpctl
+/// under test: tests/run sets it to the shipped build's (`target/dist/`).
+pub const BIN_DIR_ENV: &str = "ROBOTA_BIN_DIR";
+
+/// Directory holding the robota-mcpd and robota-mcpctl under test: [`BIN_DIR_ENV`] when set
+/// (the `dist` build, which the package ships; an absolute path, since cargo runs each
+/// test in its package's directory), else [`bin_dir`] (the build cargo made with the
+/// tests).
+pub fn daemon_bin_dir() -> PathBuf {
+    let Some(dir) = std::env::var_os(BIN_DIR_ENV).filter(|dir| !dir.is_empty()) else {
+        return bin_dir();
+    };
+    let dir = PathBuf::from(dir);
+    assert!(
+        dir.is_absolute(),
+        "{BIN_DIR_ENV}={} is relative: give an absolute path (cargo runs each test in its package's directory)",
+        dir.display()
+    );
+    dir
+}
+
+fn built(path: PathBuf) -> PathBuf {
     assert!(
         path.is_file(),
-        "{} not found: build the workspace first: cargo build --workspace",
+        "{} not found: build the workspace first (cargo build --release --workspace), or the \
+         shipped binaries into {BIN_DIR_ENV} (cargo build --profile dist -p robota-mcpd -p \
+         robota-mcpctl; {BIN_DIR_ENV}=$PWD/target/dist)",
         path.display()
     );
     path
 }
 
 pub fn mcpd_bin() -> PathBuf {
-    bin("robota-mcpd")
+    built(daemon_bin_dir().join("robota-mcpd"))
 }
 
 pub fn mcpctl_bin() -> PathBuf {
-    bin("robota-mcpctl")
+    built(daemon_bin_dir().join("robota-mcpctl"))
 }
 
 /// Awaits `fut` for at most `limit`; panics naming `what` on timeout.

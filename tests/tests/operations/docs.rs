@@ -116,11 +116,11 @@ const NOT_RUNNABLE: &[(&str, &str)] = &[
         "installs a package system-wide; the package is built by packaging/",
     ),
     (
-        "cargo build --release --locked -p robota-mcpd -p robota-mcpctl",
-        "a second full release build; this test runs the binaries cargo already built",
+        "cargo build --profile dist --locked -p robota-mcpd -p robota-mcpctl",
+        "the shipped build; this test runs the binaries tests/run already built",
     ),
     (
-        "install -m 0755 target/release/robota-mcpd target/release/robota-mcpctl /usr/bin/",
+        "install -m 0755 target/dist/robota-mcpd target/dist/robota-mcpctl /usr/bin/",
         "writes /usr/bin on the build machine",
     ),
     (
