@@ -2,7 +2,7 @@
 //! hyper server and a stock rmcp server, all driven by one load generator in one run.
 //!
 //! The lifecycle: check the daemon binaries, start every server (the baselines as child
-//! processes of this binary, robota-mcpd as the real release binary), run the throughput
+//! processes of this binary, robota-mcpd as the real shipped binary), run the throughput
 //! matrix, the bad-token flood, the process figures, then print the report and, with
 //! `--write-docs`, write it to `docs/benchmarks.md`.
 
@@ -37,8 +37,10 @@ use robota_e2e::oidc::Oidc;
 
 /// Benchmarks robota-mcpd against a plain hyper server and a stock rmcp server.
 ///
-/// Build the daemon first: `cargo build --release -p robota-mcpd -p robota-mcpctl -p robota-e2e`;
-/// the opaque-token cells need oidc-provider: `npm ci --prefix tests/oidc`.
+/// Build the shipped daemon first and name its directory (an absolute path):
+/// `cargo build --profile dist -p robota-mcpd -p robota-mcpctl`, `cargo build --release -p
+/// robota-e2e`, then `ROBOTA_BIN_DIR=$PWD/target/dist`; unset, the test build's daemon is
+/// measured. The opaque-token cells need oidc-provider: `npm ci --prefix tests/oidc`.
 #[derive(Debug, Parser)]
 #[command(name = "robota-bench")]
 struct Args {

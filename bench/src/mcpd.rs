@@ -1,4 +1,4 @@
-//! robota-mcpd under test: the real release binary started by the e2e harness (config in
+//! robota-mcpd under test: the real shipped binary started by the e2e harness (config in
 //! a temp dir, `READY=1` on a private notify socket, port 0, addresses from
 //! `robota-mcpctl --json status`), and for the remote carrier an ES256 key set of four
 //! keys in a `jwks_file` plus the tokens the load generator sends; for opaque tokens the

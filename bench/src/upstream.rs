@@ -340,7 +340,7 @@ impl UpstreamRun {
              A trivial tool (`ping`, answering `pong`) of our rmcp server — the e2e fixture \
              `robota-e2e-upstream rmcp-http`: rmcp's stateless Streamable HTTP service \
              answering JSON, on hyper's HTTP/1.1 server — called directly, and the same tool \
-             through the loopback carrier of the same release daemon with that server as an \
+             through the loopback carrier of the same daemon binary with that server as an \
              HTTP backend (`[upstreams.rh] url`, `rh.ping`) and as a shared stdio child \
              (`[upstreams.rs] command = [… \"rmcp-stdio\"]`, `rs.ping`); same requests, load \
              generator, cell timing and rounds as above. *Server CPU* is the daemon's alone \
