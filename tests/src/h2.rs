@@ -2,6 +2,23 @@
 
 /// How long one HTTP/2 exchange may take.
 pub const EXCHANGE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The client's connection preface (RFC 9113 §3.4), for tests that write raw frames.
+pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// One raw HTTP/2 frame: its 9-byte header (`payload`'s length, `kind`, `flags`, `stream`)
+/// and `payload`, which must be under 16 MiB.
+pub fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|n| *n < 1 << 24)
+        .expect("an HTTP/2 frame's payload is under 16 MiB")
+        .to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::pin::Pin;

@@ -12,7 +12,7 @@ use base64::Engine as _;
 use robota_e2e::http::{
     Conn, Request, Response, exchange, tool_error_code, tools_call, tools_list,
 };
-use robota_e2e::{Daemon, metric_sum, poll_until, within};
+use robota_e2e::{Daemon, h2, metric_sum, poll_until, within};
 use serde_json::{Value, json};
 
 const QUICK: Duration = Duration::from_secs(5);
@@ -200,17 +200,6 @@ async fn header_counts_and_http2_header_lists_over_the_limit_get_431() {
     d.assert_no_secrets();
 }
 
-/// One HTTP/2 frame: a 9-byte header and `payload`.
-fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = u32::try_from(payload.len())
-        .expect("small frame")
-        .to_be_bytes();
-    let mut frame = vec![len[1], len[2], len[3], kind, flags];
-    frame.extend_from_slice(&stream.to_be_bytes());
-    frame.extend_from_slice(payload);
-    frame
-}
-
 /// Found by an outside attack: a header block sent as CONTINUATION frames that never end
 /// was ended by HTTP/2 itself (GOAWAY) and counted nowhere. It is a connection ended for a
 /// flood now (no request exists to refuse).
@@ -240,11 +229,11 @@ async fn an_http2_header_block_that_never_ends_is_counted_as_a_flood() {
     };
     let block = field.repeat(10);
     let mut conn = Conn::connect(addr).await.expect("connect");
-    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    bytes.extend(h2_frame(0x4, 0, 0, &[])); // SETTINGS
-    bytes.extend(h2_frame(0x1, 0x1, 1, &block)); // HEADERS, END_STREAM, no END_HEADERS
+    let mut bytes = h2::PREFACE.to_vec();
+    bytes.extend(h2::frame(0x4, 0, 0, &[])); // SETTINGS
+    bytes.extend(h2::frame(0x1, 0x1, 1, &block)); // HEADERS, END_STREAM, no END_HEADERS
     for _ in 0..40 {
-        bytes.extend(h2_frame(0x9, 0, 1, &block)); // CONTINUATION, no END_HEADERS
+        bytes.extend(h2::frame(0x9, 0, 1, &block)); // CONTINUATION, no END_HEADERS
     }
     // The daemon may close before it has read everything sent.
     let _ = conn.write(&bytes).await;

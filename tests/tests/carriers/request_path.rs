@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use robota_e2e::h2::{H2Conn, TestBody};
+use robota_e2e::h2::{self, H2Conn, TestBody};
 use robota_e2e::http::{
     Conn, Request, Response, exchange, tool_error_code, tools_call, tools_list, try_exchange,
 };
@@ -24,10 +24,6 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 const QUICK: Duration = Duration::from_secs(5);
 /// What "served promptly" means while a flood runs.
 const PROMPT: Duration = Duration::from_secs(1);
-
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-/// An empty SETTINGS frame (length 0, type 4, no flags, stream 0).
-const EMPTY_SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
 
 /// A connection that sent `bytes` and then nothing.
 async fn stall(addr: SocketAddr, bytes: &[u8]) -> Conn {
@@ -60,8 +56,9 @@ async fn every_byte_before_a_head_is_under_the_head_deadline() {
         .start();
     let addr = d.loopback_addr();
     let bearer = d.bearer();
-    let preface_and_settings = [H2_PREFACE, &EMPTY_SETTINGS[..]].concat();
-    let kinds: [&[u8]; 4] = [b"", b"P", H2_PREFACE, &preface_and_settings];
+    // The preface, then an empty SETTINGS frame.
+    let preface_and_settings = [h2::PREFACE, &h2::frame(0x4, 0, 0, &[])].concat();
+    let kinds: [&[u8]; 4] = [b"", b"P", h2::PREFACE, &preface_and_settings];
     // Every slot (64) held by a peer that is silent, sent one byte, the HTTP/2 preface, or
     // the preface and its SETTINGS.
     let mut stalled = Vec::new();
