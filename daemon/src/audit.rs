@@ -359,7 +359,7 @@ impl Log {
         for line in self.lines {
             match line {
                 Line::Refused(r) => tracing::warn!(
-                    target: "robota_mcpd::audit",
+                    target: crate::logging::AUDIT,
                     carrier = %r.carrier.as_str(),
                     reason = %r.reason.as_str(),
                     throttled = r.throttled,
@@ -367,7 +367,7 @@ impl Log {
                     "request refused"
                 ),
                 Line::Folded(f) => tracing::warn!(
-                    target: "robota_mcpd::audit",
+                    target: crate::logging::AUDIT,
                     carrier = %f.key.carrier.as_str(),
                     reason = %f.key.reason.as_str(),
                     throttled = f.key.throttled,
@@ -547,7 +547,7 @@ impl Audit {
         tool: Option<&str>,
     ) {
         tracing::info!(
-            target: "robota_mcpd::audit",
+            target: crate::logging::AUDIT,
             event = event.as_str(),
             grant_id,
             caller,
@@ -570,7 +570,7 @@ impl Audit {
     /// seen (held), or an approval by the operator (`by` = `local:<uid>`).
     pub fn upstream(&self, event: UpstreamEvent, name: &str, surface: &str, by: &str) {
         tracing::info!(
-            target: "robota_mcpd::audit",
+            target: crate::logging::AUDIT,
             event = event.as_str(),
             upstream = name,
             surface,

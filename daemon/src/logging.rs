@@ -43,7 +43,7 @@ pub const FIELD_CAP: usize = 3072;
 /// Events one callsite may log in one second.
 pub const PER_CALLSITE: u32 = 20;
 /// The audit's target: never suppressed here (the audit folds its own).
-const AUDIT: &str = "robota_mcpd::audit";
+pub const AUDIT: &str = "robota_mcpd::audit";
 /// The target of an upstream's stderr lines: never suppressed here either, because each
 /// upstream's lines are already bounded where they are read (10 a second per upstream, over
 /// all its children) — with the callsite's rate on top, one upstream's flood would push
@@ -629,7 +629,7 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let problem = "upstreams.fs.command: no such file";
             tracing::error!(problem, "reload refused; the running configuration stays");
-            tracing::warn!(target: "robota_mcpd::audit", reason = "bad-bearer", carrier = %"loopback", "request refused");
+            tracing::warn!(target: AUDIT, reason = "bad-bearer", carrier = %"loopback", "request refused");
             tracing::info!("ready");
         });
         let seen = recorder.0.lock().clone();
@@ -650,7 +650,7 @@ mod tests {
             seen[1].field("message"),
             Some("request refused reason=bad-bearer carrier=loopback")
         );
-        assert_eq!(seen[1].target, "robota_mcpd::audit");
+        assert_eq!(seen[1].target, AUDIT);
         assert_eq!(seen[1].field("reason"), Some("bad-bearer"));
         assert_eq!(seen[2].field("message"), Some("ready"));
         assert_eq!(seen[2].fields.len(), 1);
@@ -713,7 +713,7 @@ mod tests {
             }
             // The audit's and the upstreams' stderr targets are never suppressed here.
             for _ in 0..100 {
-                tracing::warn!(target: "robota_mcpd::audit", "request refused");
+                tracing::warn!(target: AUDIT, "request refused");
                 tracing::info!(target: UPSTREAM_STDERR, "upstream stderr");
             }
             clock.store(5, Ordering::SeqCst);
@@ -728,7 +728,7 @@ mod tests {
             count("rmcp::service", "response error"),
             2 * PER_CALLSITE as usize
         );
-        assert_eq!(count("robota_mcpd::audit", "request refused"), 100);
+        assert_eq!(count(AUDIT, "request refused"), 100);
         assert_eq!(count(UPSTREAM_STDERR, "upstream stderr"), 100);
         assert_eq!(count("robota_mcpd::daemon", "stopped"), 1);
         let summaries: Vec<&Seen> = seen

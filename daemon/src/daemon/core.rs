@@ -286,8 +286,16 @@ impl Core {
         out
     }
 
+    /// Serving (at start, and again after a reload or restart): the state, `READY=1` with
+    /// the serving status, and start-up's code given back ([`release_start_up_code`]).
+    pub(super) fn serving(&self) {
+        *self.state.write() = State::Serving;
+        notify::ready(&self.ready_status());
+        release_start_up_code();
+    }
+
     /// `STATUS=` once serving.
-    pub(super) fn ready_status(&self) -> String {
+    fn ready_status(&self) -> String {
         let places: Vec<String> = self
             .places()
             .into_iter()
@@ -380,9 +388,7 @@ impl Core {
             at: SystemTime::now(),
             problems: outcome.clone().err().unwrap_or_default(),
         });
-        *self.state.write() = State::Serving;
-        notify::ready(&self.ready_status());
-        release_start_up_code();
+        self.serving();
         Ok(outcome)
     }
 
@@ -706,7 +712,7 @@ pub(super) async fn start_session(
 /// page cache keeps them (a restart finds them there), what serving uses is mapped again on
 /// first use, and the rest no longer counts as the daemon's memory. On a blocking thread:
 /// reading `/proc/self/smaps` and advising each mapping is no work for a request worker.
-pub(super) fn release_start_up_code() {
+fn release_start_up_code() {
     tokio::task::spawn_blocking(|| match robota_sys::unmap_clean_own_code() {
         Ok(bytes) => tracing::debug!(bytes, "the executable's start-up pages unmapped"),
         Err(e) => tracing::debug!(error = %e, "the executable's pages stay mapped"),

@@ -289,9 +289,7 @@ async fn serve(bound: Bound, shutdown: CancellationToken) -> Result<(), DaemonEr
         listeners.clone(),
     )));
 
-    *core.state.write() = State::Serving;
-    notify::ready(&core.ready_status());
-    self::core::release_start_up_code();
+    core.serving();
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "ready");
 
     let mut watchdog = notify::watchdog_interval().map(tokio::time::interval);
