@@ -1,5 +1,16 @@
 //! HTTP/2 with prior knowledge (h2c), with request bodies the tests shape themselves.
 
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, SizeHint};
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
 /// How long one HTTP/2 exchange may take.
 pub const EXCHANGE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -19,16 +30,6 @@ pub fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     frame.extend_from_slice(payload);
     frame
 }
-use std::collections::VecDeque;
-use std::net::SocketAddr;
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::{Body, Frame, SizeHint};
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// A request body: whole (its length declared), given chunks or `left` bytes of JSON
 /// whitespace with no length declared, or one that never sends a byte.
