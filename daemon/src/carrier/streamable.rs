@@ -37,7 +37,6 @@ use rmcp::service::{RequestContext, RunningService, RxJsonRpcMessage, Service, T
 use rmcp::transport::Transport;
 use serde_json::Value;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use super::http::Body;
 use crate::mcp::{AnswerSlot, McpServer, ProgressSender};
@@ -518,9 +517,8 @@ pub async fn answer<S: RuntimeTools + TurnSubmission, H: Send + Sync + Unpin + '
         parts.extensions.insert(ProgressSender(tx));
         rx
     });
-    let cancel = CancellationToken::new();
     let mut context = RequestContext::new(id.clone(), peer.peer.clone());
-    context.ct = cancel.clone();
+    let cancel = context.ct.clone();
     context.meta = std::mem::take(request.get_meta_mut());
     context.extensions = std::mem::take(request.extensions_mut());
     context.extensions.insert(parts);
