@@ -137,6 +137,9 @@ pub(super) struct Core {
     pub scraper: Mutex<Option<Scraper>>,
     /// Carriers a reload handed over, still serving what they had accepted.
     pub handed: Mutex<Vec<crate::transport::Handed>>,
+    /// The upstreams of sessions a reload replaced, each serving the calls the handed-over
+    /// carriers are finishing until its task stops it ([`Core::retire_upstreams`]).
+    pub retired: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Who may use the control socket: a reload changes it for new connections.
     pub control: Arc<RwLock<ControlConfig>>,
     pub control_path: String,
@@ -496,7 +499,7 @@ impl Core {
         let new_bearer = fresh || self.served().plan.config.loopback != config.loopback;
         self.hand_over_carriers().await;
         *self.session.write() = None;
-        self.stop_upstreams().await;
+        self.retire_upstreams();
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
         *self.served.write() = Arc::new(next.served);
         self.settle(&config).await?;
@@ -576,12 +579,45 @@ impl Core {
         Ok(())
     }
 
-    /// Stops the current session's upstreams (their children get SIGTERM, then SIGKILL).
+    /// Stops the current session's upstreams (their children get SIGTERM, then SIGKILL),
+    /// and waits for those a reload retired to be stopped.
     pub(super) async fn stop_upstreams(&self) {
-        let upstreams = self.upstreams.write().take();
-        if let Some(upstreams) = upstreams {
+        let current = self.upstreams.write().take();
+        let retired = std::mem::take(&mut *self.retired.lock());
+        let current = async {
+            if let Some(upstreams) = current {
+                upstreams.stop().await;
+            }
+        };
+        tokio::join!(current, futures_util::future::join_all(retired));
+    }
+
+    /// A reload's end of the current session's upstreams: a call the handed-over carriers
+    /// are still finishing may be waiting on one, so they serve on and start no child
+    /// again ([`Upstreams::retire`]); they are stopped once no handed-over carrier serves
+    /// (a final stop finishes them all), or once the longest any call to them may take
+    /// has passed.
+    fn retire_upstreams(self: &Arc<Self>) {
+        let Some(upstreams) = self.upstreams.write().take() else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + upstreams.retire();
+        let core = Arc::downgrade(self);
+        let task = tokio::spawn(async move {
+            while tokio::time::Instant::now() < deadline {
+                let serving = core
+                    .upgrade()
+                    .is_some_and(|c| c.handed.lock().iter().any(|h| !h.is_finished()));
+                if !serving {
+                    break;
+                }
+                tokio::time::sleep(RETIRED_POLL).await;
+            }
             upstreams.stop().await;
-        }
+        });
+        let mut retired = self.retired.lock();
+        retired.retain(|t| !t.is_finished());
+        retired.push(task);
     }
 
     /// The carriers' stop of a reload: they accept nothing more at once, and serve what
@@ -628,6 +664,10 @@ impl Core {
         }
     }
 }
+
+/// How often a reload's retired upstreams look whether the carriers it handed over still
+/// serve.
+const RETIRED_POLL: Duration = Duration::from_millis(100);
 
 /// A reload's next state, ready to switch to.
 struct Next {

@@ -242,6 +242,7 @@ async fn bind(mut plan: Plan) -> Result<Bound, DaemonError> {
         sockets,
         scraper: Mutex::new(None),
         handed: Mutex::new(Vec::new()),
+        retired: Mutex::new(Vec::new()),
         relays: RwLock::new(CancellationToken::new()),
         ops: ops_tx,
         last_reload: Mutex::new(None),

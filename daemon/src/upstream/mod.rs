@@ -20,6 +20,7 @@ pub mod tool;
 
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -147,6 +148,22 @@ impl Upstreams {
         self.list.iter().find(|u| u.config.name == name)
     }
 
+    /// Sets every upstream apart, for a reload: each keeps serving the calls under way on
+    /// its child or backend, starts no child again if that one ends, and leaves its
+    /// metrics to the upstream of the same name that replaces it. Returns the longest a
+    /// call to any of them may still take (connecting, then the call's own bound), after
+    /// which none is waited on.
+    pub fn retire(&self) -> Duration {
+        for upstream in &self.list {
+            upstream.retired.store(true, Ordering::Relaxed);
+        }
+        self.list
+            .iter()
+            .map(|u| u.config.connect_timeout + u.config.call_timeout)
+            .max()
+            .unwrap_or_default()
+    }
+
     /// Stops every upstream: children get SIGTERM, then SIGKILL after a grace.
     pub async fn stop(&self) {
         let stops = self.list.iter().map(|u| u.shutdown());
@@ -237,6 +254,8 @@ pub struct Upstream {
     stderr_rate: Arc<StderrRate>,
     catalog: Mutex<Weak<Catalog>>,
     supervisor: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Set apart by a reload ([`Upstreams::retire`]).
+    retired: AtomicBool,
     pin: Mutex<PinState>,
     /// A stdio upstream's executable: what identifies the file, and its SHA-256.
     executable: Mutex<Option<(ExecutableKey, String)>>,
@@ -326,6 +345,7 @@ impl Upstream {
             stderr_rate: Arc::default(),
             catalog: Mutex::new(Weak::new()),
             supervisor: Mutex::new(None),
+            retired: AtomicBool::new(false),
             pin: Mutex::new(PinState::default()),
             executable: Mutex::new(None),
             config,
@@ -371,9 +391,12 @@ impl Upstream {
             shown.last_error = Some(error);
         }
         drop(shown);
-        self.context
-            .metrics
-            .upstream_up(&self.config.name, state == UpstreamState::Up);
+        // A retired upstream's name is its successor's to report.
+        if !self.retired.load(Ordering::Relaxed) {
+            self.context
+                .metrics
+                .upstream_up(&self.config.name, state == UpstreamState::Up);
+        }
     }
 
     fn not_ready_in_time(&self, bound: Duration) {
@@ -395,6 +418,10 @@ impl Upstream {
         let mut delay = backoff.initial;
         let mut first = true;
         loop {
+            // A retired upstream serves its child until it ends, and starts no other.
+            if !first && self.retired.load(Ordering::Relaxed) {
+                break;
+            }
             if !first {
                 self.shown.lock().restarts += 1;
                 self.context.metrics.upstream_restart(&self.config.name);

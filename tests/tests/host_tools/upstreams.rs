@@ -1305,6 +1305,55 @@ async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
     client.close().await;
 }
 
+/// A reload lets a call under way on a shared child finish (it was answered
+/// `outcome_unknown`, the child stopped under it): the handed-over carrier serves it on
+/// the old session's child, which starts no other and is stopped once the carrier is
+/// done; the new session has a child of its own, and `robota_mcpd_upstream_up` is its.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rs]\ncommand = {}\n\n{}",
+        fixture_command(&["rmcp-stdio"]),
+        allow(&["rs"])
+    ));
+    wait_state(&d, "rs", "up");
+    let bearer = d.bearer();
+    let pid_of = |v: Value| i32::try_from(v["pid"].as_u64().expect("a pid")).expect("a pid");
+    let client = McpClient::connect(&d, &bearer).await;
+    let old = pid_of(client.call("rs.pid", json!({})).await.ok("the child's pid"));
+    let sleeper = tokio::spawn(async move {
+        let outcome = client.call("rs.sleep", json!({"ms": 2000})).await;
+        client.close().await;
+        outcome
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    d.ctl_ok(&["reload"]);
+    within(LIMIT, "the call under way", sleeper)
+        .await
+        .expect("the call's task")
+        .ok("a call under way across a reload");
+    let client = McpClient::connect(&d, &bearer).await;
+    let new = pid_of(
+        client
+            .call("rs.pid", json!({}))
+            .await
+            .ok("the new child's pid"),
+    );
+    assert_ne!(old, new, "the new session's child is its own");
+    assert!(
+        poll_until(LIMIT, Duration::from_millis(50), || !alive(old)).await,
+        "the old session's child was not stopped"
+    );
+    assert!(alive(new), "the new session's child was stopped");
+    let metrics = d.metrics_text().unwrap_or_default();
+    assert_eq!(
+        metric_sum(&metrics, &["robota_mcpd_upstream_up", "upstream=\"rs\""]),
+        1.0,
+        "{metrics}"
+    );
+    client.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctl_upstreams_lists_and_restarts_and_a_daemon_restart_rebuilds_them() {
     let d = Daemon::start(&format!(
