@@ -47,10 +47,16 @@ impl Drain {
 /// A carrier handed over by a reload, still serving what it had accepted.
 pub struct Handed {
     drain: Drain,
+    ended: CancellationToken,
     task: JoinHandle<()>,
 }
 
 impl Handed {
+    /// Fires once it has served everything it had, or was finished.
+    pub fn ended(&self) -> CancellationToken {
+        self.ended.clone()
+    }
+
     /// Whether it has served everything it had.
     pub fn is_finished(&self) -> bool {
         self.task.is_finished()
@@ -226,10 +232,11 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
         let ended = CancellationToken::new();
         let serve = self.carrier.clone().serve(bound, server, drain.clone());
         let task = tokio::spawn({
-            let ended = ended.clone();
+            // Fired when serving ends, and when the task is aborted.
+            let ended = ended.clone().drop_guard();
             async move {
                 serve.await;
-                ended.cancel();
+                drop(ended);
             }
         });
         Ok(Running {
@@ -286,6 +293,7 @@ impl<S: RuntimeTools + TurnSubmission, C: Carrier> McpTransport<S, C> {
         running.drain.accept.cancel();
         Some(Handed {
             drain: running.drain,
+            ended: running.ended,
             task: running.task,
         })
     }

@@ -137,8 +137,8 @@ pub(super) struct Core {
     pub scraper: Mutex<Option<Scraper>>,
     /// Carriers a reload handed over, still serving what they had accepted.
     pub handed: Mutex<Vec<crate::transport::Handed>>,
-    /// The upstreams of sessions a reload replaced, each serving the calls the handed-over
-    /// carriers are finishing until its task stops it ([`Core::retire_upstreams`]).
+    /// The upstreams of sessions a reload replaced, each serving what the carriers handed
+    /// over with them still serve until its task stops it ([`Core::retire_upstreams`]).
     pub retired: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Who may use the control socket: a reload changes it for new connections.
     pub control: Arc<RwLock<ControlConfig>>,
@@ -497,9 +497,9 @@ impl Core {
     async fn switch(self: &Arc<Self>, next: Next, fresh: bool) -> Result<bool, DaemonError> {
         let config = next.served.plan.config.clone();
         let new_bearer = fresh || self.served().plan.config.loopback != config.loopback;
-        self.hand_over_carriers().await;
+        let handed = self.hand_over_carriers().await;
         *self.session.write() = None;
-        self.retire_upstreams();
+        self.retire_upstreams(handed);
         std::mem::replace(&mut *self.relays.write(), CancellationToken::new()).cancel();
         *self.served.write() = Arc::new(next.served);
         self.settle(&config).await?;
@@ -592,27 +592,17 @@ impl Core {
         tokio::join!(current, futures_util::future::join_all(retired));
     }
 
-    /// A reload's end of the current session's upstreams: a call the handed-over carriers
-    /// are still finishing may be waiting on one, so they serve on and start no child
-    /// again ([`Upstreams::retire`]); they are stopped once no handed-over carrier serves
-    /// (a final stop finishes them all), or once the longest any call to them may take
-    /// has passed.
-    fn retire_upstreams(self: &Arc<Self>) {
+    /// A reload's end of the current session's upstreams: what the carriers handed over
+    /// with them still serve (within their drain, §4.6) may call them, so they serve on
+    /// ([`Upstreams::retire`]) until every one of those carriers has `ended`, and are
+    /// stopped then.
+    fn retire_upstreams(self: &Arc<Self>, ended: Vec<CancellationToken>) {
         let Some(upstreams) = self.upstreams.write().take() else {
             return;
         };
-        let deadline = tokio::time::Instant::now() + upstreams.retire();
-        let core = Arc::downgrade(self);
+        upstreams.retire();
         let task = tokio::spawn(async move {
-            while tokio::time::Instant::now() < deadline {
-                let serving = core
-                    .upgrade()
-                    .is_some_and(|c| c.handed.lock().iter().any(|h| !h.is_finished()));
-                if !serving {
-                    break;
-                }
-                tokio::time::sleep(RETIRED_POLL).await;
-            }
+            futures_util::future::join_all(ended.iter().map(CancellationToken::cancelled)).await;
             upstreams.stop().await;
         });
         let mut retired = self.retired.lock();
@@ -622,7 +612,8 @@ impl Core {
 
     /// The carriers' stop of a reload: they accept nothing more at once, and serve what
     /// they had accepted in the background (kept in `handed`, finished by a final stop).
-    async fn hand_over_carriers(&self) {
+    /// Returns what fires when each has ended.
+    async fn hand_over_carriers(&self) -> Vec<CancellationToken> {
         let served = self.served();
         let mut handed = Vec::new();
         if let Some(l) = &served.loopback {
@@ -631,9 +622,11 @@ impl Core {
         if let Some(r) = &served.remote {
             handed.extend(r.hand_over().await);
         }
+        let ended = handed.iter().map(crate::transport::Handed::ended).collect();
         let mut kept = self.handed.lock();
         kept.retain(|h| !h.is_finished());
         kept.extend(handed);
+        ended
     }
 
     /// Stop every carrier: the current ones and those a reload handed over.
@@ -664,10 +657,6 @@ impl Core {
         }
     }
 }
-
-/// How often a reload's retired upstreams look whether the carriers it handed over still
-/// serve.
-const RETIRED_POLL: Duration = Duration::from_millis(100);
 
 /// A reload's next state, ready to switch to.
 struct Next {

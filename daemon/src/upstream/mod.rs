@@ -148,20 +148,14 @@ impl Upstreams {
         self.list.iter().find(|u| u.config.name == name)
     }
 
-    /// Sets every upstream apart, for a reload: each keeps serving the calls under way on
-    /// its child or backend, starts no child again if that one ends, and leaves its
-    /// metrics to the upstream of the same name that replaces it. Returns the longest a
-    /// call to any of them may still take (connecting, then the call's own bound), after
-    /// which none is waited on.
-    pub fn retire(&self) -> Duration {
+    /// Sets every upstream apart, for a reload: each serves on what its old session
+    /// still serves (a shared child or backend its calls; a per-call upstream a child per
+    /// call), is not started again when its shared child or backend ends, and leaves its
+    /// metrics to the upstream of the same name that replaces it.
+    pub fn retire(&self) {
         for upstream in &self.list {
             upstream.retired.store(true, Ordering::Relaxed);
         }
-        self.list
-            .iter()
-            .map(|u| u.config.connect_timeout + u.config.call_timeout)
-            .max()
-            .unwrap_or_default()
     }
 
     /// Stops every upstream: children get SIGTERM, then SIGKILL after a grace.
@@ -453,6 +447,12 @@ impl Upstream {
                     Ended::Failed(why)
                 }
             };
+            if self.retired.load(Ordering::Relaxed) {
+                if let Ended::Failed(why) = ended {
+                    tracing::info!(upstream = %self.config.name, error = ?why, "a retired upstream (of the session a reload replaced) ended; it is not started again");
+                }
+                break;
+            }
             match ended {
                 Ended::Stopped => break,
                 Ended::Restart => {

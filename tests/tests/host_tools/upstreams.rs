@@ -1307,8 +1307,9 @@ async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
 
 /// A reload lets a call under way on a shared child finish (it was answered
 /// `outcome_unknown`, the child stopped under it): the handed-over carrier serves it on
-/// the old session's child, which starts no other and is stopped once the carrier is
-/// done; the new session has a child of its own, and `robota_mcpd_upstream_up` is its.
+/// the old session's child, which is not started again and is stopped once the carrier
+/// has ended; the new session has a child of its own, and `robota_mcpd_upstream_up` is
+/// its. A stop right after a reload gives such a call its drain too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
     let d = Daemon::start(&format!(
@@ -1351,7 +1352,20 @@ async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
         1.0,
         "{metrics}"
     );
-    client.close().await;
+    let sleeper = tokio::spawn(async move {
+        let outcome = client.call("rs.sleep", json!({"ms": 1500})).await;
+        client.close().await;
+        outcome
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.ctl_ok(&["reload"]);
+    d.signal(Signal::SIGTERM);
+    within(LIMIT, "the call under way at the stop", sleeper)
+        .await
+        .expect("the call's task")
+        .ok("a call under way across a reload and a stop");
+    assert!(d.wait_exit(LIMIT).is_some(), "the daemon did not stop");
+    assert!(!alive(new), "the stop left the retired child behind");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
