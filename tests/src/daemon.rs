@@ -356,6 +356,11 @@ impl Daemon {
         self.dir.path()
     }
 
+    /// The cgroup it was started in, as its unit's.
+    pub fn cgroup(&self) -> &Cgroup {
+        &self._cgroup
+    }
+
     pub fn config_path(&self) -> &Path {
         &self.config_path
     }

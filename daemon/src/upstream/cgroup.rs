@@ -73,8 +73,8 @@ const EMPTY_LIMIT: Duration = Duration::from_secs(2);
 
 impl Tree {
     /// Makes the daemon's cgroup (unified hierarchy) its own: it must hold no process but
-    /// the daemon; the daemon moves into `<own>/daemon`, what a former daemon left in
-    /// `<own>/upstreams` is killed, and the memory controller is enabled for the upstreams
+    /// the daemon, and no other daemon may be running in `<own>/daemon`; the daemon moves
+    /// into `<own>/daemon`, what a former daemon left in `<own>/upstreams` is killed, and the memory controller is enabled for the upstreams
     /// where it is delegated. Called once, at start, before anything is started.
     pub fn adopt() -> Result<Tree, String> {
         const HOW: &str = "run it under the packaged unit (Delegate=yes) or `systemd-run --scope -p Delegate=yes`";
@@ -91,6 +91,18 @@ impl Tree {
             ));
         }
         let daemon = own.join("daemon");
+        // A daemon already serving from this cgroup: its upstreams are its own, not
+        // leftovers to end (it holds the control socket, so this start fails there).
+        if let Some(other) = fs::read_to_string(daemon.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .find(|p| p.trim() != me.to_string())
+        {
+            return Err(format!(
+                "another process runs as the daemon of its cgroup {} (pid {other}); its upstreams are left alone",
+                own.display()
+            ));
+        }
         make_dir(&daemon)?;
         fs::write(daemon.join("cgroup.procs"), me.to_string()).map_err(|e| {
             format!(

@@ -1368,6 +1368,48 @@ async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
     assert!(!alive(new), "the stop left the retired child behind");
 }
 
+/// A second daemon started in a running one's cgroup (its unit's, by `docker exec` or by
+/// hand) fails at the control socket and leaves the running daemon's upstreams alone: it
+/// took them for a former daemon's leftovers and killed them first.
+#[test]
+fn a_second_daemon_in_the_cgroup_leaves_the_running_ones_upstreams_alone() {
+    let d = Daemon::start(&format!(
+        "[upstreams.rs]\ncommand = {}\n\n{}",
+        fixture_command(&["rmcp-stdio"]),
+        allow(&["rs"])
+    ));
+    wait_state(&d, "rs", "up");
+    let children = |d: &Daemon| {
+        let mut all = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{}/task", d.pid())).expect("tasks") {
+            let children = task.expect("task").path().join("children");
+            let text = std::fs::read_to_string(children).unwrap_or_default();
+            all.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+        all.sort_unstable();
+        all.retain(|&pid| alive(pid));
+        all
+    };
+    let before = children(&d);
+    assert!(!before.is_empty(), "the upstream's child");
+    let second = d
+        .cgroup()
+        .command(&robota_e2e::mcpd_bin())
+        .arg("--config")
+        .arg(d.config_path())
+        .current_dir(d.dir())
+        .output()
+        .expect("run a second daemon");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("another robota-mcpd holds"), "{stderr}");
+    assert_eq!(children(&d), before, "the running daemon's children");
+    assert_eq!(upstream(&d, "rs").restarts, 0, "{:?}", upstream(&d, "rs"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctl_upstreams_lists_and_restarts_and_a_daemon_restart_rebuilds_them() {
     let d = Daemon::start(&format!(
