@@ -1305,6 +1305,26 @@ async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
     client.close().await;
 }
 
+/// A daemon with our rmcp server as its shared stdio upstream `name`, up.
+fn shared_rmcp(name: &str) -> Daemon {
+    let d = Daemon::start(&format!(
+        "[upstreams.{name}]\ncommand = {}\n\n{}",
+        fixture_command(&["rmcp-stdio"]),
+        allow(&[name])
+    ));
+    wait_state(&d, name, "up");
+    d
+}
+
+/// `rs.sleep` for `ms` called by `client`, which is closed after its answer.
+fn sleeping(client: McpClient, ms: u64) -> tokio::task::JoinHandle<robota_e2e::mcp::ToolResult> {
+    tokio::spawn(async move {
+        let outcome = client.call("rs.sleep", json!({"ms": ms})).await;
+        client.close().await;
+        outcome
+    })
+}
+
 /// A reload lets a call under way on a shared child finish (it was answered
 /// `outcome_unknown`, the child stopped under it): the handed-over carrier serves it on
 /// the old session's child, which is not started again and is stopped once the carrier
@@ -1312,21 +1332,12 @@ async fn results_pass_through_whole_and_cancellation_reaches_the_upstream() {
 /// its. A stop right after a reload gives such a call its drain too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
-    let d = Daemon::start(&format!(
-        "[upstreams.rs]\ncommand = {}\n\n{}",
-        fixture_command(&["rmcp-stdio"]),
-        allow(&["rs"])
-    ));
-    wait_state(&d, "rs", "up");
+    let d = shared_rmcp("rs");
     let bearer = d.bearer();
     let pid_of = |v: Value| i32::try_from(v["pid"].as_u64().expect("a pid")).expect("a pid");
     let client = McpClient::connect(&d, &bearer).await;
     let old = pid_of(client.call("rs.pid", json!({})).await.ok("the child's pid"));
-    let sleeper = tokio::spawn(async move {
-        let outcome = client.call("rs.sleep", json!({"ms": 2000})).await;
-        client.close().await;
-        outcome
-    });
+    let sleeper = sleeping(client, 2000);
     tokio::time::sleep(Duration::from_millis(500)).await;
     d.ctl_ok(&["reload"]);
     within(LIMIT, "the call under way", sleeper)
@@ -1352,11 +1363,7 @@ async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
         1.0,
         "{metrics}"
     );
-    let sleeper = tokio::spawn(async move {
-        let outcome = client.call("rs.sleep", json!({"ms": 1500})).await;
-        client.close().await;
-        outcome
-    });
+    let sleeper = sleeping(client, 1500);
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.ctl_ok(&["reload"]);
     d.signal(Signal::SIGTERM);
@@ -1373,12 +1380,7 @@ async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
 /// took them for a former daemon's leftovers and killed them first.
 #[test]
 fn a_second_daemon_in_the_cgroup_leaves_the_running_ones_upstreams_alone() {
-    let d = Daemon::start(&format!(
-        "[upstreams.rs]\ncommand = {}\n\n{}",
-        fixture_command(&["rmcp-stdio"]),
-        allow(&["rs"])
-    ));
-    wait_state(&d, "rs", "up");
+    let d = shared_rmcp("rs");
     let children = |d: &Daemon| {
         let mut all = Vec::new();
         for task in std::fs::read_dir(format!("/proc/{}/task", d.pid())).expect("tasks") {
@@ -1412,12 +1414,7 @@ fn a_second_daemon_in_the_cgroup_leaves_the_running_ones_upstreams_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctl_upstreams_lists_and_restarts_and_a_daemon_restart_rebuilds_them() {
-    let d = Daemon::start(&format!(
-        "[upstreams.rm]\ncommand = {}\n\n{}",
-        fixture_command(&["rmcp-stdio"]),
-        allow(&["rm"])
-    ));
-    wait_state(&d, "rm", "up");
+    let d = shared_rmcp("rm");
     let human = d.ctl_ok(&["upstreams"]).stdout;
     for needle in ["UPSTREAM", "rm", "stdio (shared)", "up", "rm.echo"] {
         assert!(human.contains(needle), "{needle:?} in {human}");
