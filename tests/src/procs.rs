@@ -1,4 +1,5 @@
-//! Process inspection through `/proc`: liveness (zombies count as gone) and process groups.
+//! Process inspection through `/proc`: liveness (zombies count as gone), children and process
+//! groups.
 
 use std::path::Path;
 use std::time::Duration;
@@ -22,6 +23,24 @@ pub fn alive(pid: i32) -> bool {
 /// Process group of `pid`.
 pub fn pgid(pid: i32) -> Option<i32> {
     stat(pid).map(|(_, g)| g)
+}
+
+/// Live (non-zombie) children of `pid`, in order.
+pub fn children(pid: i32) -> Vec<i32> {
+    let mut out: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|text| {
+            text.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .filter(|&child| alive(child))
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// Live (non-zombie) members of process group `pgid`.

@@ -73,18 +73,18 @@ const EMPTY_LIMIT: Duration = Duration::from_secs(2);
 
 impl Tree {
     /// Makes the daemon's cgroup (unified hierarchy) its own: it must hold no process but
-    /// the daemon, and no other daemon may be running in `<own>/daemon`; the daemon moves
-    /// into `<own>/daemon`, what a former daemon left in `<own>/upstreams` is killed, and the memory controller is enabled for the upstreams
-    /// where it is delegated. Called once, at start, before anything is started.
+    /// the daemon, nor another daemon in `<own>/daemon`; the daemon moves into
+    /// `<own>/daemon`, what a former daemon left in `<own>/upstreams` is killed, and the
+    /// memory controller is enabled for the upstreams where it is delegated. Called once,
+    /// at start, before anything is started.
     pub fn adopt() -> Result<Tree, String> {
         const HOW: &str = "run it under the packaged unit (Delegate=yes) or `systemd-run --scope -p Delegate=yes`";
         let own = own_dir(None).map_err(|e| {
             format!("the kernel offers the daemon no cgroup of its own ({e}); {HOW}")
         })?;
-        let me = std::process::id();
         let procs = fs::read_to_string(own.join("cgroup.procs"))
             .map_err(|e| format!("cannot read {}: {e}", own.join("cgroup.procs").display()))?;
-        if let Some(other) = procs.lines().find(|p| p.trim() != me.to_string()) {
+        if let Some(other) = not_mine(&procs) {
             return Err(format!(
                 "its cgroup {} holds a process it did not start (pid {other}), so it cannot bound and end its upstreams' process trees; {HOW}",
                 own.display()
@@ -93,10 +93,8 @@ impl Tree {
         let daemon = own.join("daemon");
         // A daemon already serving from this cgroup: its upstreams are its own, not
         // leftovers to end (it holds the control socket, so this start fails there).
-        if let Some(other) = fs::read_to_string(daemon.join("cgroup.procs"))
-            .unwrap_or_default()
-            .lines()
-            .find(|p| p.trim() != me.to_string())
+        if let Some(other) =
+            not_mine(&fs::read_to_string(daemon.join("cgroup.procs")).unwrap_or_default())
         {
             return Err(format!(
                 "another process runs as the daemon of its cgroup {} (pid {other}); its upstreams are left alone",
@@ -104,7 +102,7 @@ impl Tree {
             ));
         }
         make_dir(&daemon)?;
-        fs::write(daemon.join("cgroup.procs"), me.to_string()).map_err(|e| {
+        fs::write(daemon.join("cgroup.procs"), std::process::id().to_string()).map_err(|e| {
             format!(
                 "cannot move the daemon into {} ({e}): its cgroup is not delegated to it; {HOW}",
                 daemon.display()
@@ -237,6 +235,12 @@ impl Leaf {
         let dir = self.dir.clone();
         let _ = tokio::task::spawn_blocking(move || end_tree(&dir)).await;
     }
+}
+
+/// A process of a `cgroup.procs` listing other than this one.
+fn not_mine(procs: &str) -> Option<&str> {
+    let me = std::process::id().to_string();
+    procs.lines().map(str::trim).find(|p| *p != me)
 }
 
 /// In the launcher, before anything else: this process joins each cgroup in `dirs`.

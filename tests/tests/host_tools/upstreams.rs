@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use robota_e2e::mcp::McpClient;
-use robota_e2e::procs::{alive, peak_rss_kib};
+use robota_e2e::procs::{alive, children, peak_rss_kib};
 use robota_e2e::upstream::{
     HttpServer, fixture_command, read_paths_with, sdk_stdio_argv, sdk_stdio_command, toml_array,
 };
@@ -1381,21 +1381,7 @@ async fn a_reload_lets_a_call_under_way_on_a_shared_child_finish() {
 #[test]
 fn a_second_daemon_in_the_cgroup_leaves_the_running_ones_upstreams_alone() {
     let d = shared_rmcp("rs");
-    let children = |d: &Daemon| {
-        let mut all = Vec::new();
-        for task in std::fs::read_dir(format!("/proc/{}/task", d.pid())).expect("tasks") {
-            let children = task.expect("task").path().join("children");
-            let text = std::fs::read_to_string(children).unwrap_or_default();
-            all.extend(
-                text.split_whitespace()
-                    .filter_map(|p| p.parse::<i32>().ok()),
-            );
-        }
-        all.sort_unstable();
-        all.retain(|&pid| alive(pid));
-        all
-    };
-    let before = children(&d);
+    let before = children(d.pid());
     assert!(!before.is_empty(), "the upstream's child");
     let second = d
         .cgroup()
@@ -1408,7 +1394,7 @@ fn a_second_daemon_in_the_cgroup_leaves_the_running_ones_upstreams_alone() {
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert_eq!(second.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("another robota-mcpd holds"), "{stderr}");
-    assert_eq!(children(&d), before, "the running daemon's children");
+    assert_eq!(children(d.pid()), before, "the running daemon's children");
     assert_eq!(upstream(&d, "rs").restarts, 0, "{:?}", upstream(&d, "rs"));
 }
 
