@@ -433,6 +433,26 @@ pub async fn try_exchange_from(
     exchange_on(Conn::connect_from(from, addr), req).await
 }
 
+/// [`try_exchange_from`] on a thread and runtime of its own, as from another machine: a
+/// client measured under a flood this test's own tasks send. Sharing their runtime, it
+/// would wait behind them between its handshake and its request — tens of milliseconds
+/// under load, silent, which is what a full listener closes first.
+pub async fn try_exchange_apart(
+    from: std::net::IpAddr,
+    addr: SocketAddr,
+    req: &Request,
+) -> io::Result<Response> {
+    let req = req.clone();
+    tokio::task::spawn_blocking(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(try_exchange_from(from, addr, &req))
+    })
+    .await
+    .map_err(io::Error::other)?
+}
+
 /// `req` on the connection `connect` makes, and the whole response, within
 /// [`EXCHANGE_LIMIT`].
 async fn exchange_on(

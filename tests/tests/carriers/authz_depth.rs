@@ -689,13 +689,14 @@ impl Drop for Flood {
     }
 }
 
-/// Ten `tools/list` calls with `jwt`, each on a new connection from 127.0.0.3: those not
-/// answered 200 within 1 s.
+/// Ten `tools/list` calls with `jwt`, each on a new connection from 127.0.0.3 sent apart
+/// from the flood's runtime ([`robota_e2e::http::try_exchange_apart`]): those not answered
+/// 200 within 1 s.
 async fn slow_jwt_calls(d: &Daemon, jwt: &str) -> Vec<String> {
     let mut slow = Vec::new();
     for i in 0..10 {
         let started = std::time::Instant::now();
-        let resp = robota_e2e::http::try_exchange_from(
+        let resp = robota_e2e::http::try_exchange_apart(
             [127, 0, 0, 3].into(),
             d.remote_addr(),
             &remote_mcp(Some(jwt), &tools_list(i)),
@@ -716,7 +717,7 @@ async fn slow_jwt_calls(d: &Daemon, jwt: &str) -> Vec<String> {
 /// A valid opaque token nobody has introspected yet, from 127.0.0.7: the answer.
 async fn fresh_opaque_call(oidc: &Oidc, d: &Daemon) -> Response {
     let fresh = token(oidc, d, OPAQUE_CLIENT, "mcp").await;
-    robota_e2e::http::try_exchange_from(
+    robota_e2e::http::try_exchange_apart(
         [127, 0, 0, 7].into(),
         d.remote_addr(),
         &remote_mcp(Some(&fresh), &tools_list(99)),
@@ -813,7 +814,7 @@ async fn floods_from_many_addresses_holding_one_connection_each_shut_nobody_out(
     // issuer still holds the requests the first flood left with it: up to 5 s each.)
     let give_up = std::time::Instant::now() + Duration::from_secs(15);
     let stale = loop {
-        let stale = robota_e2e::http::try_exchange_from(
+        let stale = robota_e2e::http::try_exchange_apart(
             [127, 0, 0, 7].into(),
             d.remote_addr(),
             &remote_mcp(Some(&random_opaque()), &tools_list(98)),
@@ -902,7 +903,7 @@ async fn churning_flood_lets_a_fresh_opaque_token_in(slots: Option<usize>, addre
         let attempt = std::time::Instant::now();
         let resp = tokio::time::timeout(
             Duration::from_secs(8),
-            robota_e2e::http::try_exchange_from(
+            robota_e2e::http::try_exchange_apart(
                 [127, 0, 0, 7].into(),
                 d.remote_addr(),
                 &remote_mcp(Some(&fresh), &tools_list(99)),
