@@ -57,9 +57,9 @@ impl Handed {
         self.ended.clone()
     }
 
-    /// Whether it has served everything it had.
+    /// Whether it has [ended](Self::ended).
     pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+        self.ended.is_cancelled()
     }
 
     /// Close what is idle, wait (bounded by [`STOP_BOUND`]) for what is under way.

@@ -293,7 +293,7 @@ impl DaemonBuilder {
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
         Daemon {
-            _cgroup: cgroup,
+            cgroup,
             socket: run.join("control.sock"),
             state_dir: state,
             dir,
@@ -320,9 +320,9 @@ impl DaemonBuilder {
 }
 
 pub struct Daemon {
-    /// Held only to be dropped — killed and removed — after the daemon has exited (its
-    /// fields go after [`Drop::drop`]).
-    _cgroup: Cgroup,
+    /// Its unit's cgroup, killed and removed when dropped — after the daemon has exited
+    /// (its fields go after [`Drop::drop`]).
+    cgroup: Cgroup,
     dir: TempDir,
     child: Mutex<Child>,
     exit: Mutex<Option<ExitStatus>>,
@@ -358,7 +358,7 @@ impl Daemon {
 
     /// The cgroup it was started in, as its unit's.
     pub fn cgroup(&self) -> &Cgroup {
-        &self._cgroup
+        &self.cgroup
     }
 
     pub fn config_path(&self) -> &Path {
